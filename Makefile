@@ -1,0 +1,36 @@
+# spark-stretch: everything a fresh machine needs, from a clean clone.
+#   make demo   set up (venv, packages, shim jar, Delta jars) and run the demo
+#   make test   set up and run the default test suite
+#   make bench  set up and run the benchmarks (not part of the tests)
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+export SPARK_LOCAL_IP ?= 127.0.0.1
+export PYSPARK_PYTHON := $(abspath $(PY))
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m spark_stretch.spark.shim
+	touch $@
+
+demo: setup
+	$(PY) examples/quickstart_delta.py
+
+test: setup
+	$(PY) -m pytest -q -W ignore::FutureWarning
+
+test-slow: setup
+	$(PY) -m pytest -q -W ignore::FutureWarning -m slow
+
+bench: setup
+	$(PY) python/bench/shim.py
+	$(PY) python/bench/engine.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

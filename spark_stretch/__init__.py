@@ -1,0 +1,16 @@
+"""spark-stretch: STRETCH's virtual shared-nothing (VSN) elastic stateful operators for Spark.
+
+Set-up::
+
+    import spark_stretch
+    spark = spark_stretch.session()                       # local Spark + Delta + the shim
+    # or, with your own builder:
+    spark = spark_stretch.configure_spark_with_stretch(SparkSession.builder).getOrCreate()
+"""
+
+from .spark.receiver import Receiver
+from .spark.session import configure_spark_with_stretch, session
+
+__version__ = "0.1.0"
+
+__all__ = ["Receiver", "configure_spark_with_stretch", "session", "__version__"]

@@ -1,0 +1,1 @@
+"""Built-in O+ operators (aggregations, joins, examples from the STRETCH papers)."""

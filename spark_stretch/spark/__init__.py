@@ -1,0 +1,1 @@
+"""Spark side: session set-up, the shim bridge and the streaming API."""

@@ -1,0 +1,91 @@
+"""Shared fixtures: one local[2] session for the Spark tests, and a leak check at the end.
+
+The leak check fails the run if a Spark JVM started by this process, or a receiver socket
+directory, outlives the tests.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ["PYSPARK_PYTHON"] = sys.executable
+
+_TMP = tempfile.gettempdir()
+_BEFORE = set(glob.glob(os.path.join(_TMP, "stretch-*")))
+
+
+def _child_jvms(pid: int) -> list:
+    """Java processes descending from ``pid`` (read from /proc, no psutil needed)."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.split("/")[2])] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+
+    def descends(p):
+        while p > 1:
+            p = parents.get(p, 0)
+            if p == pid:
+                return True
+        return False
+
+    out = []
+    for p in parents:
+        if descends(p):
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "java" in cmd.split(" ", 1)[0]:
+                out.append((p, cmd[:200]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def spark():
+    import spark_stretch
+
+    session = spark_stretch.session(app_name="spark-stretch tests")
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def receiver():
+    import spark_stretch
+
+    with spark_stretch.Receiver() as r:
+        yield r
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Stop the gateway JVM too (pyspark keeps it for the life of the process otherwise).
+    from pyspark import SparkContext
+
+    if SparkContext._gateway is not None:
+        SparkContext._gateway.shutdown()
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+    deadline = time.time() + 30
+    while _child_jvms(os.getpid()) and time.time() < deadline:
+        time.sleep(0.5)
+    leaks = [f"JVM {p}: {c}" for p, c in _child_jvms(os.getpid())]
+    leaks += [f"temp dir {d}" for d in set(glob.glob(os.path.join(_TMP, "stretch-*"))) - _BEFORE]
+    if leaks:
+        print("\nLEAKED after the tests:\n  " + "\n  ".join(leaks), file=sys.stderr)
+        session.exitstatus = 1

@@ -1,0 +1,25 @@
+"""The shim with two executor JVMs on one host (local-cluster[2,1,1024]), in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+
+def test_two_executor_jvms_share_one_receiver():
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cluster_job.py"))],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["executors"] == 2
+    # Both executor JVMs wrote their partitions to the one host receiver, none is the driver.
+    assert len(result["writer_pids"]) == 2
