@@ -8,9 +8,14 @@ Set-up::
     spark = spark_stretch.configure_spark_with_stretch(SparkSession.builder).getOrCreate()
 """
 
+from .spark.api import StretchAggregation, StretchQuery, _install, stretch_aggregate
 from .spark.receiver import Receiver
 from .spark.session import configure_spark_with_stretch, session
+from .spark.spec import pairs
+
+_install()  # df.stretchAggregate(...)
 
 __version__ = "0.1.0"
 
-__all__ = ["Receiver", "configure_spark_with_stretch", "session", "__version__"]
+__all__ = ["Receiver", "StretchAggregation", "StretchQuery", "configure_spark_with_stretch", "pairs",
+           "session", "stretch_aggregate", "__version__"]

@@ -1,4 +1,4 @@
-"""Shared fixtures: one local[2] session for the Spark tests, and a leak check at the end.
+"""Run-wide checks: the environment Spark needs, and a leak check at the end.
 
 The leak check fails the run if a Spark JVM started by this process, or a receiver socket
 directory, outlives the tests.
@@ -12,8 +12,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import pytest
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -51,29 +49,10 @@ def _child_jvms(pid: int) -> list:
     return out
 
 
-@pytest.fixture(scope="session")
-def spark():
-    import spark_stretch
-
-    session = spark_stretch.session(app_name="spark-stretch tests")
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
-
-
-@pytest.fixture
-def receiver():
-    import spark_stretch
-
-    with spark_stretch.Receiver() as r:
-        yield r
-
-
 def pytest_sessionfinish(session, exitstatus):
     # Stop the gateway JVM too (pyspark keeps it for the life of the process otherwise).
-    from pyspark import SparkContext
-
-    if SparkContext._gateway is not None:
+    SparkContext = getattr(sys.modules.get("pyspark"), "SparkContext", None)
+    if SparkContext is not None and SparkContext._gateway is not None:
         SparkContext._gateway.shutdown()
         proc = getattr(SparkContext._gateway, "proc", None)
         if proc is not None:

@@ -1,1 +1,23 @@
-"""The VSN engine: ESG, shared buckets, owner map, epochs and O+ operators. No Spark import here."""
+"""The VSN engine: ESG, shared buckets, owner map, epochs and O+ operators. No Spark import here.
+
+Public API::
+
+    Engine(op, m, n, n_buckets=1024, esg_in=None, threads=True)  # setup(O+, m, n) as an object
+    setup(op, m, n, esg_in=None, **kw) -> (esg_in, esg_out)     # the paper's setup; esg_out.engine is the Engine
+    reconfigure(esg, m=None, instances=None, owner_map=None) -> epoch
+    SNEngine(...)                                                 # shared-nothing baseline, same API
+    JoinEngine(...) / JoinOperator                                # I = 2 joins over a per-bucket tuple store
+    ESG, Segment, Control, ListColumn, Interner, Operator, EngineError
+"""
+from .errors import EngineError
+from .esg import ESG, Control, ListColumn, Segment, to_arrow
+from .operator import Operator
+from .reference import reference_run
+from .runtime import Engine, engine_class, reconfigure, setup
+from .sn import SNEngine
+from .store import JoinEngine, JoinOperator
+from .state import BucketState, Interner, balanced_owner_map
+
+__all__ = ["Engine", "SNEngine", "JoinEngine", "JoinOperator", "engine_class", "setup", "reconfigure", "ESG", "Segment", "Control", "ListColumn",
+           "Interner", "Operator", "EngineError", "BucketState", "balanced_owner_map", "reference_run",
+           "to_arrow"]

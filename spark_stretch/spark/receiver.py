@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pyarrow as pa
 
-__all__ = ["Receiver"]
+__all__ = ["Receiver", "request"]
 
 _LEN = struct.Struct(">i")
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid of the peer
@@ -51,6 +51,31 @@ def _write_frame(f, obj: dict) -> None:
     body = json.dumps(obj).encode()
     f.write(_LEN.pack(len(body)) + body)
     f.flush()
+
+
+def request(socket_path: str, header: dict, timeout: float = 120.0) -> dict:
+    """Send one control request to a receiver and return its reply (raising its error).
+
+    Raises
+    ------
+    ConnectionError
+        The receiver is gone (its process died or was stopped) or did not answer in time.
+    RuntimeError
+        The receiver answered with an error.
+    """
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(socket_path)
+            with s.makefile("rwb") as f:
+                _write_frame(f, header)
+                reply = _read_frame(f)
+    except (OSError, ConnectionError, ValueError) as e:
+        raise ConnectionError(f"stretch engine at '{socket_path}' is unreachable or did not answer "
+                              f"'{header.get('op')}' ({type(e).__name__}: {e})") from e
+    if not reply.get("ok"):
+        raise RuntimeError(reply.get("error", "unknown error"))
+    return reply
 
 
 def _spark_compatible(table: pa.Table) -> pa.Table:
@@ -106,6 +131,8 @@ class _Handler(socketserver.StreamRequestHandler):
                 self.wfile.flush()
             elif op == "ping":
                 _write_frame(self.wfile, {"ok": True, "pid": os.getpid()})
+            elif op in receiver._ops:
+                _write_frame(self.wfile, {"ok": True, **(receiver._ops[op](header) or {})})
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as e:  # the JVM side raises this text as an IOException
@@ -169,6 +196,7 @@ class Receiver:
         self._schemas: Dict[Tuple[str, str], pa.Schema] = {}
         self._committed: Dict[str, List[pa.Table]] = defaultdict(list)
         self._offers: Dict[str, pa.Table] = {}
+        self._ops: Dict[str, Callable[[dict], Optional[dict]]] = {}
         self.jobs_committed = 0
         #: pids of the processes (executor JVMs) that wrote to this receiver
         self.writer_pids: set = set()
@@ -200,6 +228,12 @@ class Receiver:
             raise TypeError(f"offer() needs a pyarrow Table or RecordBatch, got {type(data).__name__}")
         with self._lock:
             self._offers[stream] = _spark_compatible(data)
+
+    def register(self, op: str, handler: Callable[[dict], Optional[dict]]) -> None:
+        """Serve control requests ``{"op": op, ...}`` with ``handler(header) -> dict`` (the reply)."""
+        if op in ("write", "commit", "abort", "schema", "read", "ping"):
+            raise ValueError(f"op '{op}' is part of the data protocol")
+        self._ops[op] = handler
 
     def take(self, stream: str) -> Optional[pa.Table]:
         """Remove and return everything committed on ``stream`` so far (None if nothing)."""

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,13 @@ import pytest
 pytestmark = pytest.mark.cluster
 
 
+def _java_pids() -> set:
+    out = subprocess.run(["pgrep", "-f", "java"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
 def test_two_executor_jvms_share_one_receiver():
+    before = _java_pids()
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cluster_job.py"))],
                           capture_output=True, text=True, timeout=600, env=env)
@@ -23,3 +30,8 @@ def test_two_executor_jvms_share_one_receiver():
     assert result["executors"] == 2
     # Both executor JVMs wrote their partitions to the one host receiver, none is the driver.
     assert len(result["writer_pids"]) == 2
+    # The driver, master, worker and executor JVMs of the job all end with it.
+    deadline = time.time() + 60
+    while _java_pids() - before and time.time() < deadline:
+        time.sleep(1)
+    assert not _java_pids() - before, "JVMs outlived the local-cluster job"

@@ -1,0 +1,450 @@
+"""Jitted hot loops of the VSN engine (``numba.njit(nogil=True)``).
+
+One kernel body, :func:`_agg_kernel_py`, runs Alg. 4 (processVSN) for one instance over one ready
+segment of ESG_in: for every tuple it computes the keys with ``f_MK``, and for each key whose bucket the
+instance owns it fires the expired window instances of that bucket and then creates/updates the window
+instances the tuple falls in with ``f_U``. At the end of the segment it fires every owned bucket whose
+earliest window ends at or before the segment watermark (``f_O``, then ``f_S`` or removal).
+
+The kernel reaches the operator functions through the module globals ``_MK``, ``_UPD``, ``_OUT`` and
+``_SLIDE``. The module-level compilation (``agg_kernel``) binds them to the built-in dispatchers below and
+is cached on disk; :func:`specialize` makes an uncached copy bound to user numba functions.
+
+State layout (see :mod:`spark_stretch.engine.state`): per bucket ``b`` an open-addressing table of
+``cap`` slots, one int64 record per slot ``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (one
+cache line per probe) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live slots, ``bminl[b]``
+earliest window start, ``dirty[b]`` "modified since last checkpoint". Keys are compared in full (key
+and window start), so there are no hash-collision mistakes.
+
+The kernels never block: when a bucket is full (``NEED_GROW``) or the instance's output block is full
+(``NEED_OUT``) they store a resume position in ``resume`` and return; the runtime grows the arrays and
+calls again. Every step before the resume position is applied exactly once.
+"""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+from numba import njit
+
+EMPTY = np.iinfo(np.int64).min  # window start of a free slot
+NO_L = np.iinfo(np.int64).max  # bminl of an empty bucket
+
+DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF = 0, 1, 2, 3
+
+# window kinds
+W_NONE, W_MULTI, W_SINGLE = 0, 1, 2
+
+# built-in f_MK kinds (ip[stream * 4 + 0]); parameter in ip[stream * 4 + 1]
+MK_LIST, MK_PAIRS, MK_RANGE, MK_NONE = 0, 1, 2, 3
+# built-in aggregates (ip[stream * 4 + 2])
+AGG_COUNT, AGG_SUM_I, AGG_SUM_F, AGG_MIN_I, AGG_MIN_F, AGG_MAX_I, AGG_MAX_F, AGG_MEAN = range(8)
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+HOT = dict(nogil=True, cache=True, inline="always")  # hot helpers: inlined at numba IR level
+
+
+@njit(**HOT)
+def mix64(x):
+    """splitmix64 finaliser of an int64 (as uint64)."""
+    z = np.uint64(x) + _GOLD
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(**HOT)
+def _bucket_h(h, nb):
+    return np.int64(((h >> np.uint64(32)) * np.uint64(nb)) >> np.uint64(32))
+
+
+@njit(**HOT)
+def bucket_of(key, nb):
+    """Bucket of a key: ``((mix64(key) >> 32) * B) >> 32`` (B buckets). All windows of a key share it."""
+    return _bucket_h(mix64(key), nb)
+
+
+@njit(nogil=True, cache=True)
+def buckets_of(keys, nb):
+    out = np.empty(keys.shape[0], np.int64)
+    for i in range(keys.shape[0]):
+        out[i] = bucket_of(keys[i], nb)
+    return out
+
+
+@njit(**HOT)
+def _slot0(h, l, mask):
+    """First slot of window (key, l) in its bucket: low bits of mix64(key) xor a multiple of l."""
+    return np.int64((h ^ (np.uint64(l) * _GOLD)) & np.uint64(mask))
+
+
+@njit(**HOT)
+def find_or_insert(b, h, key, l, rec, acc_f, bcount, bminl, init_i, init_f):
+    """Slot of window ``(key, l)`` in bucket ``b`` (``h = mix64(key)``); created with the initial state
+    if absent; -1 if the bucket is full (load factor 1/2)."""
+    cap = rec.shape[1]
+    mask = cap - 1
+    s = _slot0(h, l, mask)
+    while True:
+        cur = rec[b, s, 1]
+        if cur == EMPTY:
+            break
+        if cur == l and rec[b, s, 0] == key:
+            return s
+        s = (s + 1) & mask
+    if (bcount[b] + 1) * 2 > cap:
+        return -1
+    rec[b, s, 0] = key
+    rec[b, s, 1] = l
+    for q in range(init_i.shape[0]):
+        rec[b, s, 2 + q] = init_i[q]
+    for q in range(init_f.shape[0]):
+        acc_f[b, s, q] = init_f[q]
+    bcount[b] += 1
+    if l < bminl[b]:
+        bminl[b] = l
+    return s
+
+
+@njit(nogil=True, cache=True)
+def _reinsert(b, r, af, rec, acc_f):
+    mask = rec.shape[1] - 1
+    s = _slot0(mix64(r[0]), r[1], mask)
+    while rec[b, s, 1] != EMPTY:
+        s = (s + 1) & mask
+    rec[b, s, :] = r
+    acc_f[b, s, :] = af
+
+
+@njit(nogil=True, cache=True)
+def rebuild_bucket(b, rec, acc_f, bcount, bminl):
+    """Re-pack bucket ``b`` after removals / window shifts (its own slots only)."""
+    n = bcount[b]
+    rr = np.empty((n, rec.shape[2]), np.int64)
+    ff = np.empty((n, acc_f.shape[2]), np.float64)
+    c = 0
+    for s in range(rec.shape[1]):
+        if rec[b, s, 1] != EMPTY:
+            rr[c, :] = rec[b, s, :]
+            ff[c, :] = acc_f[b, s, :]
+            c += 1
+            rec[b, s, 1] = EMPTY
+    mn = NO_L
+    for q in range(c):
+        _reinsert(b, rr[q], ff[q], rec, acc_f)
+        if rr[q, 1] < mn:
+            mn = rr[q, 1]
+    bcount[b] = c
+    bminl[b] = mn
+
+
+@njit(nogil=True, cache=True)
+def rehash_into(rec, acc_f, nrec, nacc_f):
+    """Copy every live slot of the old tables into the (larger, empty) new ones. Used by ``grow``."""
+    for b in range(rec.shape[0]):
+        for s in range(rec.shape[1]):
+            if rec[b, s, 1] != EMPTY:
+                _reinsert(b, rec[b, s], acc_f[b, s], nrec, nacc_f)
+
+
+# ----------------------------------------------------------------------------------------------
+# built-in operator functions (f_MK, f_U, f_O, f_S), selected by the integer parameters ``ip``
+# builtin column layout per stream: (key_offsets int64, key_values int64, value_f float64, value_i int64)
+
+
+@njit(**HOT)
+def _mk_builtin(stream, cols0, cols1, row, out, ip):
+    kind = ip[stream * 4]
+    param = ip[stream * 4 + 1]
+    if stream == 0:
+        return _mk_one(cols0[0], cols0[1], row, out, kind, param)
+    return _mk_one(cols1[0], cols1[1], row, out, kind, param)
+
+
+@njit(**HOT)
+def _mk_one(off, vals, row, out, kind, param):
+    a = off[row]
+    e = off[row + 1]
+    n = 0
+    cap = out.shape[0]
+    if kind == MK_LIST:
+        for p in range(a, e):
+            if n < cap:
+                out[n] = vals[p]
+            n += 1
+    elif kind == MK_PAIRS:
+        for p in range(a, e):
+            hi = min(e, p + 1 + param)
+            for q in range(p + 1, hi):
+                if n < cap:
+                    out[n] = (vals[p] << 32) | vals[q]
+                n += 1
+    elif kind == MK_RANGE:
+        for k in range(param):
+            if n < cap:
+                out[n] = k
+            n += 1
+    return n
+
+
+@njit(**HOT)
+def _val_builtin(stream, cols0, cols1, row, ip):
+    """The tuple's value for the aggregate (read once per tuple, not once per key)."""
+    kind = ip[stream * 4 + 2]
+    if kind == AGG_COUNT:
+        return 0, 0.0
+    if kind == AGG_SUM_I or kind == AGG_MIN_I or kind == AGG_MAX_I:
+        return (cols0[3][row] if stream == 0 else cols1[3][row]), 0.0
+    return 0, (cols0[2][row] if stream == 0 else cols1[2][row])
+
+
+@njit(**HOT)
+def _upd_builtin(stream, cols0, cols1, row, vi, vf, key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
+    kind = ip[stream * 4 + 2]
+    if kind == AGG_COUNT:
+        rec[b, s, 2] += 1
+    elif kind == AGG_SUM_I:
+        rec[b, s, 2] += vi
+    elif kind == AGG_SUM_F:
+        acc_f[b, s, 0] += vf
+    elif kind == AGG_MIN_I:
+        if vi < rec[b, s, 2]:
+            rec[b, s, 2] = vi
+    elif kind == AGG_MAX_I:
+        if vi > rec[b, s, 2]:
+            rec[b, s, 2] = vi
+    elif kind == AGG_MIN_F:
+        if vf < acc_f[b, s, 0]:
+            acc_f[b, s, 0] = vf
+    elif kind == AGG_MAX_F:
+        if vf > acc_f[b, s, 0]:
+            acc_f[b, s, 0] = vf
+    elif kind == AGG_MEAN:
+        acc_f[b, s, 0] += vf
+        rec[b, s, 2] += 1
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def _out_builtin(key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
+    kind = ip[2]
+    if kind == AGG_MEAN:
+        of[p, 0] = acc_f[b, s, 0] / rec[b, s, 2]
+        oi[p, 0] = rec[b, s, 2]
+    elif kind == AGG_SUM_F or kind == AGG_MIN_F or kind == AGG_MAX_F:
+        of[p, 0] = acc_f[b, s, 0]
+        oi[p, 0] = 0
+    else:
+        oi[p, 0] = rec[b, s, 2]
+        of[p, 0] = 0.0
+    return 1
+
+
+@njit(nogil=True, cache=True)
+def _slide_builtin(rec, acc_f, b, s, ip, fp):
+    return False
+
+
+@njit(nogil=True, cache=True)
+def _val_none(stream, cols0, cols1, row, ip):
+    return 0, 0.0
+
+
+_MK = _mk_builtin
+_VAL = _val_builtin
+_UPD = _upd_builtin
+_OUT = _out_builtin
+_SLIDE = _slide_builtin
+
+
+# ----------------------------------------------------------------------------------------------
+# the generic kernel bodies (plain Python functions; compiled below and by ``specialize``)
+
+
+def _fire_bucket_py(b, W, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
+                    o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
+    """Emit every window of bucket ``b`` with ``l + WS <= W`` (f_O), then slide (f_S) or remove it.
+
+    Returns False when the output block filled up (the bucket stays consistent; call again).
+    """
+    cap_out = o_ts.shape[0]
+    changed = False
+    ok = True
+    for s in range(rec.shape[1]):
+        l = rec[b, s, 1]
+        if l == EMPTY or l + WS > W:
+            continue
+        key = rec[b, s, 0]
+        while True:
+            p = opos[0]
+            if p + max_out_fire > cap_out:
+                ok = False
+                break
+            n = _OUT(key, l, rec, acc_f, b, s, o_i, o_f, p, ip, fp)
+            for r in range(n):
+                o_ts[p + r] = l + WS
+                o_key[p + r] = key
+                o_l[p + r] = l
+                o_seq[p + r] = -1
+                o_sub[p + r] = r
+            opos[0] = p + n
+            changed = True
+            if wkind == 2 and _SLIDE(rec, acc_f, b, s, ip, fp):
+                l += WA
+                rec[b, s, 1] = l  # the table is rebuilt below (the slot hash includes l)
+                if l + WS <= W:
+                    continue
+            else:
+                rec[b, s, 1] = EMPTY
+                bcount[b] -= 1
+            break
+        if not ok:
+            break
+    if changed:
+        dirty[b] = 1
+        rebuild_bucket(b, rec, acc_f, bcount, bminl)
+    return ok
+
+
+def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
+                   ts, stream, row, seq, cols0, cols1, ip, fp,
+                   rec, acc_f, bcount, bminl, dirty, init_i, init_f,
+                   o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos,
+                   resume, keybuf, max_out_upd, max_out_fire):
+    """processVSN (Alg. 4) of instance ``j`` over one ready segment; see the module docstring."""
+    nb = rec.shape[0]
+    cap_out = o_ts.shape[0]
+    phase = resume[0]
+    if phase == 0:
+        i0 = resume[1]
+        for i in range(i0, ts.shape[0]):
+            t = ts[i]
+            wt = w_prev if w_prev > t else t  # implicit watermark at t: every ts < t is final
+            nk = _MK(stream[i], cols0, cols1, row[i], keybuf, ip)
+            if nk > keybuf.shape[0]:
+                resume[1] = i
+                resume[2] = nk
+                return 3
+            vi, vf = _VAL(stream[i], cols0, cols1, row[i], ip)
+            k0 = resume[2] if i == i0 else 0
+            if wkind == 0:
+                lf = 0
+                nw = 1
+            else:
+                # earliest window start with l + WS > wt (>= t): a straggler (t < w_prev, admitted
+                # by per-window lateness) must not reopen a window that was already emitted
+                lf = ((wt - WS) // WA + 1) * WA
+                nw = t // WA - lf // WA + 1
+                if nw < 0:
+                    nw = 0
+                elif wkind == 2 and nw > 1:
+                    nw = 1
+            for ki in range(k0, nk):
+                key = keybuf[ki]
+                h = mix64(key)
+                b = _bucket_h(h, nb)
+                if owner[b] != j:
+                    continue
+                if wkind != 0 and bminl[b] <= wt - WS:
+                    if not _fire_bucket(b, wt, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
+                                        o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
+                        resume[1] = i
+                        resume[2] = ki
+                        resume[3] = 0
+                        return 2
+                w0 = resume[3] if (i == i0 and ki == k0) else 0
+                for wi in range(w0, nw):
+                    l = lf + wi * WA
+                    s = find_or_insert(b, h, key, l, rec, acc_f, bcount, bminl, init_i, init_f)
+                    p = opos[0]
+                    if s < 0 or p + max_out_upd > cap_out:
+                        resume[1] = i
+                        resume[2] = ki
+                        resume[3] = wi
+                        return 1 if s < 0 else 2
+                    n = _UPD(stream[i], cols0, cols1, row[i], vi, vf, key, l, rec, acc_f, b, s, o_i, o_f, p, ip, fp)
+                    for r in range(n):
+                        o_ts[p + r] = t
+                        o_key[p + r] = key
+                        o_l[p + r] = l if wkind != 0 else -1
+                        o_seq[p + r] = seq[i]
+                        o_sub[p + r] = r
+                    opos[0] = p + n
+                if dirty[b] == 0:  # write once: no cache-line ping-pong between instances
+                    dirty[b] = 1
+            resume[2] = 0
+            resume[3] = 0
+        resume[0] = 1
+        resume[1] = 0
+    if wkind != 0:
+        for b in range(resume[1], nb):
+            if owner[b] == j and bcount[b] > 0 and bminl[b] <= w_seg - WS:
+                if not _fire_bucket(b, w_seg, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
+                                    o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
+                    resume[1] = b
+                    return 2
+    resume[0] = 2
+    return 0
+
+
+def _route_py(j, owner, ts, stream, row, cols0, cols1, ip, keybuf):
+    """forwardSN (Alg. 1) seen from instance ``j``: indices of the tuples with a key ``j`` owns."""
+    nb = owner.shape[0]
+    sel = np.empty(ts.shape[0], np.int64)
+    c = 0
+    for i in range(ts.shape[0]):
+        nk = _MK(stream[i], cols0, cols1, row[i], keybuf, ip)
+        for ki in range(min(nk, keybuf.shape[0])):
+            if owner[bucket_of(keybuf[ki], nb)] == j:
+                sel[c] = i
+                c += 1
+                break
+    return sel[:c]
+
+
+_fire_bucket = njit(nogil=True, cache=True)(_fire_bucket_py)
+agg_kernel = njit(nogil=True, cache=True)(_agg_kernel_py)
+route_kernel = njit(nogil=True, cache=True)(_route_py)
+
+
+def specialize(mk, upd, out, slide, val=None):
+    """Compile the kernel bodies bound to other operator functions (user numba functions).
+
+    ``mk(stream, cols0, cols1, row, keys_out, ip) -> int``,
+    ``val(stream, cols0, cols1, row, ip) -> (int, float)`` (once per tuple),
+    ``upd(stream, cols0, cols1, row, vi, vf, key, l, acc_i, acc_f, b, s, out_i, out_f, p, ip, fp) -> int`` (the
+    window's state is ``acc_i[b, s]``; writes output rows from ``p``),
+    ``out(key, l, acc_i, acc_f, b, s, out_i, out_f, p, ip, fp) -> int``, ``slide(acc_i, acc_f, b, s, ip, fp) -> bool``.
+    (Indices, not array views, are passed on the hot path: a view costs two atomic reference-count
+    operations on memory shared by all instance threads.)
+    Returns ``(agg_kernel, route_kernel)``; not cached on disk (compiled on first call).
+    """
+    g = dict(globals())
+    g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val or _val_none)
+
+    def clone(f):
+        return njit(nogil=True)(types.FunctionType(f.__code__, g, f.__name__, f.__defaults__))
+
+    g["_fire_bucket"] = clone(_fire_bucket_py)
+    return clone(_agg_kernel_py), clone(_route_py)
+
+
+@njit(nogil=True, cache=True)
+def take_list(offsets, values, idx):
+    """Gather rows ``idx`` of an Arrow-like list column (offsets, values) into a new one."""
+    n = idx.shape[0]
+    noff = np.empty(n + 1, np.int64)
+    noff[0] = 0
+    for i in range(n):
+        r = idx[i]
+        noff[i + 1] = noff[i] + offsets[r + 1] - offsets[r]
+    nval = np.empty(noff[n], values.dtype)
+    for i in range(n):
+        r = idx[i]
+        a = offsets[r]
+        d = noff[i]
+        for p in range(offsets[r + 1] - a):
+            nval[d + p] = values[a + p]
+    return noff, nval

@@ -1,0 +1,568 @@
+"""setup / reconfigure / drain: n instances over shared buckets, m of them active (stretch-tpds §5, §7).
+
+Two ways to drive the engine, over the same kernels and state:
+
+(b) synchronously (what a micro-batch driver calls every batch)::
+
+    eng = Engine(op, m=2, n=4)
+    eng.esg_in.add(batch, source=0)          # columnar batch, int64 'ts'
+    eng.esg_in.advance_watermark(w)          # windows with end <= w are emitted
+    eng.drain()                              # blocks until all that became ready is processed
+    out, wm = eng.esg_out.get_batch("driver")   # ts-ordered results (dict of numpy, or format="arrow")
+
+(a) free-running worker threads as in the paper: ``eng.start()``; sources add; instance threads get
+ready segments from ESG_in, process them, add results to ESG_out; ``eng.drain()`` waits until idle;
+``eng.stop()``.
+
+Each instance runs the nogil kernel over the whole ready segment (every tuple, stored once) and updates
+only the buckets the owner map gives it, writing its own output block; blocks are merged in
+``(ts, key, window_start, _seq, _sub)`` order by ESG_out, so the output does not depend on m or on the
+owner map. A reconfiguration is a control tuple in ESG_in: instances process everything before it under
+the old owner map, meet at a barrier, and go on under the new one (no state is copied).
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from . import kernels as K
+from .errors import EngineError
+from .esg import ESG, Control, Segment, sort_rows
+from .state import BucketState, Interner, RWLock, balanced_owner_map, validate_owner_map
+
+OUT_TIES = ("key", "window_start", "_seq", "_sub")
+INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
+
+
+class Instance:
+    """One O+ instance o_j: its output block, resume position and key buffer (all instance-local)."""
+
+    def __init__(self, j, op, cap=1024):
+        self.id = j
+        self.n_oi, self.n_of = op.n_out_int, op.n_out_float
+        self._alloc(cap)
+        self.opos = np.zeros(1, np.int64)
+        self.resume = np.zeros(4, np.int64)
+        self.keybuf = np.empty(64, np.int64)
+
+    def _alloc(self, cap):
+        self.o_ts = np.empty(cap, np.int64)
+        self.o_key = np.empty(cap, np.int64)
+        self.o_l = np.empty(cap, np.int64)
+        self.o_seq = np.empty(cap, np.int64)
+        self.o_sub = np.empty(cap, np.int64)
+        self.o_i = np.zeros((cap, self.n_oi), np.int64)
+        self.o_f = np.zeros((cap, self.n_of), np.float64)
+
+    def grow_out(self):
+        old = [self.o_ts, self.o_key, self.o_l, self.o_seq, self.o_sub, self.o_i, self.o_f]
+        self._alloc(self.o_ts.shape[0] * 2)
+        p = int(self.opos[0])
+        for dst, src in zip([self.o_ts, self.o_key, self.o_l, self.o_seq, self.o_sub, self.o_i, self.o_f], old):
+            dst[:p] = src[:p]
+
+
+def _check_mn(m, n):
+    for name, v in (("m", m), ("n", n)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise EngineError(f"{name}={v!r}; parallelism must be a positive int")
+    if m > n:
+        raise EngineError(f"m={m} > n={n}: initial parallelism m must not exceed max parallelism n")
+
+
+class Engine:
+    """A VSN-parallel, elastic O+ operator: ``setup(O+, m, n)`` of the paper.
+
+    Parameters
+    ----------
+    op : Operator
+        The O+ operator (see :mod:`spark_stretch.ops` for built-ins).
+    m, n : int
+        Initial and maximum parallelism; n instances are created, n - m wait in the pool.
+    n_buckets : int
+        B, the number of state buckets (much larger than n).
+    esg_in : ESG, optional
+        An upstream operator's ``esg_out`` to read from (composition); default: a new ESG whose sources
+        the caller adds (``esg_in.add_sources``).
+    threads : bool
+        Run the m instances of a large segment on m threads (nogil kernels); False: one after another.
+    inline_rows : int
+        Segments with fewer tuples run their instances one after another on the calling thread (lower
+        fixed cost per :meth:`drain`); 0: always use the threads.
+    lateness : {"tuple", "window"}
+        ``"tuple"`` (the paper's model): a tuple with ``ts <= watermark`` is late and dropped.
+        ``"window"`` (Spark's rule for window aggregations): a tuple is late only when every window it
+        falls in has ended; otherwise it updates its windows that are still open.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from spark_stretch.ops import wordcount
+    >>> from spark_stretch.engine.esg import ListColumn
+    >>> eng = Engine(wordcount(WS=10), m=2, n=2)
+    >>> eng.esg_in.add_sources([0], ordered=False)
+    True
+    >>> words = ListColumn([0, 2, 3], np.array(["a", "b", "a"], object))
+    >>> eng.esg_in.add({"ts": np.array([1, 2]), "words": words}, 0)
+    >>> eng.esg_in.advance_watermark(10); eng.drain()
+    >>> out, wm = eng.esg_out.get_batch("driver")
+    >>> eng.interner.lookup(out["key"]), out["count"].tolist(), wm
+    (['a', 'b'], [2, 1], 10)
+    """
+
+    mode = "vsn"
+
+    def __init__(self, op, m, n, n_buckets=1024, esg_in=None, threads=True, cap=8, out_reader="driver",
+                 inline_rows=INLINE_ROWS, lateness="tuple"):
+        _check_mn(m, n)
+        if type(op).__name__ == "JoinOperator" and self.mode != "vsn-join":
+            raise EngineError(f"operator {op.name} is a JoinOperator; run it with JoinEngine (or setup(), "
+                              "which picks the engine class)")
+        if n_buckets < n:
+            raise EngineError(f"n_buckets={n_buckets} < n={n}; use many more buckets than instances")
+        self.op = op
+        self.m, self.n, self.n_buckets = m, n, n_buckets
+        if esg_in is None:
+            self.interner = Interner()
+            esg_in = ESG("in", n_streams=op.I, interner=self.interner)
+        else:
+            self.interner = esg_in.interner if esg_in.interner is not None else Interner()
+            if esg_in.n_streams != op.I:
+                raise EngineError(f"esg_in has {esg_in.n_streams} streams but operator {op.name} has I={op.I}")
+        self.esg_in = esg_in
+        if lateness not in ("tuple", "window"):
+            raise EngineError(f"lateness={lateness!r}; use 'tuple' (ts <= watermark is late) or 'window' "
+                              "(late when every window of the tuple has ended: Spark's rule)")
+        if lateness == "window" and op.WA is not None:
+            esg_in.late_window = (op.WA, op.WS)
+        self.lateness = lateness
+        if esg_in.engine is None:
+            esg_in.engine = self
+            esg_in.validate = self._validate_batch
+        self._backlog = []
+        self.esg_out = ESG("out", n_streams=1, tie_columns=OUT_TIES, interner=self.interner)
+        self.esg_out.engine = self
+        S = tuple(getattr(op, "S", ()))
+        self.esg_out.set_schema(0, ("ts", "key", "window_start", "window_end", *[c for c, _ in S], "_seq", "_sub"),
+                                {c: (np.float64 if k == "f" else np.int64) for c, k in S})
+        self.instances = [Instance(j, op) for j in range(n)]
+        self.active = list(range(m))
+        self.epoch = 0
+        self.owner_map = balanced_owner_map(n_buckets, self.active)
+        self._make_state(cap)
+        self._rw = RWLock()
+        self._drain_lock = threading.RLock()
+        self._threads_on = threads
+        self.inline_rows = inline_rows
+        self._executor = None
+        self._workers = []
+        self._running = False
+        self._busy = 0
+        self._idle = threading.Condition()
+        self._kernel, self._route = op.kernels()
+        self._ip, self._fp = op.params()
+        self._m = {"tuples": 0, "segments": 0, "epoch_switches": 0, "last_switch_ms": 0.0, "grows": 0,
+                   "out_rows": 0, "state_bytes_copied": 0}
+        self.esg_in.add_readers(self.active)
+        self.esg_out.add_sources(self.active, ordered=False)
+        if out_reader is not None:
+            self.esg_out.add_readers([out_reader])
+
+    # ---- state (overridden by the shared-nothing engine) ----------------------------------------
+    def _make_state(self, cap):
+        op = self.op
+        self.state = BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap)
+
+    def _state_for(self, j):
+        return self.state
+
+    def _segment_for(self, j, seg, cols):
+        return seg.ts, seg.stream, seg.row, seg.seq, cols
+
+    # ---- processing -----------------------------------------------------------------------------
+    def _validate_batch(self, stream, batch):
+        """Reject a batch the operator cannot read at add() time (the engine stays usable)."""
+        if stream < self.op.I:
+            self._cols_of(stream, batch)
+
+    def _cols_of(self, stream, batch):
+        return self.op.stream_cols(stream, batch)
+
+    def _cols(self, seg):
+        op = self.op
+        c0 = op.stream_cols(0, seg.parts[0])
+        c1 = op.stream_cols(1, seg.parts[1]) if op.I == 2 else c0
+        op.check_user_functions((c0, c1))
+        return c0, c1
+
+    def _run_instance(self, j, seg, cols, owner_map):
+        """Run instance j's kernel over a segment until done (growing buffers / state as asked)."""
+        inst = self.instances[j]
+        op = self.op
+        ts, stream, row, seq, (c0, c1) = self._segment_for(j, seg, cols)
+        inst.opos[0] = 0
+        inst.resume[:] = 0
+        WA = op.WA or 1
+        WS = op.WS or 1
+        while True:
+            st = self._state_for(j)
+            self._rw.acquire_read()
+            ver = st.version
+            try:
+                status = self._kernel(j, owner_map, WA, WS, op.wkind, seg.prev_watermark, seg.watermark,
+                                      ts, stream, row, seq, c0, c1, self._ip, self._fp,
+                                      st.rec, st.acc_f, st.bcount, st.bminl, st.dirty,
+                                      st.init_i, st.init_f,
+                                      inst.o_ts, inst.o_key, inst.o_l, inst.o_seq, inst.o_sub, inst.o_i,
+                                      inst.o_f, inst.opos, inst.resume, inst.keybuf,
+                                      op.max_out_update, op.max_out_fire)
+            finally:
+                self._rw.release_read()
+            if status == K.DONE:
+                break
+            if status == K.NEED_OUT:
+                inst.grow_out()
+            elif status == K.NEED_GROW:
+                self._rw.acquire_write()
+                try:
+                    if st.version == ver:
+                        st.grow()
+                        self._m["grows"] += 1
+                finally:
+                    self._rw.release_write()
+            elif status == K.NEED_KEYBUF:
+                inst.keybuf = np.empty(max(int(inst.resume[2]), 2 * inst.keybuf.shape[0]), np.int64)
+                inst.resume[2] = inst.resume[3] = 0
+            else:  # pragma: no cover
+                raise EngineError(f"kernel returned unknown status {status}")
+        return self._block(inst)
+
+    def _block(self, inst):
+        p = int(inst.opos[0])
+        op = self.op
+        l = inst.o_l[:p].copy()
+        out = {"ts": inst.o_ts[:p].copy(), "key": inst.o_key[:p].copy(), "window_start": l,
+               "window_end": np.where(l >= 0, l + (op.WS or 0), -1) if op.WA is not None else l.copy()}
+        ii = ff = 0
+        for name, kind in op.S:
+            if kind == "i":
+                out[name] = inst.o_i[:p, ii].copy()
+                ii += 1
+            else:
+                out[name] = inst.o_f[:p, ff].copy()
+                ff += 1
+        out["_seq"] = inst.o_seq[:p].copy()
+        out["_sub"] = inst.o_sub[:p].copy()
+        return sorted_block(out)
+
+    def _process_segment(self, seg):
+        cols = self._cols(seg)
+        om = self.owner_map
+        act = list(self.active)
+        if len(act) == 1 or not self._threads_on or len(seg) < self.inline_rows:
+            blocks = [self._run_instance(j, seg, cols, om) for j in act]
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.n, thread_name_prefix="stretch-instance")
+            futs = [self._executor.submit(self._run_instance, j, seg, cols, om) for j in act]
+            blocks = [f.result() for f in futs]
+        for j, blk in zip(act, blocks):
+            self._emit(j, blk, seg.watermark)
+        self._m["tuples"] += len(seg)
+        self._m["segments"] += 1
+
+    def _emit(self, j, blk, watermark):
+        if len(blk["ts"]):
+            self.esg_out.add(blk, j, presorted=True)
+            self._m["out_rows"] += len(blk["ts"])
+        self.esg_out.add_watermark(watermark, j)
+
+    def drain(self, timeout=None):
+        """Process everything ESG_in has released (blocking). In free-running mode: wait until idle."""
+        if self._running:
+            return self._wait_idle(timeout)
+        with self._drain_lock:
+            while True:
+                act = list(self.active)
+                if self._backlog:
+                    items, self._backlog = self._backlog, []
+                else:
+                    items = self.esg_in.get(act[0])
+                    for j in act[1:]:
+                        self.esg_in.get(j)
+                if not items:
+                    return
+                for i, it in enumerate(items):
+                    try:
+                        if isinstance(it, Control):
+                            self._apply_control(it, lead=act[0])
+                        else:
+                            self._process_segment(it)
+                    except Exception as e:
+                        self._backlog = list(items[i:])  # nothing is lost: retried by the next drain()
+                        if isinstance(e, EngineError):
+                            raise
+                        raise EngineError(f"operator {getattr(self.op, 'name', '?')} failed on a segment of "
+                                          f"{len(it)} tuples: {type(e).__name__}: {e}") from e
+
+    # ---- epochs ---------------------------------------------------------------------------------
+    def reconfigure(self, m=None, instances=None, owner_map=None) -> int:
+        """Provision, decommission or rebalance from the next ready tuple on (Alg. 4-6).
+
+        Parameters
+        ----------
+        m : int, optional
+            New parallelism: the active instances are the first m of ``range(n)``.
+        instances : iterable of int, optional
+            New active instance set (ids in ``range(n)``); default: the current one (or from ``m``).
+        owner_map : array of int, optional
+            New owner of each of the B buckets (every owner an active instance); default: balanced.
+
+        Returns the new epoch number. In driven mode the switch happens in the next :meth:`drain`.
+        """
+        if m is not None and instances is not None:
+            raise EngineError("give m= or instances=, not both")
+        if m is not None:
+            _check_mn(m, self.n)
+            instances = range(m)
+        if instances is None:
+            instances = self._pending_instances()
+        inst = sorted(set(int(i) for i in instances))
+        if not inst:
+            raise EngineError("instances is empty; an epoch needs at least one active instance")
+        bad = [i for i in inst if not 0 <= i < self.n]
+        if bad:
+            raise EngineError(f"instances {bad} are not in range(n={self.n}); ids of the n created instances are 0..{self.n - 1}")
+        om = balanced_owner_map(self.n_buckets, inst) if owner_map is None else \
+            validate_owner_map(owner_map, self.n_buckets, inst)
+        with self._drain_lock:
+            self._next_epoch = getattr(self, "_next_epoch", self.epoch) + 1
+            self._next_instances = inst
+            old = self._pending_old()
+            ctl = Control(self._next_epoch, tuple(inst), om.copy(), 0)
+            ctl.barrier = threading.Barrier(len(old), action=lambda: self._apply_control(ctl, lead=min(old)))
+            self._pending_old_set = inst
+            self.esg_in.add_control(ctl)
+        return ctl.epoch
+
+    def _pending_instances(self):
+        return getattr(self, "_next_instances", None) or list(self.active)
+
+    def _pending_old(self):
+        return getattr(self, "_pending_old_set", None) or list(self.active)
+
+    def _apply_control(self, ctl, lead):
+        """Switch epoch (Alg. 4 L11-14): connect provisioned / disconnect decommissioned instances, swap f_mu."""
+        t0 = time.perf_counter()
+        old, new = set(self.active), set(ctl.instances)
+        add, rem = sorted(new - old), sorted(old - new)
+        if add:
+            self.esg_out.add_sources(add, ordered=False)
+            self.esg_in.add_readers(add, j=lead)
+        if rem:
+            self.esg_in.remove_readers(rem)
+            self.esg_out.remove_sources(rem)
+        self._transfer_state(ctl.owner_map)
+        self.owner_map = ctl.owner_map
+        self.active = sorted(new)
+        self.epoch = ctl.epoch
+        self._m["epoch_switches"] += 1
+        self._m["last_switch_ms"] = (time.perf_counter() - t0) * 1e3
+        ctl.applied.set()
+        with self._idle:
+            self._idle.notify_all()
+
+    def _transfer_state(self, new_owner_map):
+        """VSN: nothing to move (state is shared). The shared-nothing engine copies buckets here."""
+
+    @property
+    def pool(self):
+        return [j for j in range(self.n) if j not in self.active]
+
+    # ---- free-running mode ----------------------------------------------------------------------
+    def start(self):
+        """Free-running mode: one thread per instance (n threads; pooled ones idle) as in the paper."""
+        if self._running:
+            return
+        self._running = True
+        self._workers = [threading.Thread(target=self._worker, args=(j,), daemon=True, name=f"stretch-o{j}")
+                         for j in range(self.n)]
+        for t in self._workers:
+            t.start()
+
+    def stop(self):
+        """Stop the worker threads (after :meth:`drain` if you need everything processed)."""
+        self._running = False
+        with self.esg_in._lock:
+            self.esg_in._lock.notify_all()
+        with self._idle:
+            self._idle.notify_all()
+        for t in self._workers:
+            t.join()
+        self._workers = []
+
+    def _worker(self, j):
+        backoff = 1e-4
+        while self._running:
+            if j not in self.esg_in._readers:
+                with self._idle:
+                    self._idle.wait(backoff)
+                    backoff = min(backoff * 2, 0.01)
+                continue
+            backoff = 1e-4
+            items = self.esg_in.get(j, block=True, timeout=0.01)
+            if not items:
+                continue
+            with self._idle:
+                self._busy += 1
+            try:
+                for it in items:
+                    if isinstance(it, Control):
+                        it.barrier.wait()
+                    else:
+                        blk = self._run_instance(j, it, self._cols(it), self.owner_map)
+                        self._emit(j, blk, it.watermark)
+                        if j == self.active[0]:
+                            self._m["tuples"] += len(it)
+                            self._m["segments"] += 1
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _wait_idle(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while True:
+                pending = any(self.esg_in.pending_for(j) for j in self.active if j in self.esg_in._readers)
+                if not pending and self._busy == 0:
+                    return
+                rem = None if deadline is None else deadline - time.monotonic()
+                if rem is not None and rem <= 0:
+                    raise EngineError(f"drain timed out after {timeout}s")
+                self._idle.wait(0.001 if rem is None else min(rem, 0.001))
+
+    def close(self):
+        if self._running:
+            self.stop()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    # ---- metrics, outputs, snapshot -------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Counters: late_dropped, tuples, segments, epoch, epoch_switches, last_switch_ms, grows, ..."""
+        d = dict(self._m)
+        d.update(late_dropped=self.esg_in.late_dropped, epoch=self.epoch, active=list(self.active),
+                 live_windows=self.live_windows(), watermark=self.esg_in.watermark,
+                 dirty_buckets=int(self._dirty().sum()))
+        return d
+
+    def live_windows(self):
+        return self.state.live_windows()
+
+    def _dirty(self):
+        return self.state.dirty
+
+    def read_output(self, reader="driver", format="dict", decode=True):
+        """Released results for ``reader`` (ts-ordered) and the output watermark; string keys decoded."""
+        batch, wm = self.esg_out.get_batch(reader)
+        if decode and len(batch["ts"]):
+            batch = dict(batch)
+            batch.update(self.op.decode_keys(batch["key"], self.interner))
+        if format == "arrow":
+            from .esg import to_arrow
+            return to_arrow(batch), wm
+        return batch, wm
+
+    def _state_arrays(self):
+        return {"shared": self.state.arrays()}
+
+    def _load_state_arrays(self, arrs):
+        self.state = BucketState.from_arrays(arrs["shared"])
+
+    def snapshot(self, path=None, clear_dirty=True):
+        """Whole engine state as bytes (or written to ``path``/engine.snap): buckets, owner map, epoch,
+        watermarks, pending ESG tuples, interner. Call when idle (after :meth:`drain`)."""
+        with self._drain_lock:
+            snap_in = self.esg_in.snapshot()
+            snap_in["log"] = [_strip(it) for it in snap_in["log"]]
+            blob = pickle.dumps({
+                "mode": self.mode, "m": self.m, "n": self.n, "n_buckets": self.n_buckets,
+                "lateness": self.lateness,
+                "state": self._state_arrays(), "owner_map": self.owner_map, "epoch": self.epoch,
+                "active": self.active, "esg_in": snap_in, "esg_out": self.esg_out.snapshot(),
+                "interner": self.interner.strings(), "metrics": self._m}, protocol=5)
+            if clear_dirty:
+                self._dirty()[:] = 0
+        if path is not None:
+            p = Path(path)
+            p.mkdir(parents=True, exist_ok=True)
+            (p / "engine.snap").write_bytes(blob)
+        return blob
+
+    @classmethod
+    def restore(cls, op, src, threads=True):
+        """An engine continuing from :meth:`snapshot` bytes or directory, running operator ``op``."""
+        if isinstance(src, (str, Path)):
+            src = (Path(src) / "engine.snap").read_bytes()
+        d = pickle.loads(src)
+        if d["mode"] != cls.mode:
+            raise EngineError(f"snapshot is of a {d['mode']!r} engine; restore it with that engine class")
+        eng = cls(op, d["m"], d["n"], n_buckets=d["n_buckets"], threads=threads, out_reader=None,
+                  lateness=d.get("lateness", "tuple"))
+        eng.interner.__init__(d["interner"])
+        eng._load_state_arrays(d["state"])
+        eng.owner_map, eng.epoch, eng.active = d["owner_map"], d["epoch"], list(d["active"])
+        eng.esg_in.restore(d["esg_in"])
+        eng.esg_out.restore(d["esg_out"])
+        eng._m = dict(d["metrics"])
+        return eng
+
+
+def sorted_block(out):
+    """An instance's output block in ``(ts, key, window_start, _seq, _sub)`` order (sorted on its own thread)."""
+    if len(out["ts"]) > 1:
+        perm = sort_rows(out, OUT_TIES)
+        out = {k: v[perm] for k, v in out.items()}
+    return out
+
+
+def _strip(it):
+    if isinstance(it, Control):
+        return Control(it.epoch, it.instances, it.owner_map, it.gamma)
+    return it
+
+
+def setup(op, m, n, esg_in=None, **kw):
+    """``{ESG_in, ESG_out} = setup(O+, m, n)`` (stretch-tpds §7). ``esg_out.engine`` is the :class:`Engine`.
+
+    With ``esg_in`` (an upstream operator's ``esg_out``) this is the paper's ``setup(ESG_in, O+, m, n)``.
+    """
+    eng = engine_class(op)(op, m, n, esg_in=esg_in, **kw)
+    return eng.esg_in, eng.esg_out
+
+
+def engine_class(op, shared_nothing=False):
+    """The engine class running ``op``: :class:`Engine`, ``SNEngine`` or ``JoinEngine``."""
+    if type(op).__name__ == "JoinOperator":
+        from .store import JoinEngine
+        if shared_nothing:
+            raise EngineError("the shared-nothing mode runs aggregations only, not JoinOperator")
+        return JoinEngine
+    if shared_nothing:
+        from .sn import SNEngine
+        return SNEngine
+    return Engine
+
+
+def reconfigure(esg, m=None, instances=None, owner_map=None):
+    """``reconfigure`` of the operator that owns ``esg`` (its ESG_in or ESG_out); see :meth:`Engine.reconfigure`."""
+    if esg.engine is None:
+        raise EngineError(f"ESG '{esg.name}' belongs to no engine; pass the esg_in/esg_out returned by setup()")
+    return esg.engine.reconfigure(m=m, instances=instances, owner_map=owner_map)

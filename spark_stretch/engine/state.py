@@ -1,0 +1,249 @@
+"""Shared state: B buckets of window instances, the owner map, and string interning.
+
+Keys hash to ``B`` buckets (``bucket_of(key) = mix64(key) % B``); each bucket holds an open-addressing
+table of window instances keyed by the full ``(key, window start)`` pair. The owner map is an int array
+of length ``B``: ``owner_map[b] = j`` means instance ``j`` alone reads and writes bucket ``b`` in the
+current epoch, so the hot path takes no lock. An epoch switch replaces the owner map (O(B)); no state is
+copied.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+
+from . import kernels as K
+from .errors import EngineError
+
+
+class Interner:
+    """Exact string -> int64 id dictionary (ids 0, 1, 2, ... in order of first appearance).
+
+    Ids are stable for the life of the engine (and across snapshot/restore). Thread-safe.
+
+    Examples
+    --------
+    >>> it = Interner()
+    >>> it.intern(["a", "b", "a"]).tolist()
+    [0, 1, 0]
+    >>> it.lookup([1, 0])
+    ['b', 'a']
+    """
+
+    def __init__(self, strings=()):
+        self._ids: dict[str, int] = {}
+        self._strings: list[str] = []
+        self._lock = threading.Lock()
+        for s in strings:
+            self._add(s)
+
+    def _add(self, s):
+        i = self._ids.get(s)
+        if i is None:
+            i = len(self._strings)
+            self._ids[s] = i
+            self._strings.append(s)
+        return i
+
+    def __len__(self):
+        return len(self._strings)
+
+    def intern(self, values) -> np.ndarray:
+        """Ids of ``values`` (a pyarrow string array, or any iterable of str); new strings get new ids."""
+        arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(list(values), pa.string())
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        if arr.null_count:
+            raise EngineError(f"string column has {arr.null_count} null values; keys must not be null")
+        if len(arr) == 0:
+            return np.empty(0, np.int64)
+        enc = arr.dictionary_encode()
+        with self._lock:
+            ids = np.fromiter((self._add(s) for s in enc.dictionary.to_pylist()), np.int64, len(enc.dictionary))
+        return ids[enc.indices.to_numpy(zero_copy_only=False)]
+
+    def lookup(self, ids) -> list[str]:
+        """Strings of ``ids`` (inverse of :meth:`intern`)."""
+        return [self._strings[int(i)] for i in ids]
+
+    def strings(self) -> list[str]:
+        return list(self._strings)
+
+
+def balanced_owner_map(n_buckets: int, instances) -> np.ndarray:
+    """Owner map giving each instance an equal contiguous range of buckets.
+
+    Contiguous ranges keep the per-bucket counters an instance writes on its own cache lines.
+
+    Examples
+    --------
+    >>> balanced_owner_map(4, [0, 2]).tolist()
+    [0, 0, 2, 2]
+    """
+    inst = np.asarray(sorted(instances), np.int64)
+    if inst.size == 0:
+        raise EngineError("instances is empty; an owner map needs at least one instance")
+    return inst[(np.arange(n_buckets) * inst.size) // n_buckets]
+
+
+def validate_owner_map(owner_map, n_buckets: int, instances) -> np.ndarray:
+    """Check that ``owner_map`` covers all ``n_buckets`` buckets with owners from ``instances``."""
+    om = np.asarray(owner_map)
+    if om.ndim != 1 or om.shape[0] != n_buckets:
+        raise EngineError(f"owner_map has shape {om.shape}; it must give an owner to each of the "
+                          f"B={n_buckets} buckets (length {n_buckets})")
+    if not np.issubdtype(om.dtype, np.integer):
+        raise EngineError(f"owner_map has dtype {om.dtype}; it must be an integer array of instance ids")
+    bad = ~np.isin(om, np.asarray(list(instances), np.int64))
+    if bad.any():
+        b = int(np.flatnonzero(bad)[0])
+        raise EngineError(f"owner_map misses bucket {b}: its owner {int(om[b])} is not one of the "
+                          f"active instances {sorted(instances)} ({int(bad.sum())} buckets have no valid owner)")
+    return om.astype(np.int64)
+
+
+class BucketState:
+    """B buckets of window instances as numpy arrays (see :mod:`spark_stretch.engine.kernels`).
+
+    Parameters
+    ----------
+    n_buckets : int
+        ``B``; many more than the maximum parallelism ``n``.
+    n_int, n_float : int
+        Width of the int64 / float64 accumulator record of one window instance.
+    init_i, init_f : array_like
+        Initial accumulator values of a new window instance.
+    cap : int
+        Initial slots per bucket (power of two); all buckets grow together, doubling.
+    """
+
+    def __init__(self, n_buckets, n_int, n_float, init_i, init_f, cap=8):
+        if n_buckets < 1:
+            raise EngineError(f"n_buckets={n_buckets}; it must be >= 1")
+        if cap & (cap - 1):
+            raise EngineError(f"cap={cap}; it must be a power of two")
+        self.n_buckets = n_buckets
+        self.init_i = np.asarray(init_i, np.int64).reshape(n_int)
+        self.init_f = np.asarray(init_f, np.float64).reshape(n_float)
+        self.rec = self._new_rec(cap)
+        self.acc_f = np.zeros((n_buckets, cap, n_float), np.float64)
+        self.bcount = np.zeros(n_buckets, np.int64)
+        self.bminl = np.full(n_buckets, K.NO_L, np.int64)
+        self.dirty = np.zeros(n_buckets, np.uint8)
+        self.version = 0  # bumped by grow(): kernels started before must retry
+
+    def _new_rec(self, cap):
+        # (key, start, acc_i...) padded to a power of two: a record never straddles two cache lines
+        width = 1 << (1 + self.init_i.shape[0]).bit_length()
+        rec = np.zeros((self.n_buckets, cap, width), np.int64)
+        rec[:, :, 1] = K.EMPTY
+        return rec
+
+    @property
+    def cap(self):
+        return self.rec.shape[1]
+
+    # views of the record array: key, window start, int accumulators
+    @property
+    def tkey(self):
+        return self.rec[:, :, 0]
+
+    @property
+    def tl(self):
+        return self.rec[:, :, 1]
+
+    @property
+    def acc_i(self):
+        return self.rec[:, :, 2:2 + self.init_i.shape[0]]
+
+    def live_windows(self) -> int:
+        return int(self.bcount.sum())
+
+    def nbytes(self) -> int:
+        return self.rec.nbytes + self.acc_f.nbytes
+
+    def grow(self):
+        """Double every bucket's table (rehash). Caller must hold the exclusive lock."""
+        cap = self.cap * 2
+        nrec = self._new_rec(cap)
+        naf = np.zeros((self.n_buckets, cap, self.acc_f.shape[2]), np.float64)
+        K.rehash_into(self.rec, self.acc_f, nrec, naf)
+        self.rec, self.acc_f = nrec, naf
+        self.version += 1
+
+    def arrays(self) -> dict:
+        return {"rec": self.rec, "acc_f": self.acc_f, "bcount": self.bcount, "bminl": self.bminl,
+                "dirty": self.dirty, "init_i": self.init_i, "init_f": self.init_f}
+
+    @classmethod
+    def from_arrays(cls, a: dict) -> "BucketState":
+        st = cls.__new__(cls)
+        for k, v in a.items():
+            setattr(st, k, np.array(v, copy=True))
+        st.n_buckets = st.rec.shape[0]
+        st.version = 0
+        return st
+
+    def move_buckets(self, other: "BucketState", buckets) -> int:
+        """Copy ``buckets`` from ``other`` into self and clear them there (shared-nothing state transfer).
+
+        Returns the number of bytes copied.
+        """
+        while self.cap < other.cap:
+            self.grow()
+        while other.cap < self.cap:
+            other.grow()
+        nbytes = 0
+        for name in ("rec", "acc_f"):
+            dst, src = getattr(self, name), getattr(other, name)
+            dst[buckets] = src[buckets]
+            nbytes += src[buckets].nbytes
+        self.bcount[buckets] = other.bcount[buckets]
+        self.bminl[buckets] = other.bminl[buckets]
+        self.dirty[buckets] = 1
+        other.rec[buckets, :, 1] = K.EMPTY
+        other.bcount[buckets] = 0
+        other.bminl[buckets] = K.NO_L
+        other.dirty[buckets] = 1
+        return nbytes
+
+    def bucket_rows(self):
+        """Live window instances as (key, window start, acc_i, acc_f) arrays (for tests / debugging)."""
+        m = self.rec[:, :, 1] != K.EMPTY
+        return self.rec[:, :, 0][m], self.rec[:, :, 1][m], self.acc_i[m], self.acc_f[m]
+
+
+class RWLock:
+    """Many kernel calls (shared) or one state grow (exclusive); writers take precedence."""
+
+    def __init__(self):
+        self._c = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    def acquire_read(self):
+        with self._c:
+            while self._writer or self._waiting:
+                self._c.wait()
+            self._readers += 1
+
+    def release_read(self):
+        with self._c:
+            self._readers -= 1
+            if self._readers == 0:
+                self._c.notify_all()
+
+    def acquire_write(self):
+        with self._c:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._c.wait()
+            self._waiting -= 1
+            self._writer = True
+
+    def release_write(self):
+        with self._c:
+            self._writer = False
+            self._c.notify_all()

@@ -1,0 +1,450 @@
+"""``df.stretchAggregate(...)``: windowed, multi-key aggregation on the host's VSN engine.
+
+Each micro-batch runs as three Spark jobs with no Exchange: the batch's partitions are written to
+this host's engine (``format("stretch")``), the engine updates the keys each instance owns and
+emits the windows the watermark closed, and the results are read back on the same host and
+appended to the sink (Delta: idempotently, with ``txnAppId``/``txnVersion``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, Optional
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from .host import EngineDiedError, HostEngine
+from .native import native_equivalent
+from .spec import AggregationSpec, build_spec
+
+__all__ = ["StretchAggregation", "StretchStreamWriter", "StretchQuery", "stretch_aggregate"]
+
+_IDEMPOTENT = {"delta"}
+_FILE_FORMATS = {"parquet", "json", "csv", "orc"}
+
+
+def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, parallelism: int = 1,
+                      max_parallelism: int = 4, buckets: int = 4096) -> "StretchAggregation":
+    """Windowed aggregation per key on the host's shared-state (VSN) engine.
+
+    The rows are those of the native ``groupBy(window(ts, size, slide), key).agg(...)`` (after
+    ``explode`` for array keys) in append mode, with the input's watermark.
+
+    Parameters
+    ----------
+    keys : str, Column or :func:`spark_stretch.pairs`
+        A scalar key column (string or integer), an array column (every element is a key of the
+        row: multi-key), or an engine key function such as ``pairs("words", distance=3)``.
+    window : str or (str, str)
+        Window size, or ``(size, slide)``, as for ``pyspark.sql.functions.window``.
+    agg : str, list or dict
+        ``"count"``, a list like ``["count", "sum(x)", "max(x)", "mean(x)"]``, or ``{"x": "sum"}``.
+        Columns are named as Spark names them: ``count``, ``sum(x)``, ``avg(x)``, ...
+    parallelism : int
+        Instances updating state at the start (m).
+    max_parallelism : int
+        Instances created (n); ``reconfigure`` moves between 1 and n without a restart.
+    buckets : int
+        State buckets (B); ownership moves between instances bucket by bucket.
+
+    Returns
+    -------
+    StretchAggregation
+        Use ``.writeStream`` like a DataFrame's.
+
+    Examples
+    --------
+    >>> import spark_stretch
+    >>> from pyspark.sql import functions as F
+    >>> counts = (spark.readStream.format("delta").load(src)          # doctest: +SKIP
+    ...           .withWatermark("ts", "10 seconds")
+    ...           .stretchAggregate(keys=F.col("words"), window=("120 seconds", "60 seconds"),
+    ...                             agg="count", parallelism=1, max_parallelism=4))
+    >>> q = counts.writeStream.format("delta").option("checkpointLocation", ckpt).start(out)  # doctest: +SKIP
+    >>> q.reconfigure(parallelism=2)   # online: no restart, no shuffle, no state moved  # doctest: +SKIP
+
+    Notes
+    -----
+    Errors in the arguments (unknown column or aggregation, wrong key type, no watermark) are
+    raised here, before any query starts. Delta accepts names like ``sum(x)`` only with column
+    mapping (as for the native query): set
+    ``spark.databricks.delta.properties.defaults.columnMapping.mode=name`` for new tables. A null key is an error at run time (Spark would make a
+    null group); filter nulls first.
+    """
+    spec = build_spec(df, keys, window, agg, parallelism, max_parallelism, buckets)
+    return StretchAggregation(df, spec)
+
+
+class StretchAggregation:
+    """The result of ``stretchAggregate``: write it with ``.writeStream``."""
+
+    def __init__(self, df: DataFrame, spec: AggregationSpec):
+        self._df = df
+        self.spec = spec
+
+    @property
+    def schema(self):
+        """Output schema: ``window``, ``key`` and one column per aggregation."""
+        return self.spec.output_schema()
+
+    @property
+    def isStreaming(self) -> bool:
+        return True
+
+    def native(self) -> DataFrame:
+        """The equivalent native Spark query (same rows in append mode), e.g. for comparison."""
+        return native_equivalent(self._df, self.spec)
+
+    @property
+    def writeStream(self) -> "StretchStreamWriter":
+        return StretchStreamWriter(self)
+
+
+class StretchStreamWriter:
+    """Mirrors :class:`pyspark.sql.streaming.DataStreamWriter` for a stretch aggregation."""
+
+    def __init__(self, agg: StretchAggregation):
+        self._agg = agg
+        self._format = "delta"
+        self._options: Dict[str, str] = {}
+        self._mode = "append"
+        self._trigger: Optional[dict] = None
+        self._name: Optional[str] = None
+
+    def format(self, source: str) -> "StretchStreamWriter":
+        self._format = source.lower()
+        return self
+
+    def option(self, key: str, value) -> "StretchStreamWriter":
+        self._options[key] = str(value)
+        return self
+
+    def options(self, **options) -> "StretchStreamWriter":
+        for k, v in options.items():
+            self.option(k, v)
+        return self
+
+    def outputMode(self, outputMode: str) -> "StretchStreamWriter":
+        if outputMode.lower() != "append":
+            raise ValueError(f"outputMode '{outputMode}' is not supported by stretchAggregate: a "
+                             "window is emitted once, when the watermark passes its end ('append')")
+        self._mode = "append"
+        return self
+
+    def trigger(self, **kwargs) -> "StretchStreamWriter":
+        self._trigger = kwargs
+        return self
+
+    def queryName(self, queryName: str) -> "StretchStreamWriter":
+        self._name = queryName
+        return self
+
+    def toTable(self, tableName: str, **options) -> "StretchQuery":
+        return self.options(**options)._start(path=None, table=tableName)
+
+    def start(self, path: Optional[str] = None, format: Optional[str] = None, **options) -> "StretchQuery":
+        if format:
+            self.format(format)
+        return self.options(**options)._start(path=path or self._options.pop("path", None), table=None)
+
+    def _start(self, path: Optional[str], table: Optional[str]) -> "StretchQuery":
+        fmt = self._format
+        if fmt not in _IDEMPOTENT | _FILE_FORMATS | {"console", "noop"}:
+            raise ValueError(f"format '{fmt}' is not supported as a stretchAggregate sink; use "
+                             "delta (exactly once), parquet/json/csv/orc, console or noop")
+        if path is None and table is None and fmt not in ("console", "noop"):
+            raise ValueError(f"start() needs a path (or use toTable) for format '{fmt}'")
+        return StretchQuery._start(self._agg, fmt, dict(self._options), path, table,
+                                   self._trigger, self._name)
+
+
+class StretchQuery:
+    """A running stretch query: a :class:`StreamingQuery` plus ``reconfigure`` and ``metrics``.
+
+    Everything of ``StreamingQuery`` (``id``, ``status``, ``lastProgress``, ``awaitTermination``,
+    ``stop``, ...) is available on it.
+    """
+
+    _stopped = False
+
+    def __init__(self, agg, fmt, options, path, table, checkpoint, own_checkpoint, meta):
+        self._agg = agg
+        self._format = fmt
+        self._sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
+        self._path, self._table = path, table
+        self._checkpoint, self._own_checkpoint = checkpoint, own_checkpoint
+        self.stretch_id = meta["stretch_id"]
+        self._app_id = meta["app_id"]
+        self._engine = HostEngine.acquire()
+        self._spark: SparkSession = agg._df.sparkSession
+        self._lock = threading.Lock()
+        self._metrics = {"batches": 0, "output_rows": 0, "plans": [], "reconfigurations": []}
+        self._released = False
+        self._query: Optional[StreamingQuery] = None
+        self._step_lock = threading.Lock()   # one micro-batch or flush at a time
+        self._done = threading.Event()       # set once the final flush (if any) and release ran
+        self._finish_error: Optional[BaseException] = None
+        self._last_step = time.monotonic()
+        self._one_shot = False               # availableNow / once: flush when the run ends
+        self._check_one_host()
+        self._engine.request({"op": "open", "query": self.stretch_id, "spec": asdict(agg.spec)})
+
+    # -- start -------------------------------------------------------------------------------------
+    @classmethod
+    def _start(cls, agg, fmt, options, path, table, trigger, name) -> "StretchQuery":
+        own = "checkpointLocation" not in options
+        checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
+        meta = cls._meta(checkpoint)
+        query = cls(agg, fmt, options, path, table, checkpoint, own, meta)
+        spec = agg.spec
+        cols = [spec.ts_column, spec.key_column, *spec.value_columns]
+        writer = (agg._df.select(*cols).writeStream.foreachBatch(query._step)
+                  .option("checkpointLocation", checkpoint))
+        if trigger:
+            writer = writer.trigger(**trigger)
+        if name:
+            writer = writer.queryName(name)
+        query._one_shot = bool(trigger) and any(trigger.get(k) for k in ("availableNow", "once"))
+        try:
+            query._query = writer.start()
+        except Exception:
+            query._release()
+            raise
+        threading.Thread(target=query._watch, name="stretch-query-watch", daemon=True).start()
+        return query
+
+    @staticmethod
+    def _meta(checkpoint: str) -> dict:
+        """Ids kept in the checkpoint, so a restart is the same query to the engine and to Delta."""
+        d = Path(checkpoint) / "stretch"
+        d.mkdir(parents=True, exist_ok=True)
+        f = d / "query.json"
+        if f.exists():
+            return json.loads(f.read_text())
+        meta = {"stretch_id": uuid.uuid4().hex, "app_id": f"stretch-{uuid.uuid4().hex}"}
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, f)
+        return meta
+
+    def _check_one_host(self) -> None:
+        status = self._spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
+        it = status.keysIterator()
+        hosts = set()
+        while it.hasNext():
+            hosts.add(it.next().rsplit(":", 1)[0])
+        others = hosts - {self._engine.host, "localhost", "127.0.0.1"}
+        if others:
+            self._release()
+            raise NotImplementedError(
+                f"executors on hosts {sorted(others)}: this version runs one host engine, on the "
+                "driver's host (local, local-cluster or a one-host cluster)")
+
+    # -- one micro-batch ---------------------------------------------------------------------------
+    def _step(self, batch_df: DataFrame, batch_id: int) -> None:
+        with self._step_lock:
+            self._step_locked(batch_df, batch_id)
+            self._last_step = time.monotonic()
+
+    def _step_locked(self, batch_df: DataFrame, batch_id: int) -> None:
+        eng, qid = self._engine, self.stretch_id
+        t0 = time.perf_counter()
+        try:
+            batch_df.write.format("stretch").mode("append") \
+                .option("endpoints", eng.endpoint).option("stream", f"{qid}:in:{batch_id}").save()
+        except Exception as e:
+            if not eng.alive():  # say what really happened, not just "socket refused"
+                raise EngineDiedError(
+                    f"the stretch host engine (pid {eng.pid}) died (exit status "
+                    f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
+            raise
+        t1 = time.perf_counter()
+        reply = eng.request({"op": "step", "query": qid, "batch": batch_id})
+        t2 = time.perf_counter()
+        rows = int(reply["rows"])
+        out = None
+        if rows:
+            out = (self._spark.read.format("stretch").schema(self._agg.schema)
+                   .option("endpoints", eng.endpoint).option("stream", reply["stream"]).load())
+            self._write_sink(out, batch_id)
+        t3 = time.perf_counter()
+        with self._lock:
+            m = self._metrics
+            m["batches"] += 1
+            m["output_rows"] += rows
+            m["last_batch"] = {"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
+                               "output_s": t3 - t2, "rows_out": rows, **reply.get("metrics", {})}
+            if len(m["plans"]) < 6:  # physical plans of the per-batch jobs (tests assert no Exchange)
+                m["plans"].append(batch_df._jdf.queryExecution().executedPlan().toString())
+                if out is not None:
+                    m["plans"].append(out._jdf.queryExecution().executedPlan().toString())
+
+    def _flush(self) -> int:
+        """Spark's no-data batch: emit and write the windows the next watermark closes.
+
+        Written under its own Delta app id (``<app>-idle``, version = the last batch id), so a
+        repeated flush after a restart is a no-op in the table like a replayed batch.
+        """
+        with self._step_lock:
+            reply = self._engine.request({"op": "flush", "query": self.stretch_id})
+            rows = int(reply["rows"])
+            if rows:
+                out = (self._spark.read.format("stretch").schema(self._agg.schema)
+                       .option("endpoints", self._engine.endpoint)
+                       .option("stream", reply["stream"]).load())
+                self._write_sink(out, int(reply["batch"]), app_suffix="-idle")
+                with self._lock:
+                    self._metrics["output_rows"] += rows
+                    self._metrics["flushes"] = self._metrics.get("flushes", 0) + 1
+            return rows
+
+    def _write_sink(self, out: DataFrame, batch_id: int, app_suffix: str = "") -> None:
+        fmt = self._format
+        if fmt == "console":
+            out.show(truncate=False)
+            return
+        w = out.write.format(fmt).mode("append").options(**self._sink_options)
+        if fmt in _IDEMPOTENT:  # a replayed batch is a no-op in the table
+            w = w.option("txnAppId", self._app_id + app_suffix).option("txnVersion", batch_id)
+        if self._table:
+            w.saveAsTable(self._table)
+        elif fmt == "noop":
+            w.save()
+        else:
+            w.save(self._path)
+
+    # -- control -----------------------------------------------------------------------------------
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+        """Change the number of instances and/or the bucket-to-instance owner map, online.
+
+        No restart, no shuffle, no state copied: the engine switches epoch between two
+        micro-batches. Returns what happened, including the switch time in ms (also in
+        :meth:`metrics`).
+
+        Parameters
+        ----------
+        parallelism : int, optional
+            New number of active instances, 1 to ``max_parallelism``.
+        owner_map : sequence of int, optional
+            Owner instance for each of the ``buckets`` buckets (a rebalance).
+        """
+        spec = self._agg.spec
+        if parallelism is not None and not (1 <= parallelism <= spec.max_parallelism):
+            raise ValueError(f"parallelism={parallelism}: must be between 1 and "
+                             f"max_parallelism={spec.max_parallelism}")
+        if parallelism is None and owner_map is None:
+            raise ValueError("reconfigure() needs parallelism= or owner_map=")
+        t0 = time.perf_counter()
+        reply = self._engine.request({
+            "op": "reconfigure", "query": self.stretch_id, "parallelism": parallelism,
+            "owner_map": None if owner_map is None else [int(x) for x in owner_map]})
+        reply["request_ms"] = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self._metrics["reconfigurations"].append(reply)
+        return reply
+
+    def metrics(self) -> dict:
+        """Engine and per-batch figures: parallelism, epoch, switch times, late rows, timings."""
+        with self._lock:
+            out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
+        if self._engine.alive():
+            try:
+                out["engine"] = self._engine.request({"op": "metrics", "query": self.stretch_id})
+            except Exception as e:  # metrics must not throw on a dying query
+                out["engine_error"] = str(e)
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Flush when idle (continuous triggers) or at the end of a one-shot run; release at the end.
+
+        Native Spark runs a no-data batch when the watermark moved and no data is waiting; its
+        evictions are what ``_flush`` writes. ``stop()`` runs no final batch, in Spark or here.
+        """
+        try:
+            while self._query.isActive:
+                time.sleep(0.2)
+                if self._one_shot or self._metrics["batches"] == 0:
+                    continue
+                st = self._query.status
+                if (not st["isTriggerActive"] and not st["isDataAvailable"]
+                        and time.monotonic() - self._last_step > 0.5 and self._query.isActive):
+                    try:
+                        self._flush()
+                    except Exception as e:  # surfaced by awaitTermination / metrics
+                        self._finish_error = e
+            if self._one_shot and self._query.exception() is None and not self._stopped:
+                try:
+                    self._flush()
+                except Exception as e:
+                    self._finish_error = e
+        finally:
+            self._release()
+            self._done.set()
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        try:
+            if self._engine.alive():
+                self._engine.request({"op": "close", "query": self.stretch_id}, timeout=30)
+        except Exception:
+            pass
+        self._engine.release()
+        if self._own_checkpoint:
+            shutil.rmtree(self._checkpoint, ignore_errors=True)
+
+    def stop(self) -> None:
+        """Stop the query and release the host engine (stopped with the last query using it)."""
+        self._stopped = True
+        try:
+            if self._query is not None:
+                self._query.stop()
+        finally:
+            self._done.wait(60)
+            self._release()
+
+    def awaitTermination(self, timeout: Optional[int] = None):
+        """As ``StreamingQuery.awaitTermination``; when the run ends, also waits for its last flush."""
+        result = self._query.awaitTermination(timeout)
+        if not self._query.isActive:
+            self._done.wait()
+            if self._finish_error is not None:
+                raise RuntimeError(f"stretch query {self.stretch_id}: writing the final windows "
+                                   f"failed: {self._finish_error}") from self._finish_error
+        return result
+
+    def processAllAvailable(self) -> None:
+        self._query.processAllAvailable()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._query, name)
+
+    def __repr__(self) -> str:
+        return f"StretchQuery(id={self._query.id if self._query else None}, format={self._format})"
+
+
+def _install() -> None:
+    """Attach ``stretchAggregate`` to DataFrame (once, on import of spark_stretch)."""
+    if getattr(DataFrame, "_stretch_installed", False):
+        return
+
+    def stretchAggregate(self, keys=None, window=None, agg="count", **kwargs):
+        return stretch_aggregate(self, keys, window, agg, **kwargs)
+
+    stretchAggregate.__doc__ = stretch_aggregate.__doc__
+    DataFrame.stretchAggregate = stretchAggregate
+    DataFrame._stretch_installed = True

@@ -1,0 +1,281 @@
+"""One stretch query inside the host engine process: Arrow in, engine, Arrow out.
+
+Runs in :mod:`spark_stretch.spark.hostd` (no Spark in this process). Spark's timeline for a
+window aggregation is reproduced exactly (``IncrementalExecution``): batch N filters late rows with
+the *previous* batch's watermark W_{N-1} and evicts windows with the current one, W_N, which was
+computed after batch N-1 as ``max(W_{N-1}, max event time (ms) - delay)``. Per micro-batch N:
+
+1. ``ingest``: the committed input of batch N arrives as one Arrow table (the shim's two-phase
+   write publishes exactly the committed task attempts, in partition order).
+2. ``step``: keys are interned to exact int64 ids (vectorised: Python touches each distinct new
+   string once, never a row); the batch enters the ESG under W_{N-1} (a row whose every window
+   ended by then is late: dropped and counted; a row with some windows still open updates only
+   those); the ESG advances to W_N and the instances emit every window with ``end <= W_N``.
+3. The results are offered as an Arrow table on ``<query>:out:<N>`` for the executors to read.
+
+``flush`` plays Spark's no-data batch: when the query goes idle (or an ``availableNow`` run ends)
+and the next watermark is ahead, the windows it closes are emitted (``<query>:flush:<N>``).
+
+A replay of the last batch (Spark re-running it after a failure) re-offers the same output without
+touching the engine; Delta's ``txnVersion`` then makes the sink write a no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..engine import Engine, Interner, ListColumn
+from ..ops.aggregate import aggregate
+
+__all__ = ["QueryRuntime"]
+
+_TS = pa.timestamp("us", tz="UTC")
+
+
+class QueryRuntime:
+    """The engine-side state of one query (``spec`` is ``asdict(AggregationSpec)``)."""
+
+    def __init__(self, qid: str, spec: dict, receiver):
+        self.qid = qid
+        self.spec = spec
+        self.receiver = receiver
+        self.interner = Interner()
+        # One engine operator per aggregation, all fed the same tuples under the same owner map
+        # and watermark: their outputs come out in the same (ts, key, window) order and zip.
+        # (A fused multi-aggregate kernel would update all in one pass; see docs/architecture.md.)
+        self.engines = [
+            Engine(op, m=spec["parallelism"], n=spec["max_parallelism"], n_buckets=spec["buckets"],
+                   lateness="window")
+            for op in _make_operators(spec)]
+        # Spark's watermark starts at 0 ms; the engine works in microseconds. watermark_ms is
+        # W_N (eviction, and the late rule of the next batch); next_watermark_ms is W_{N+1}.
+        self.watermark_ms = 0
+        self.next_watermark_ms = 0
+        self.max_event_ms: Optional[int] = None
+        self._offered: Optional[str] = None
+        for eng in self.engines:
+            eng.esg_in.add_sources([0], ordered=False, watermark=0)
+        self.pending = {}
+        self.last_batch = -1
+        self.last_reply: Optional[dict] = None
+        self.lock = threading.Lock()
+        self.counters = {"input_rows": 0, "late_rows": 0, "output_rows": 0, "batches": 0}
+        self.switches = []
+
+    def describe(self) -> dict:
+        return {"query": self.qid, "parallelism": self.spec["parallelism"],
+                "max_parallelism": self.spec["max_parallelism"]}
+
+    # -- data --------------------------------------------------------------------------------------
+    def ingest(self, rest: str, job: str, table: pa.Table) -> None:
+        kind, _, batch = rest.partition(":")
+        if kind != "in":
+            raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
+        with self.lock:
+            # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
+            self.pending[int(batch)] = table
+
+    def step(self, batch: int) -> dict:
+        with self.lock:
+            table = self.pending.pop(batch, None)
+            if batch <= self.last_batch:
+                if batch == self.last_batch and self.last_reply is not None:
+                    return dict(self.last_reply, replayed=True)
+                raise RuntimeError(
+                    f"batch {batch} replayed after batch {self.last_batch}: the engine state of "
+                    "that batch is gone (restart the query from its checkpoint)")
+            t0 = time.perf_counter()
+            lead = self.engines[0]
+            late_before = lead.esg_in.late_dropped
+            if table is not None and table.num_rows:
+                cols = self._columns(table, batch)
+                for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
+                    eng.esg_in.add(cols, 0)
+                self.counters["input_rows"] += table.num_rows
+                top = int(cols["ts"].max()) // 1000
+                self.max_event_ms = top if self.max_event_ms is None else max(self.max_event_ms, top)
+            out = self._advance(self.next_watermark_ms)  # evict with W_N
+            if self.max_event_ms is not None:  # W_{N+1}, applied from the next batch
+                self.next_watermark_ms = max(self.watermark_ms,
+                                             self.max_event_ms - self.spec["delay_ms"])
+            late = lead.esg_in.late_dropped - late_before
+            self.counters["late_rows"] += late
+            self.counters["batches"] += 1
+            self.last_batch = batch
+            self.last_reply = self._offer(f"{self.qid}:out:{batch}", out, {
+                "watermark_ms": self.watermark_ms, "late_rows": late,
+                "engine_ms": (time.perf_counter() - t0) * 1e3})
+            return self.last_reply
+
+    def flush(self) -> dict:
+        """Spark's no-data batch: emit the windows the next watermark closes, if it is ahead."""
+        with self.lock:
+            if self.next_watermark_ms <= self.watermark_ms:
+                return {"rows": 0, "batch": self.last_batch}
+            out = self._advance(self.next_watermark_ms)
+            reply = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
+                                {"watermark_ms": self.watermark_ms})
+            return dict(reply, batch=self.last_batch)
+
+    def _advance(self, watermark_ms: int) -> pa.Table:
+        self.watermark_ms = watermark_ms
+        for eng in self.engines:
+            eng.esg_in.advance_watermark(watermark_ms * 1000)
+            eng.drain()
+        return self._output()
+
+    def _offer(self, stream: str, out: pa.Table, metrics: dict) -> dict:
+        # Keep the previous output offered until the next one replaces it (a retried read task,
+        # or a replayed batch, reads the same rows).
+        if self._offered is not None and self._offered != stream:
+            self.receiver.offer(self._offered, None)
+        self.receiver.offer(stream, out)
+        self._offered = stream
+        self.counters["output_rows"] += out.num_rows
+        return {"rows": out.num_rows, "stream": stream, "metrics": metrics}
+
+    def _columns(self, table: pa.Table, batch: int) -> dict:
+        s = self.spec
+        ts = table.column(s["ts_column"])
+        if ts.null_count:
+            raise ValueError(f"event-time column '{s['ts_column']}' has {ts.null_count} nulls in "
+                             f"batch {batch}")
+        ts = pc.cast(ts, pa.int64()).to_numpy()
+        cols = {"ts": ts}
+        key = table.column(s["key_column"]).combine_chunks()
+        if s["key_kind"] == "scalar":
+            self._no_nulls(key, batch)
+            cols["key"] = self._ids(key)
+        else:
+            # A null array has no keys (as explode); a null element would be a null key.
+            key = pc.fill_null(key, pa.scalar([], key.type))
+            values = key.flatten()
+            self._no_nulls(values, batch)
+            offsets = pc.subtract(key.offsets, key.offsets[0]).to_numpy().astype(np.int64)
+            cols["key"] = ListColumn(offsets, self._ids(values, force_intern=s["key_kind"] == "pairs"))
+        for c in s["value_types"]:
+            v = table.column(c)
+            vt = s["value_types"][c]
+            # Spark's sum/min/max/avg skip nulls; the engine gets a validity mask via NaN/flags.
+            if v.null_count:
+                raise ValueError(f"agg column '{c}' has {v.null_count} nulls in batch {batch}; "
+                                 "stretchAggregate needs non-null values (fill or filter them)")
+            cols[c] = pc.cast(v, pa.int64() if vt == "long" else pa.float64()).to_numpy()
+        return cols
+
+    def _no_nulls(self, arr, batch: int) -> None:
+        if arr.null_count:
+            col = self.spec["key_column"]
+            raise ValueError(
+                f"keys column '{col}' has {arr.null_count} null keys in batch {batch}; "
+                "stretchAggregate does not group nulls (Spark would make a null group): filter "
+                f"them first, e.g. df.where(F.col('{col}').isNotNull())")
+
+    def _ids(self, arr: pa.Array, force_intern: bool = False) -> np.ndarray:
+        """Exact int64 ids: strings interned (each distinct string once per batch), longs as is."""
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type) or force_intern:
+            enc = pc.dictionary_encode(arr).combine_chunks() if isinstance(arr, pa.ChunkedArray) \
+                else pc.dictionary_encode(arr)
+            uniq = self.interner.intern(enc.dictionary.to_pylist())
+            return np.asarray(uniq, np.int64)[enc.indices.to_numpy(zero_copy_only=False)]
+        return pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)
+
+    def _output(self) -> pa.Table:
+        s = self.spec
+        outs = [eng.esg_out.get_batch("driver")[0] for eng in self.engines]
+        out = outs[0]
+        n = len(out["ts"])
+        for other in outs[1:]:  # same tuples, same windows: the rows must line up one to one
+            if not (np.array_equal(other["key"], out["key"])
+                    and np.array_equal(other["window_start"], out["window_start"])):
+                raise RuntimeError("aggregation outputs out of step (engine bug)")
+        start = np.asarray(out["window_start"], np.int64)
+        window = pa.StructArray.from_arrays(
+            [pa.array(start, pa.int64()).cast(_TS), pa.array(start + s["window_us"], pa.int64()).cast(_TS)],
+            names=["start", "end"])
+        keys = np.asarray(out["key"], np.int64)
+        key = self._decode_keys(keys)
+        arrays, names = [window, key], ["window", "key"]
+        for (fn, col), name, o in zip(s["aggs"], _names(s), outs):
+            v = np.asarray(o[fn])
+            if fn == "count" or (fn in ("sum", "min", "max") and s["value_types"][col] == "long"):
+                arrays.append(pa.array(v.astype(np.int64)))
+            else:
+                arrays.append(pa.array(v.astype(np.float64)))
+            names.append(name)
+        return pa.Table.from_arrays(arrays, names=names)
+
+    def _decode_keys(self, keys: np.ndarray) -> pa.Array:
+        s = self.spec
+        strings = s["key_type"] == "string"
+        if s["key_kind"] == "pairs":
+            a, b = keys >> 32, keys & 0xFFFFFFFF
+            fa, fb = (self._strings(a), self._strings(b)) if strings else \
+                (self._longs(a), self._longs(b))
+            return pa.StructArray.from_arrays([fa, fb], names=["_1", "_2"])
+        return self._strings(keys) if strings else pa.array(keys, pa.int64())
+
+    def _strings(self, ids: np.ndarray) -> pa.Array:
+        return pa.array(self.interner.lookup(ids), pa.string())
+
+    def _longs(self, ids: np.ndarray) -> pa.Array:
+        return pa.array(np.asarray(self.interner.lookup(ids), dtype=np.int64))
+
+    # -- control -----------------------------------------------------------------------------------
+    def reconfigure(self, parallelism: Optional[int], owner_map) -> dict:
+        with self.lock:  # between two micro-batches: the engine is idle here
+            t0 = time.perf_counter()
+            m = parallelism or self.spec["parallelism"]
+            om = None if owner_map is None else np.asarray(owner_map, np.int64)
+            for eng in self.engines:
+                epoch = eng.reconfigure(m=parallelism, owner_map=om)
+                eng.drain()
+            ms = (time.perf_counter() - t0) * 1e3
+            self.spec["parallelism"] = m
+            rec = {"epoch": int(epoch), "parallelism": m, "switch_ms": ms,
+                   "after_batch": self.last_batch,
+                   "live_windows": int(self.engines[0].live_windows())}
+            self.switches.append(rec)
+            return rec
+
+    def metrics(self) -> dict:
+        with self.lock:
+            return {**self.counters, "parallelism": self.spec["parallelism"],
+                    "watermark_ms": self.watermark_ms, "switches": list(self.switches),
+                    "live_windows": int(self.engines[0].live_windows()),
+                    "engine": {k: v for k, v in self.engines[0].metrics().items()
+                               if isinstance(v, (int, float, str))}}
+
+    def close(self) -> None:
+        with self.lock:
+            if self._offered is not None:
+                self.receiver.offer(self._offered, None)
+            for eng in self.engines:
+                eng.close()
+
+
+def _names(spec: dict):
+    return ["count" if fn == "count" else f"{'avg' if fn == 'mean' else fn}({col})"
+            for fn, col in spec["aggs"]]
+
+
+def _make_operators(spec: dict):
+    """One built-in engine operator per aggregation of the spec."""
+    kw = dict(WS=spec["window_us"], WA=spec["slide_us"])
+    if spec["key_kind"] == "scalar":
+        kw["key"] = "key"
+    else:
+        kw["keys"] = "key"
+        if spec["key_kind"] == "pairs":
+            kw["pairs"], kw["B"] = True, spec["distance"]
+    ops = []
+    for fn, col in spec["aggs"]:
+        vt = "i" if col is not None and spec["value_types"][col] == "long" else "f"
+        ops.append(aggregate(fn, value=col, value_type=vt, **kw))
+    return ops

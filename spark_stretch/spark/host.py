@@ -1,0 +1,142 @@
+"""The driver's handle on this host's engine process: started on demand, stopped with the last
+query that uses it, never left behind."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Optional
+
+from .receiver import request
+
+__all__ = ["HostEngine", "EngineDiedError"]
+
+
+class EngineDiedError(RuntimeError):
+    """The host engine process is gone (killed, crashed or stopped) while a query needed it."""
+
+
+def _die_with_parent() -> None:
+    # Linux: the engine gets SIGTERM if the driver dies, even by kill -9.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class HostEngine:
+    """One engine process per host and driver; reference-counted by the queries that use it.
+
+    Examples
+    --------
+    >>> eng = HostEngine.acquire()          # doctest: +SKIP
+    >>> eng.request({"op": "ping"})["pid"] == eng.pid   # doctest: +SKIP
+    True
+    >>> eng.release()                       # doctest: +SKIP
+    """
+
+    _current: Optional["HostEngine"] = None
+    _lock = threading.Lock()
+
+    def __init__(self, start_timeout: float = 180.0):
+        self._dir = tempfile.mkdtemp(prefix="stretch-engine-")
+        self.socket_path = os.path.join(self._dir, "engine.sock")
+        self.host = os.environ.get("SPARK_LOCAL_IP") or __import__("socket").gethostname()
+        self._refs = 0
+        env = dict(os.environ)
+        env.pop("PYSPARK_GATEWAY_PORT", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spark_stretch.spark.hostd", "--socket", self.socket_path,
+             "--parent", str(os.getpid())],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=_die_with_parent)
+        line = self._readline(start_timeout)
+        if line.strip() != "READY":
+            err = self._drain_stderr()
+            self.stop()
+            raise EngineDiedError(f"the stretch host engine did not start: {line!r} {err}")
+        atexit.register(self.stop)
+
+    def _readline(self, timeout: float) -> str:
+        out = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        return out[0] if out else ""
+
+    def _drain_stderr(self) -> str:
+        try:
+            return self.proc.stderr.read()[-4000:] if self.proc.poll() is not None else ""
+        except (OSError, ValueError):
+            return ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}={self.socket_path}"
+
+    @classmethod
+    def acquire(cls) -> "HostEngine":
+        """The running engine (started if needed), with one more reference."""
+        with cls._lock:
+            cur = cls._current
+            if cur is None or cur.proc.poll() is not None:
+                if cur is not None:
+                    cur.stop()
+                cur = cls._current = HostEngine()
+            cur._refs += 1
+            return cur
+
+    def release(self) -> None:
+        """Drop a reference; the last one stops the process."""
+        with HostEngine._lock:
+            self._refs -= 1
+            if self._refs <= 0:
+                self.stop()
+                if HostEngine._current is self:
+                    HostEngine._current = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def request(self, header: dict, timeout: float = 600.0) -> dict:
+        """A control request; a dead engine raises :class:`EngineDiedError` with its exit status."""
+        try:
+            return request(self.socket_path, header, timeout=timeout)
+        except ConnectionError as e:
+            if self.proc.poll() is not None:
+                raise EngineDiedError(
+                    f"the stretch host engine (pid {self.pid}) died with exit status "
+                    f"{self.proc.returncode} during '{header.get('op')}'. "
+                    f"{self._drain_stderr()}".strip()) from e
+            raise
+
+    def stop(self) -> None:
+        """Stop the process (politely, then by force) and remove its socket directory."""
+        if self.proc.poll() is None:
+            try:
+                request(self.socket_path, {"op": "shutdown"}, timeout=10)
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except Exception:
+                pass
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,98 @@
+"""The host engine process: one per host, shared by every executor and task on it.
+
+Started by :class:`spark_stretch.spark.host.HostEngine` as ``python -m spark_stretch.spark.hostd``.
+It serves the ``stretch`` data source on a Unix socket (executors write input and read results) and
+the driver's control requests (``open``, ``step``, ``reconfigure``, ``metrics``, ``close``). It
+exits on ``shutdown``, on SIGTERM, or when its parent (the driver) is gone, removing its socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import traceback
+
+from .receiver import Receiver
+
+
+class HostDaemon:
+    """Routes data-source commits and control requests to the queries' runtimes."""
+
+    def __init__(self, socket_path: str):
+        from .bridge import QueryRuntime  # imports numba kernels: do it once, here
+
+        self._QueryRuntime = QueryRuntime
+        self.queries = {}
+        self.stop_event = threading.Event()
+        self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
+        for op in ("open", "step", "flush", "reconfigure", "metrics", "close", "shutdown"):
+            self.receiver.register(op, getattr(self, f"_op_{op}"))
+
+    def _query(self, header):
+        qid = header["query"]
+        if qid not in self.queries:
+            raise KeyError(f"query {qid} is not open on this host engine")
+        return self.queries[qid]
+
+    def _on_commit(self, stream: str, job: str, table) -> None:
+        qid, _, rest = stream.partition(":")
+        self._query({"query": qid}).ingest(rest, job, table)
+
+    def _op_open(self, h):
+        qid = h["query"]
+        if qid not in self.queries:
+            self.queries[qid] = self._QueryRuntime(qid, h["spec"], self.receiver)
+        return self.queries[qid].describe()
+
+    def _op_step(self, h):
+        return self._query(h).step(int(h["batch"]))
+
+    def _op_flush(self, h):
+        return self._query(h).flush()
+
+    def _op_reconfigure(self, h):
+        return self._query(h).reconfigure(h.get("parallelism"), h.get("owner_map"))
+
+    def _op_metrics(self, h):
+        return self._query(h).metrics()
+
+    def _op_close(self, h):
+        rt = self.queries.pop(h["query"], None)
+        if rt is not None:
+            rt.close()
+        return {"open_queries": len(self.queries)}
+
+    def _op_shutdown(self, h):
+        self.stop_event.set()
+        return {}
+
+    def serve(self, parent: int) -> None:
+        print("READY", flush=True)
+        while not self.stop_event.wait(0.5):
+            if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
+                break
+        for rt in list(self.queries.values()):
+            rt.close()
+        self.receiver.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="spark-stretch host engine")
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--parent", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        daemon = HostDaemon(args.socket)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop_event.set())
+    daemon.serve(args.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

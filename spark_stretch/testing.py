@@ -1,0 +1,87 @@
+"""Synthetic tweet streams for demos, tests and benchmarks (shipped, like bytewax's testing module).
+
+Tweets have an event time ``ts`` and ``words``: 8-20 Zipf-distributed words from a fixed
+vocabulary, stored as a list column. Event times grow at ``rate`` tweets per second with a little
+disorder (``jitter_s``), and a fraction of tweets can be made late on purpose.
+
+Examples
+--------
+>>> from spark_stretch.testing import tweets_table
+>>> t = tweets_table(100, seed=1)
+>>> t.column_names, t.num_rows
+(['ts', 'words', 'user', 'len'], 100)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["tweets_table", "write_tweets"]
+
+_VOCAB_CACHE = {}
+
+
+def _vocab(size: int) -> pa.Array:
+    if size not in _VOCAB_CACHE:
+        _VOCAB_CACHE[size] = pa.array([f"w{i}" for i in range(size)], pa.string())
+    return _VOCAB_CACHE[size]
+
+
+def tweets_table(n: int, *, start_s: float = 0.0, rate: float = 1000.0, vocab: int = 20_000,
+                 zipf_a: float = 1.3, min_words: int = 8, max_words: int = 20,
+                 jitter_s: float = 2.0, late_fraction: float = 0.0, late_by_s: float = 300.0,
+                 users: int = 1000, seed: int = 0) -> pa.Table:
+    """``n`` tweets as a pyarrow Table: ``ts`` (timestamp us, UTC), ``words`` (list<string>),
+    ``user`` (string) and ``len`` (int64, number of words).
+
+    Parameters
+    ----------
+    start_s, rate : float
+        Event time of the first tweet (seconds) and tweets per second of event time.
+    jitter_s : float
+        Uniform disorder added to event times (out-of-order but mostly on time).
+    late_fraction, late_by_s : float
+        This fraction of tweets is moved ``late_by_s`` seconds into the past (late data).
+    """
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(min_words, max_words + 1, n)
+    offsets = np.zeros(n + 1, np.int32)
+    offsets[1:] = np.cumsum(lens)
+    ids = (rng.zipf(zipf_a, int(offsets[-1])) - 1) % vocab
+    words = pa.ListArray.from_arrays(pa.array(offsets), _vocab(vocab).take(pa.array(ids)))
+    ts_s = start_s + np.arange(n) / rate + rng.uniform(0, jitter_s, n)
+    if late_fraction > 0:
+        late = rng.random(n) < late_fraction
+        ts_s[late] -= late_by_s
+    ts = pa.array((np.maximum(ts_s, 0) * 1e6).astype(np.int64)).cast(pa.timestamp("us", tz="UTC"))
+    user = pa.array([f"u{u}" for u in range(users)], pa.string()).take(
+        pa.array(rng.integers(0, users, n)))
+    return pa.table({"ts": ts, "words": words, "user": user, "len": pa.array(lens, pa.int64())})
+
+
+def write_tweets(folder, n: int, files: int = 1, first_file: int = 0, seed: Optional[int] = None,
+                 **kwargs) -> Path:
+    """Write ``n`` tweets as ``files`` parquet files (consecutive event times) into ``folder``.
+
+    File names sort in event-time order, so a file source with ``maxFilesPerTrigger`` replays the
+    stream batch by batch. Returns the folder.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-n // files)
+    rate = kwargs.pop("rate", 1000.0)
+    start_s = kwargs.pop("start_s", 0.0)
+    for i in range(files):
+        k = min(per, n - i * per)
+        if k <= 0:
+            break
+        f = first_file + i
+        t = tweets_table(k, start_s=start_s + f * per / rate, rate=rate,
+                         seed=(f if seed is None else seed * 100_003 + f), **kwargs)
+        pq.write_table(t, folder / f"tweets-{f:06d}.parquet")
+    return folder

@@ -1,0 +1,253 @@
+"""Runtime: setup/reconfigure/drain, epochs without state copies, errors, snapshot/restore, modes."""
+import time
+
+import numpy as np
+import pytest
+from numba import njit
+
+from spark_stretch.engine import Engine, EngineError, ListColumn, Operator, SNEngine, reconfigure, setup
+from spark_stretch.engine.reference import ref_aggregate, reference_run
+from spark_stretch.ops import aggregate, paircount, wordcount
+from stretch_helpers import batch_to_rows, rows_to_batch, run_engine, same_rows
+
+
+def tweets(n, t0=0, seed=0, vocab=50):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, 8, n)
+    off = np.zeros(n + 1, np.int64)
+    off[1:] = np.cumsum(lens)
+    return {"ts": np.sort(rng.integers(t0, t0 + 100, n)), "words": ListColumn(off, rng.integers(0, vocab, off[-1]))}
+
+
+def test_setup_returns_esgs_and_pools_n_minus_m_instances():
+    esg_in, esg_out = setup(wordcount(WS=10), m=2, n=4, n_buckets=64)
+    eng = esg_out.engine
+    assert eng is esg_in.engine and eng.active == [0, 1] and eng.pool == [2, 3]
+    assert esg_in.readers() == [0, 1] and esg_out.sources() == [0, 1]
+    assert reconfigure(esg_in, m=3) == 1
+    eng.drain()
+    assert eng.active == [0, 1, 2] and esg_in.readers() == [0, 1, 2] and esg_out.sources() == [0, 1, 2]
+    reconfigure(esg_out, instances=[3])
+    eng.drain()
+    assert eng.active == [3] and eng.pool == [0, 1, 2] and esg_in.readers() == [3]
+
+
+@pytest.mark.parametrize("m,n,msg", [(3, 2, "m=3 > n=2: initial parallelism m must not exceed max parallelism n"),
+                                     (0, 2, "m=0; parallelism must be a positive int"),
+                                     (1, 2.0, "n=2.0; parallelism must be a positive int")])
+def test_bad_parallelism(m, n, msg):
+    with pytest.raises(EngineError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        Engine(wordcount(WS=10), m=m, n=n)
+
+
+def test_bad_reconfigurations_are_rejected_and_the_engine_stays_usable():
+    eng = Engine(wordcount(WS=10), 1, 2, n_buckets=8)
+    eng.esg_in.add_sources([0], ordered=False)
+    with pytest.raises(EngineError, match="owner_map misses bucket 2"):
+        eng.reconfigure(instances=[0, 1], owner_map=[0, 1, 5, 0, 1, 0, 1, 0])
+    with pytest.raises(EngineError, match="owner_map misses bucket 0: its owner 1"):
+        eng.reconfigure(instances=[0], owner_map=[1] * 8)
+    with pytest.raises(EngineError, match=r"instances \[2\] are not in range\(n=2\)"):
+        eng.reconfigure(instances=[0, 2])
+    with pytest.raises(EngineError, match="m=3 > n=2"):
+        eng.reconfigure(m=3)
+    eng.esg_in.add(tweets(20), 0)
+    eng.esg_in.advance_watermark(200)
+    eng.drain()
+    out, wm = eng.read_output()
+    assert wm == 200 and out["count"].sum() == len(tweets(20)["words"].values)
+
+
+def test_key_function_of_the_wrong_type_is_rejected_at_add():
+    eng = Engine(aggregate("count", key="k", WS=10), 1, 1, n_buckets=8)
+    eng.esg_in.add_sources([0], ordered=False)
+    with pytest.raises(EngineError, match="key column 'k' has dtype float64; keys must be int ids or strings"):
+        eng.esg_in.add({"ts": np.array([1]), "k": np.array([1.5])}, 0)
+    with pytest.raises(EngineError, match="keys column 'words' has type int64; keys= needs a list column"):
+        Engine(wordcount(WS=10), 1, 1).esg_in.add({"ts": np.array([1]), "words": np.array([1])}, 0) \
+            if False else _add_sources_then(Engine(wordcount(WS=10), 1, 1), {"ts": np.array([1]), "words": np.array([1])})
+    eng.esg_in.add({"ts": np.array([1]), "k": np.array(["a"], object)}, 0)  # strings are fine (interned)
+    eng.esg_in.advance_watermark(10)
+    eng.drain()
+    assert eng.read_output()[0]["count"].tolist() == [1]
+
+
+def _add_sources_then(eng, batch):
+    eng.esg_in.add_sources([0], ordered=False)
+    eng.esg_in.add(batch, 0)
+
+
+def test_user_key_function_returning_a_wrong_type_gives_a_clear_error_and_nothing_is_lost():
+    @njit
+    def bad_mk(cols, row, out):
+        return 1.5  # not an int count
+
+    @njit
+    def mk(cols, row, out):
+        out[0] = cols[0][row]
+        return 1
+
+    bad = Operator(WA=10, WS=10, f_MK=(bad_mk,), S=(("n", "i"),), columns=((("k", "int64"),),))
+    eng = Engine(bad, 1, 1, n_buckets=8)
+    eng.esg_in.add_sources([0], ordered=False)
+    eng.esg_in.add({"ts": np.array([1]), "k": np.array([3])}, 0)
+    eng.esg_in.advance_watermark(10)
+    with pytest.raises(EngineError, match="f_MK of stream 0 of operator O\\+ returns float64; it must return the int number"):
+        eng.drain()
+    assert len(eng._backlog) == 1
+
+
+def test_epoch_switch_copies_no_state_and_costs_o_of_b():
+    eng = Engine(wordcount(WS=1000), 2, 2, n_buckets=256)
+    eng.esg_in.add_sources([0], ordered=False)
+    eng.esg_in.add(tweets(2000, vocab=5000), 0)
+    eng.esg_in.advance_watermark(150)
+    eng.drain()
+    live = eng.live_windows()
+    assert live > 1000
+    arrays = {k: id(v) for k, v in eng.state.arrays().items()}
+    for i in range(20):
+        eng.reconfigure(instances=[i % 2], owner_map=np.full(256, i % 2))
+        eng.drain()
+    assert {k: id(v) for k, v in eng.state.arrays().items()} == arrays  # same buffers: nothing copied
+    assert eng.live_windows() == live
+    m = eng.metrics()
+    assert m["epoch_switches"] == 20 and m["state_bytes_copied"] == 0 and m["last_switch_ms"] < 5
+
+
+def test_driven_mode_fixed_overhead_is_well_under_a_millisecond():
+    eng = Engine(wordcount(WS=10), 2, 2, n_buckets=1024)
+    eng.esg_in.add_sources([0], ordered=False)
+    one = tweets(1)
+    eng.esg_in.add(one, 0)
+    eng.esg_in.advance_watermark(200)
+    eng.drain()
+    eng.read_output()
+    times = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        eng.esg_in.add({"ts": np.array([300 + 10 * i]), "words": ListColumn([0, 2], np.array([1, 2]))}, 0)
+        eng.esg_in.advance_watermark(300 + 10 * i)
+        eng.drain()
+        eng.read_output()
+        times.append(time.perf_counter() - t0)
+    assert np.median(times) < 1e-3, f"median add+watermark+drain+read {np.median(times) * 1e3:.3f} ms"
+
+
+def _script(seed, steps=30):
+    rng = np.random.default_rng(seed)
+    script = [("sources", [0, 1])]
+    t = 0
+    for step in range(steps):
+        for s in (0, 1):
+            rows = [{"ts": t + int(rng.integers(0, 20)), "words": rng.integers(0, 12, rng.integers(0, 7)).tolist(),
+                     "v": float(rng.integers(-9, 9))} for _ in range(6)]
+            script.append(("add", s, rows))
+        t += 7
+        script.append(("wm", t))
+        if step % 4 == 1:
+            script.append(("reconf", {"m": int(rng.integers(1, 4))}))
+        if step % 6 == 3:
+            script.append(("reconf", {"instances": [0, 2], "owner_map": rng.choice([0, 2], 64)}))
+    return script
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+def test_wordcount_paircount_match_reference_under_reconfigurations(engine_cls):
+    script = _script(1)
+    cases = [(wordcount(WS=10, WA=5), ref_aggregate("count", keys="words", WS=10, WA=5)),
+             (paircount(B=2, WS=10), ref_aggregate("count", keys="words", pairs=True, B=2, WS=10)),
+             (paircount(WS=14, WA=7), ref_aggregate("count", keys="words", pairs=True, WS=14, WA=7))]
+    for op, ref in cases:
+        got, eng = run_engine(op, script, [{"words": "list", "v": np.float64}], m=2, n=3, engine_cls=engine_cls,
+                              inline_rows=0)
+        same_rows(got, reference_run(ref, script), ["count"])
+        assert eng.metrics()["epoch_switches"] > 5
+
+
+def test_snapshot_restore_continue_equals_uninterrupted(tmp_path):
+    script = _script(2, steps=24)
+    cols = [{"words": "list", "v": np.float64}]
+    op = aggregate("sum", keys="words", value="v", WS=10, WA=5)
+    want, _ = run_engine(op, script, cols, m=2, n=3)
+    cut = len(script) // 2
+    first, eng = _run_partial(op, script[:cut], cols)
+    blob = eng.snapshot(tmp_path / "snap")
+    assert eng.metrics()["dirty_buckets"] == 0  # cleared by the snapshot
+    eng2 = Engine.restore(op, tmp_path / "snap")
+    eng3 = Engine.restore(op, blob)
+    for e in (eng2, eng3):
+        e.esg_out.add_readers(["driver"])
+        rest = _continue(e, script[cut:], cols)
+        assert first + rest == want
+
+
+def _run_partial(op, script, cols):
+    eng = Engine(op, 2, 3, n_buckets=64)
+    rows = _continue(eng, script, cols)
+    return rows, eng
+
+
+def _continue(eng, script, cols):
+    for act in script:
+        if act[0] == "sources":
+            eng.esg_in.add_sources(act[1], ordered=False)
+        elif act[0] == "add":
+            eng.esg_in.add(rows_to_batch(act[2], cols[0]), act[1])
+        elif act[0] == "wm":
+            eng.esg_in.advance_watermark(act[1])
+            eng.drain()
+        elif act[0] == "reconf":
+            eng.reconfigure(**act[1])
+    eng.drain()
+    return batch_to_rows(eng.read_output(decode=False)[0])
+
+
+def test_free_running_threads_give_the_same_output_as_driven_mode():
+    script = _script(3, steps=20)
+    cols = [{"words": "list", "v": np.float64}]
+    op = paircount(B=3, WS=10)
+    want, _ = run_engine(op, script, cols, m=2, n=3)
+    eng = Engine(op, 2, 3, n_buckets=64, inline_rows=0)
+    eng.start()
+    try:
+        for act in script:
+            if act[0] == "sources":
+                eng.esg_in.add_sources(act[1], ordered=False)
+            elif act[0] == "add":
+                eng.esg_in.add(rows_to_batch(act[2], cols[0]), act[1])
+            elif act[0] == "wm":
+                eng.esg_in.advance_watermark(act[1])
+            elif act[0] == "reconf":
+                eng.reconfigure(**act[1])
+        eng.drain(timeout=60)
+    finally:
+        eng.stop()
+    assert batch_to_rows(eng.read_output(decode=False)[0]) == want
+
+
+def test_composition_esg_out_feeds_the_next_operator():
+    # word count per 10, then count of (word, window) results per word over 20: a 2-operator pipeline
+    a = Engine(wordcount(WS=10), 2, 2, n_buckets=32, out_reader=None)
+    b = Engine(aggregate("sum", key="key", value="count", value_type="i", WS=20), 1, 2, n_buckets=32,
+               esg_in=a.esg_out)
+    a.esg_in.add_sources([0], ordered=False)
+    tw = tweets(300, vocab=6)
+    a.esg_in.add(tw, 0)
+    a.esg_in.advance_watermark(120)
+    a.drain()
+    b.drain()
+    out, wm = b.read_output()
+    assert wm == 120
+    words = tw["words"]
+    total = {}
+    for t, ws in zip(tw["ts"].tolist(), words.to_pylist()):
+        end_a = (t // 10) * 10 + 10  # a's result for t's window has ts = window end
+        if end_a > 120:
+            continue
+        lb = (end_a // 20) * 20  # ... and falls in b's window starting at lb
+        for w in ws:
+            total[(w, lb)] = total.get((w, lb), 0) + 1
+    got = {(k, l): v for k, l, v in zip(out["key"].tolist(), out["window_start"].tolist(), out["sum"].tolist())}
+    assert got == {k: v for k, v in total.items() if k[1] + 20 <= 120}
+    assert (np.diff(out["ts"]) >= 0).all()

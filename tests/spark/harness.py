@@ -1,0 +1,42 @@
+"""Run the same file stream through native Spark and through stretchAggregate (test helper)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyspark.sql import DataFrame, functions as F
+
+TWEETS = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
+
+
+def source(spark, src: Path, delay: str = "10 seconds", files_per_batch: int = 1) -> DataFrame:
+    return (spark.readStream.schema(TWEETS).option("maxFilesPerTrigger", files_per_batch)
+            .parquet(str(src)).withWatermark("ts", delay))
+
+
+def run_native(spark, agg, out: Path) -> DataFrame:
+    """The native equivalent of a StretchAggregation, append mode into Delta, availableNow."""
+    q = (agg.native().writeStream.format("delta").outputMode("append")
+         .option("checkpointLocation", str(out) + "-ckpt").trigger(availableNow=True).start(str(out)))
+    q.awaitTermination()
+    return spark.read.format("delta").load(str(out))
+
+
+def run_stretch(spark, agg, out: Path, **trigger) -> DataFrame:
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(out) + "-ckpt")
+         .trigger(**(trigger or {"availableNow": True})).start(str(out)))
+    q.awaitTermination()
+    return spark.read.format("delta").load(str(out))
+
+
+def sorted_rows(df: DataFrame):
+    return sorted(tuple(r) for r in df.select("window.start", "window.end", "key",
+                                              *[c for c in df.columns if c not in ("window", "key")]
+                                              ).collect())
+
+
+def key_str(df: DataFrame) -> DataFrame:
+    """Pair keys (structs) as strings, for comparisons that sort rows."""
+    if dict(df.dtypes)["key"].startswith("struct"):
+        return df.withColumn("key", F.concat_ws(" ", "key._1", "key._2"))
+    return df

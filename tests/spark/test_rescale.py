@@ -1,0 +1,85 @@
+"""Online reconfiguration while the query runs: same table, no restart, switch time reported."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from chispa import assert_df_equality
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import functions as F
+
+from spark_stretch.spark.host import HostEngine
+from spark_stretch.testing import write_tweets
+
+from harness import run_native, source
+
+
+def _wait_batches(q, n, timeout=120):
+    deadline = time.time() + timeout
+    while q.metrics()["batches"] < n:
+        assert q.isActive, q.exception()
+        assert time.time() < deadline, f"stuck before batch {n}"
+        time.sleep(0.05)
+
+
+def test_reconfigure_1_2_1_and_rebalance_mid_stream(spark, tmp_path):
+    src = write_tweets(tmp_path / "src", 9000, files=12, rate=10.0, vocab=100,
+                       late_fraction=0.02, jitter_s=5.0, seed=11)
+    agg = source(spark, src).stretchAggregate(
+        keys=F.col("words"), window=("60 seconds", "30 seconds"), parallelism=1, max_parallelism=2,
+        buckets=64)
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "c"))
+         .trigger(availableNow=True).start(str(tmp_path / "o")))
+    ids = (q.id, q.runId)
+    steps = [(2, dict(parallelism=2)), (5, dict(owner_map=[(b * 7) % 2 for b in range(64)])),
+             (8, dict(parallelism=1))]
+    recs = []
+    for after, change in steps:  # while the query runs: no stop, no restart
+        _wait_batches(q, after)
+        recs.append(q.reconfigure(**change))
+    assert q.isActive or q.metrics()["batches"] == 12
+    q.awaitTermination()
+    assert q.exception() is None and (q.id, q.runId) == ids
+    m = q.metrics()
+    assert m["batches"] == 12
+    assert [r["epoch"] for r in recs] == [1, 2, 3]
+    assert all(0 < r["switch_ms"] < 1000 and r["after_batch"] < 11 for r in recs), recs
+    assert [r["parallelism"] for r in m["reconfigurations"]] == [2, 2, 1]
+    got = spark.read.format("delta").load(str(tmp_path / "o"))
+    # Oracle: the native query over the same files (one file a batch, as the stretch run saw them).
+    want = run_native(spark, agg, tmp_path / "n")
+    assert want.count() > 0
+    assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
+
+
+def test_engine_killed_fails_the_query_with_the_cause(spark, tmp_path):
+    src = tmp_path / "src"
+    write_tweets(src, 500, files=1, rate=10.0, vocab=50, seed=5)
+    agg = source(spark, src).stretchAggregate(keys="words", window="60 seconds")
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "c"))
+         .trigger(processingTime="200 milliseconds").start(str(tmp_path / "o")))
+    _wait_batches(q, 1)
+    engine = HostEngine._current
+    os.kill(engine.pid, signal.SIGKILL)
+    write_tweets(src, 500, files=1, first_file=1, rate=10.0, vocab=50, seed=5)
+    with pytest.raises(StreamingQueryException, match="stretch"):
+        q.awaitTermination(120)
+    assert not q.isActive
+
+
+def test_stop_leaves_no_engine_behind(spark, tmp_path):
+    src = write_tweets(tmp_path / "src", 300, files=1, rate=10.0, vocab=50, seed=2)
+    agg = source(spark, src).stretchAggregate(keys="words", window="60 seconds")
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "c"))
+         .trigger(availableNow=True).start(str(tmp_path / "o")))
+    pid = HostEngine._current.pid
+    sock_dir = os.path.dirname(HostEngine._current.socket_path)
+    q.awaitTermination()
+    deadline = time.time() + 30
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "engine process outlived its last query"
+    assert not os.path.exists(sock_dir)
