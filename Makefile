@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) examples/quickstart_delta.py
+	$(PY) examples/wordcount_delta.py
 
 test: setup
 	$(PY) -m pytest -q -W ignore::FutureWarning

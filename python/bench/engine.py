@@ -189,7 +189,16 @@ def equal(a, b):
     return all(np.array_equal(a[k], b[k]) for k in ("ts", "key", "window_start", "count"))
 
 
-def bench_queries(n_tweets, batch, WS, n_buckets, queries, log, repeat=1):
+def wait_quiet(max_wait, log, threshold=1.0):
+    """On a shared machine: wait (up to ``max_wait`` s) until the 1-minute load average is below ``threshold``."""
+    t0 = time.monotonic()
+    while max_wait and os.getloadavg()[0] >= threshold and time.monotonic() - t0 < max_wait:
+        time.sleep(2)
+    if max_wait:
+        log(f"    (load average {os.getloadavg()[0]:.2f} after waiting {time.monotonic() - t0:.0f} s)")
+
+
+def bench_queries(n_tweets, batch, WS, n_buckets, queries, log, repeat=1, quiet=0):
     tw = tweets(n_tweets, rate=1000.0, seed=42)
     w_end = int(tw["ts"][-1]) + 2 * WS
     warm = tweets(3000, rate=1000.0, seed=1)
@@ -204,6 +213,7 @@ def bench_queries(n_tweets, batch, WS, n_buckets, queries, log, repeat=1):
         best = {}
         ok = True
         for _ in range(repeat):  # best of `repeat`, the configurations interleaved (the machine is shared)
+            wait_quiet(quiet, log)
             t1, o1 = run_1t(tw, WS, B, w_end)
             best["1T"] = max(best.get("1T", 0), n_tweets / t1)
             for name, cls, m in (("vsn_m1", Engine, 1), ("vsn_m2", Engine, 2), ("sn_m2", SNEngine, 2)):
@@ -255,12 +265,14 @@ def main(argv=None):
     ap.add_argument("--buckets", type=int, default=4096)
     ap.add_argument("--queries", default=",".join(QUERIES))
     ap.add_argument("--repeat", type=int, default=1, help="best of R runs per configuration")
+    ap.add_argument("--wait-quiet", type=float, default=0, help="before each round, wait up to S seconds "
+                    "for the load average to drop below 1 (shared machines)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
     log(f"{a.tweets:,} tweets, batches of {a.batch:,}, tumbling windows of {a.ws} ms, B={a.buckets}, "
         f"{os.cpu_count()} cores, best of {a.repeat}; throughput in input tweets/s")
-    q = bench_queries(a.tweets, a.batch, a.ws, a.buckets, a.queries.split(","), log, a.repeat)
+    q = bench_queries(a.tweets, a.batch, a.ws, a.buckets, a.queries.split(","), log, a.repeat, a.wait_quiet)
     sw = {"10k": epoch_switch_ms(10_000, a.buckets), "1M": epoch_switch_ms(1_000_000, a.buckets)}
     log(f"epoch switch (median of 100): 10k live windows {sw['10k']:.3f} ms, 1M live windows {sw['1M']:.3f} ms "
         f"(ratio {sw['1M'] / sw['10k']:.2f})")

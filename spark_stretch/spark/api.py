@@ -175,6 +175,7 @@ class StretchQuery:
     """
 
     _stopped = False
+    _engine_metrics: Optional[dict] = None
 
     def __init__(self, agg, fmt, options, path, table, checkpoint, own_checkpoint, meta):
         self._agg = agg
@@ -356,11 +357,14 @@ class StretchQuery:
         """Engine and per-batch figures: parallelism, epoch, switch times, late rows, timings."""
         with self._lock:
             out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
-        if self._engine.alive():
+        if not self._released and self._engine.alive():
             try:
-                out["engine"] = self._engine.request({"op": "metrics", "query": self.stretch_id})
+                self._engine_metrics = self._engine.request(
+                    {"op": "metrics", "query": self.stretch_id})
             except Exception as e:  # metrics must not throw on a dying query
                 out["engine_error"] = str(e)
+        if self._engine_metrics is not None:  # the last figures, also after the query ended
+            out["engine"] = self._engine_metrics
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -398,6 +402,8 @@ class StretchQuery:
             self._released = True
         try:
             if self._engine.alive():
+                self._engine_metrics = self._engine.request(
+                    {"op": "metrics", "query": self.stretch_id}, timeout=30)
                 self._engine.request({"op": "close", "query": self.stretch_id}, timeout=30)
         except Exception:
             pass

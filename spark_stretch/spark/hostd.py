@@ -57,7 +57,9 @@ class HostDaemon:
         return self._query(h).reconfigure(h.get("parallelism"), h.get("owner_map"))
 
     def _op_metrics(self, h):
-        return self._query(h).metrics()
+        # writer_pids: the executor JVMs that wrote to this host engine (one engine, many JVMs)
+        return {**self._query(h).metrics(), "writer_pids": sorted(self.receiver.writer_pids),
+                "engine_pid": os.getpid()}
 
     def _op_close(self, h):
         rt = self.queries.pop(h["query"], None)

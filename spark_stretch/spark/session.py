@@ -126,6 +126,20 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
         "spark.databricks.delta.snapshotPartitions": "2",
         "spark.sql.adaptive.enabled": "false",
     }
+    from .shim import cache_dir, shim_jar
+
+    # Our own Ivy directory: its jars/ then holds exactly the packages resolved for us.
+    ivy = cache_dir() / "ivy"
+    settings["spark.jars.ivy"] = str(ivy)
+    if master.startswith("local-cluster"):
+        # Executors that load Delta from spark.jars (a child classloader) fail to deserialize its
+        # Scala lambdas (SerializedLambda -> Function1); on the system classpath they work.
+        # Only Delta's own jars (Ivy names them org_artifact-version.jar): its transitive
+        # dependencies (an older Jackson) must not shadow Spark's.
+        group, artifact, version = delta_package().split(":")
+        delta_jars = [ivy / "jars" / f"{group}_{a}-{version}.jar"
+                      for a in (artifact, "delta-storage")]
+        settings["spark.executor.extraClassPath"] = ":".join(map(str, [*delta_jars, shim_jar()]))
     settings.update(conf or {})
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():

@@ -25,7 +25,30 @@ try:
         back = spark.read.format("stretch").options(**r.options("out")).load()
         assert_df_equality(df, back, ignore_row_order=True, ignore_nullable=True)
         result["executors"] = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1
-        result["ok"] = True
+
+    # stretchAggregate with both executor JVMs feeding the one host engine, against native Spark.
+    import tempfile
+    from pathlib import Path
+
+    from spark_stretch.testing import write_tweets
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from harness import run_native, run_stretch, source
+
+    tmp = Path(tempfile.mkdtemp(prefix="cluster-job-"))
+    src = write_tweets(tmp / "src", 4000, files=3, rate=20.0, vocab=200, late_fraction=0.02,
+                       jitter_s=4.0, seed=9)
+    agg = source(spark, src, files_per_batch=1).stretchAggregate(
+        keys=F.col("words"), window=("60 seconds", "30 seconds"), parallelism=2, max_parallelism=2)
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp / "c"))
+         .trigger(availableNow=True).start(str(tmp / "s")))
+    q.awaitTermination()
+    got = spark.read.format("delta").load(str(tmp / "s"))
+    want = run_native(spark, agg, tmp / "n")
+    assert want.count() > 0
+    assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
+    result["engine_writer_pids"] = q.metrics()["engine"]["writer_pids"]
+    result["ok"] = True
 finally:
     spark.stop()
 print("RESULT " + json.dumps(result))

@@ -30,6 +30,8 @@ def test_two_executor_jvms_share_one_receiver():
     assert result["executors"] == 2
     # Both executor JVMs wrote their partitions to the one host receiver, none is the driver.
     assert len(result["writer_pids"]) == 2
+    # stretchAggregate equalled native Spark, with both executor JVMs writing to one host engine.
+    assert len(result["engine_writer_pids"]) == 2
     # The driver, master, worker and executor JVMs of the job all end with it.
     deadline = time.time() + 60
     while _java_pids() - before and time.time() < deadline:

@@ -82,12 +82,20 @@ def test_read_is_placed_on_the_receivers_host(spark, receiver):
     assert locs.mkString(",") == receiver.host
 
 
-def test_large_read(spark, receiver):
-    table = pa.table({"id": pa.array(range(300_000)), "y": pa.array(range(300_000))})
+def test_large_read_with_nested_columns(spark, receiver):
+    # Several Arrow batches (batchRows 65536), with struct and list columns: Spark frees consumed
+    # batches, which must not break the next one (a struct vector loses its children on close).
+    n = 300_000
+    ids = pa.array(range(n))
+    table = pa.table({"id": ids, "s": pa.StructArray.from_arrays([ids, ids], names=["a", "b"]),
+                      "l": pa.ListArray.from_arrays(pa.array(range(0, 2 * n + 1, 2), pa.int32()),
+                                                    pa.array(range(2 * n)))})
     receiver.offer("big", table)
     df = spark.read.format("stretch").options(**receiver.options("big")).load()
-    row = df.agg(F.count("*").alias("n"), F.sum("id").alias("s")).first()
-    assert (row.n, row.s) == (300_000, sum(range(300_000)))
+    row = df.agg(F.count("*").alias("n"), F.sum("id").alias("i"), F.sum("s.b").alias("b"),
+                 F.sum(F.element_at("l", 2)).alias("l")).first()
+    assert (row.n, row.i, row.b, row.l) == (n, sum(range(n)), sum(range(n)),
+                                            sum(2 * k + 1 for k in range(n)))
 
 
 @pytest.mark.parametrize("option,value,needle", [

@@ -67,15 +67,27 @@ case class StretchReaderFactory(schema: StructType, opts: StretchOptions)
           s"${got.fields.map(_.name).mkString("[", ", ", "]")} but the read expects " +
           s"${schema.fields.map(_.name).mkString("[", ", ", "]")}")
       }
-      private val batch = new ColumnarBatch(
-        root.getFieldVectors.asScala.map(v => new ArrowColumnVector(v): ColumnVector).toArray)
+      private var batch: ColumnarBatch = null
+
+      // Spark may free a batch's vectors once consumed (closeIfFreeable), and closing an Arrow
+      // struct vector drops its children: so each batch gets its own vectors, moved (zero-copy)
+      // out of the reader's root, and the previous batch is released when the next is loaded.
+      private def release(): Unit = if (batch != null) { batch.close(); batch = null }
 
       override def next(): Boolean = {
-        if (reader.loadNextBatch()) { batch.setNumRows(root.getRowCount); true } else false
+        release()
+        if (!reader.loadNextBatch()) return false
+        val vectors = root.getFieldVectors.asScala.map { v =>
+          val tp = v.getTransferPair(allocator)
+          tp.transfer()
+          new ArrowColumnVector(tp.getTo): ColumnVector
+        }.toArray
+        batch = new ColumnarBatch(vectors, root.getRowCount)
+        true
       }
       override def get(): ColumnarBatch = batch
       override def close(): Unit = {
-        try reader.close() finally try allocator.close() finally client.close()
+        try release() finally try reader.close() finally try allocator.close() finally client.close()
       }
     }
   }
