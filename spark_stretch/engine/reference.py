@@ -103,7 +103,7 @@ def reference_run(op: RefOp, script, n_streams=1):
         if kind == "sources":
             for s in act[1]:
                 src_stream[s] = act[2] if len(act) > 2 else 0
-                wm[s] = max(wm.values(), default=MIN_TS) if False else wm.get(s, _cur_wm(wm))
+                wm[s] = wm.get(s, _cur_wm(wm))  # a new source starts at the current watermark
         elif kind == "add":
             _, s, rows = act
             for r in rows:

@@ -204,6 +204,14 @@ class StretchQuery:
     def _start(cls, agg, fmt, options, path, table, trigger, name) -> "StretchQuery":
         own = "checkpointLocation" not in options
         checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
+        commits = Path(checkpoint) / "commits"
+        if commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir()):
+            # The engine's state is not checkpointed yet: resuming would restart every open window
+            # from zero and write wrong counts. Refuse rather than be silently wrong.
+            raise NotImplementedError(
+                f"checkpoint '{checkpoint}' belongs to a stretch query that already ran; resuming "
+                "it needs the engine state of its last batch, which this version does not "
+                "checkpoint yet. Start with a new checkpointLocation (and a new output table).")
         meta = cls._meta(checkpoint)
         query = cls(agg, fmt, options, path, table, checkpoint, own, meta)
         spec = agg.spec
@@ -274,8 +282,7 @@ class StretchQuery:
         rows = int(reply["rows"])
         out = None
         if rows:
-            out = (self._spark.read.format("stretch").schema(self._agg.schema)
-                   .option("endpoints", eng.endpoint).option("stream", reply["stream"]).load())
+            out = self._read_output(reply["stream"])
             self._write_sink(out, batch_id)
         t3 = time.perf_counter()
         with self._lock:
@@ -284,6 +291,8 @@ class StretchQuery:
             m["output_rows"] += rows
             m["last_batch"] = {"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
                                "output_s": t3 - t2, "rows_out": rows, **reply.get("metrics", {})}
+            m.setdefault("batch_times", []).append(m["last_batch"])
+            del m["batch_times"][:-100]  # the last 100 batches
             if len(m["plans"]) < 6:  # physical plans of the per-batch jobs (tests assert no Exchange)
                 m["plans"].append(batch_df._jdf.queryExecution().executedPlan().toString())
                 if out is not None:
@@ -299,14 +308,17 @@ class StretchQuery:
             reply = self._engine.request({"op": "flush", "query": self.stretch_id})
             rows = int(reply["rows"])
             if rows:
-                out = (self._spark.read.format("stretch").schema(self._agg.schema)
-                       .option("endpoints", self._engine.endpoint)
-                       .option("stream", reply["stream"]).load())
-                self._write_sink(out, int(reply["batch"]), app_suffix="-idle")
+                self._write_sink(self._read_output(reply["stream"]), int(reply["batch"]),
+                                 app_suffix="-idle")
                 with self._lock:
                     self._metrics["output_rows"] += rows
                     self._metrics["flushes"] = self._metrics.get("flushes", 0) + 1
             return rows
+
+    def _read_output(self, stream: str) -> DataFrame:
+        """The rows the engine offers on ``stream``, read by the executors of its host."""
+        return (self._spark.read.format("stretch").schema(self._agg.schema)
+                .option("endpoints", self._engine.endpoint).option("stream", stream).load())
 
     def _write_sink(self, out: DataFrame, batch_id: int, app_suffix: str = "") -> None:
         fmt = self._format

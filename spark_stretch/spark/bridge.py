@@ -59,6 +59,7 @@ class QueryRuntime:
         self.next_watermark_ms = 0
         self.max_event_ms: Optional[int] = None
         self._offered: Optional[str] = None
+        self._dict_cache: Optional[pa.Array] = None  # interned values, id order
         for eng in self.engines:
             eng.esg_in.add_sources([0], ordered=False, watermark=0)
         self.pending = {}
@@ -222,10 +223,21 @@ class QueryRuntime:
         return self._strings(keys) if strings else pa.array(keys, pa.int64())
 
     def _strings(self, ids: np.ndarray) -> pa.Array:
-        return pa.array(self.interner.lookup(ids), pa.string())
+        return self._dictionary(pa.string()).take(pa.array(ids))
 
     def _longs(self, ids: np.ndarray) -> pa.Array:
-        return pa.array(np.asarray(self.interner.lookup(ids), dtype=np.int64))
+        return self._dictionary(pa.int64()).take(pa.array(ids))
+
+    def _dictionary(self, typ) -> pa.Array:
+        """The interned values as one Arrow array (id i at position i), grown by the new ones only,
+        so decoding output keys is an Arrow ``take``, not a Python loop over rows."""
+        known = self._dict_cache
+        n = len(self.interner)
+        if known is None or len(known) < n:
+            new = pa.array(self.interner.strings()[0 if known is None else len(known):n], typ)
+            known = new if known is None else pa.concat_arrays([known, new])
+            self._dict_cache = known
+        return known
 
     # -- control -----------------------------------------------------------------------------------
     def reconfigure(self, parallelism: Optional[int], owner_map) -> dict:

@@ -63,18 +63,14 @@ def test_key_function_of_the_wrong_type_is_rejected_at_add():
     eng.esg_in.add_sources([0], ordered=False)
     with pytest.raises(EngineError, match="key column 'k' has dtype float64; keys must be int ids or strings"):
         eng.esg_in.add({"ts": np.array([1]), "k": np.array([1.5])}, 0)
+    wc = Engine(wordcount(WS=10), 1, 1)
+    wc.esg_in.add_sources([0], ordered=False)
     with pytest.raises(EngineError, match="keys column 'words' has type int64; keys= needs a list column"):
-        Engine(wordcount(WS=10), 1, 1).esg_in.add({"ts": np.array([1]), "words": np.array([1])}, 0) \
-            if False else _add_sources_then(Engine(wordcount(WS=10), 1, 1), {"ts": np.array([1]), "words": np.array([1])})
+        wc.esg_in.add({"ts": np.array([1]), "words": np.array([1])}, 0)
     eng.esg_in.add({"ts": np.array([1]), "k": np.array(["a"], object)}, 0)  # strings are fine (interned)
     eng.esg_in.advance_watermark(10)
     eng.drain()
     assert eng.read_output()[0]["count"].tolist() == [1]
-
-
-def _add_sources_then(eng, batch):
-    eng.esg_in.add_sources([0], ordered=False)
-    eng.esg_in.add(batch, 0)
 
 
 def test_user_key_function_returning_a_wrong_type_gives_a_clear_error_and_nothing_is_lost():
