@@ -228,19 +228,24 @@ class Engine:
             if status == K.NEED_OUT:
                 inst.grow_out()
             elif status == K.NEED_GROW:
-                self._rw.acquire_write()
-                try:
-                    if st.version == ver:
-                        st.grow()
-                        self._m["grows"] += 1
-                finally:
-                    self._rw.release_write()
+                self._grow_state(st, ver)
             elif status == K.NEED_KEYBUF:
                 inst.keybuf = np.empty(max(int(inst.resume[2]), 2 * inst.keybuf.shape[0]), np.int64)
                 inst.resume[2] = inst.resume[3] = 0
             else:  # pragma: no cover
                 raise EngineError(f"kernel returned unknown status {status}")
         return self._block(inst)
+
+    def _grow_state(self, st, ver):
+        """Grow the shared state under the write lock, unless another instance already did
+        (its ``version`` moved on since ``ver`` was read)."""
+        self._rw.acquire_write()
+        try:
+            if st.version == ver:
+                st.grow()
+                self._m["grows"] += 1
+        finally:
+            self._rw.release_write()
 
     def _block(self, inst):
         p = int(inst.opos[0])

@@ -272,13 +272,7 @@ class JoinEngine(Engine):
                 inst.o_pay = np.zeros((inst.o_ts.shape[0], old.shape[1]), np.float64)
                 inst.o_pay[:p] = old[:p]
             else:
-                self._rw.acquire_write()
-                try:
-                    if st.version == ver:
-                        st.grow()
-                        self._m["grows"] += 1
-                finally:
-                    self._rw.release_write()
+                self._grow_state(st, ver)
         p = int(inst.opos[0])
         out = {"ts": inst.o_ts[:p].copy(), "key": inst.o_key[:p].copy(),
                "window_start": np.full(p, -1, np.int64), "window_end": np.full(p, -1, np.int64)}
