@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.group import GroupedData
 from pyspark.sql.streaming import StreamingQuery
 
 from .host import EngineDiedError, HostEngine
@@ -465,4 +466,17 @@ def _install() -> None:
 
     stretchAggregate.__doc__ = stretch_aggregate.__doc__
     DataFrame.stretchAggregate = stretchAggregate
+
+    def grouped_stretch_aggregate(self, *args, **kwargs):
+        """The ``applyInPandasWithState`` drop-in (``groupBy(k).stretchAggregate(func, ...)``).
+
+        Not available in this version: it raises, rather than silently run something else.
+        """
+        raise NotImplementedError(
+            "groupBy(...).stretchAggregate(func, outputStructType, stateStructType, outputMode, "
+            "timeoutConf) (the applyInPandasWithState drop-in) is not implemented yet; use "
+            "groupBy(...).applyInPandasWithState(...) with the same arguments meanwhile, or "
+            "df.stretchAggregate(keys=..., window=..., agg=...) for windowed aggregations")
+
+    GroupedData.stretchAggregate = grouped_stretch_aggregate
     DataFrame._stretch_installed = True

@@ -101,3 +101,9 @@ def test_resuming_from_a_used_checkpoint_is_refused_not_wrong(wm, tmp_path):
     with pytest.raises(NotImplementedError, match="does not checkpoint yet"):
         agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "ckpt")) \
             .start(str(tmp_path / "out"))
+
+
+def test_grouped_drop_in_is_not_silently_something_else(wm):
+    with pytest.raises(NotImplementedError, match="applyInPandasWithState drop-in\\) is not implemented"):
+        wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",
+                                            "NoTimeout")
