@@ -178,7 +178,8 @@ class StretchQuery:
     _stopped = False
     _engine_metrics: Optional[dict] = None
 
-    def __init__(self, agg, fmt, options, path, table, checkpoint, own_checkpoint, meta):
+    def __init__(self, agg, fmt, options, path, table, checkpoint, own_checkpoint, meta,
+                 resume=None):
         self._agg = agg
         self._format = fmt
         self._sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
@@ -198,7 +199,17 @@ class StretchQuery:
         self._last_step = time.monotonic()
         self._one_shot = False               # availableNow / once: flush when the run ends
         self._check_one_host()
-        self._engine.request({"op": "open", "query": self.stretch_id, "spec": asdict(agg.spec)})
+        state_dir = Path(checkpoint) / "stretch" / "state"
+        try:
+            self._engine.request({"op": "open", "query": self.stretch_id, "spec": {
+                **asdict(agg.spec), "state_dir": str(state_dir), "resume_batch": resume}})
+            if resume is not None and self._sink_holds_flush(resume):
+                # The last flush reached the table but not the saved state: replay it, unwritten.
+                self._engine.request({"op": "flush", "query": self.stretch_id})
+                self._engine.request({"op": "flushed", "query": self.stretch_id})
+        except Exception:
+            self._release()
+            raise
 
     # -- start -------------------------------------------------------------------------------------
     @classmethod
@@ -206,15 +217,10 @@ class StretchQuery:
         own = "checkpointLocation" not in options
         checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
         commits = Path(checkpoint) / "commits"
-        if commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir()):
-            # The engine's state is not checkpointed yet: resuming would restart every open window
-            # from zero and write wrong counts. Refuse rather than be silently wrong.
-            raise NotImplementedError(
-                f"checkpoint '{checkpoint}' belongs to a stretch query that already ran; resuming "
-                "it needs the engine state of its last batch, which this version does not "
-                "checkpoint yet. Start with a new checkpointLocation (and a new output table).")
+        done = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
+        resume = max(done) if done else None  # Spark resumes after its last committed batch
         meta = cls._meta(checkpoint)
-        query = cls(agg, fmt, options, path, table, checkpoint, own, meta)
+        query = cls(agg, fmt, options, path, table, checkpoint, own, meta, resume)
         spec = agg.spec
         cols = [spec.ts_column, spec.key_column, *spec.value_columns]
         writer = (agg._df.select(*cols).writeStream.foreachBatch(query._step)
@@ -311,10 +317,24 @@ class StretchQuery:
             if rows:
                 self._write_sink(self._read_output(reply["stream"]), int(reply["batch"]),
                                  app_suffix="-idle")
+                # Only now is the state after the flush the state of that batch.
+                self._engine.request({"op": "flushed", "query": self.stretch_id})
                 with self._lock:
                     self._metrics["output_rows"] += rows
                     self._metrics["flushes"] = self._metrics.get("flushes", 0) + 1
             return rows
+
+    def _sink_holds_flush(self, batch: int) -> bool:
+        """Whether the Delta table has the flush written after ``batch`` (its ``txn`` action)."""
+        if self._format not in _IDEMPOTENT or not self._path:
+            return False
+        app = self._app_id + "-idle"
+        for f in sorted((Path(self._path) / "_delta_log").glob("*.json"), reverse=True):
+            for line in f.read_text().splitlines():
+                txn = json.loads(line).get("txn")
+                if txn and txn.get("appId") == app:
+                    return int(txn["version"]) >= batch
+        return False
 
     def _read_output(self, stream: str) -> DataFrame:
         """The rows the engine offers on ``stream``, read by the executors of its host."""

@@ -22,8 +22,13 @@ touching the engine; Delta's ``txnVersion`` then makes the sink write a no-op.
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -46,13 +51,12 @@ class QueryRuntime:
         self.spec = spec
         self.receiver = receiver
         self.interner = Interner()
+        self.lock = threading.Lock()
+        self.counters = {"input_rows": 0, "late_rows": 0, "output_rows": 0, "batches": 0}
         # One engine operator per aggregation, all fed the same tuples under the same owner map
         # and watermark: their outputs come out in the same (ts, key, window) order and zip.
         # (A fused multi-aggregate kernel would update all in one pass; see docs/architecture.md.)
-        self.engines = [
-            Engine(op, m=spec["parallelism"], n=spec["max_parallelism"], n_buckets=spec["buckets"],
-                   lateness="window")
-            for op in _make_operators(spec)]
+        ops = _make_operators(spec)
         # Spark's watermark starts at 0 ms; the engine works in microseconds. watermark_ms is
         # W_N (eviction, and the late rule of the next batch); next_watermark_ms is W_{N+1}.
         self.watermark_ms = 0
@@ -60,13 +64,20 @@ class QueryRuntime:
         self.max_event_ms: Optional[int] = None
         self._offered: Optional[str] = None
         self._dict_cache: Optional[pa.Array] = None  # interned values, id order
-        for eng in self.engines:
-            eng.esg_in.add_sources([0], ordered=False, watermark=0)
         self.pending = {}
         self.last_batch = -1
+        self.state_dir = Path(spec["state_dir"]) if spec.get("state_dir") else None
+        resume = spec.get("resume_batch")
+        if resume is not None:  # continue from the state after Spark's last committed batch
+            self.engines = self._load(resume, ops)
+        else:
+            self.engines = [
+                Engine(op, m=spec["parallelism"], n=spec["max_parallelism"],
+                       n_buckets=spec["buckets"], lateness="window") for op in ops]
+            for eng in self.engines:
+                eng.esg_in.add_sources([0], ordered=False, watermark=0)
         self.last_reply: Optional[dict] = None
-        self.lock = threading.Lock()
-        self.counters = {"input_rows": 0, "late_rows": 0, "output_rows": 0, "batches": 0}
+
         self.switches = []
 
     def describe(self) -> dict:
@@ -109,6 +120,7 @@ class QueryRuntime:
             self.counters["late_rows"] += late
             self.counters["batches"] += 1
             self.last_batch = batch
+            self._save(batch)
             self.last_reply = self._offer(f"{self.qid}:out:{batch}", out, {
                 "watermark_ms": self.watermark_ms, "late_rows": late,
                 "engine_ms": (time.perf_counter() - t0) * 1e3})
@@ -123,6 +135,53 @@ class QueryRuntime:
             reply = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
                                 {"watermark_ms": self.watermark_ms})
             return dict(reply, batch=self.last_batch)
+
+    def flushed(self) -> dict:
+        """The sink holds the last flush: keep the state after it as the state of the last batch."""
+        with self.lock:
+            self._save(self.last_batch)
+            return {"batch": self.last_batch}
+
+    # -- engine state per batch (restart from a checkpoint) ----------------------------------------
+    def _save(self, batch: int) -> None:
+        """Snapshot every engine and the bridge's own variables as the state after ``batch``.
+
+        Written to a temporary directory and renamed, so a crash leaves the previous state whole.
+        The states of the last two batches are kept: Spark replays batch N when it crashed before
+        committing N, and that needs the state after N-1.
+        """
+        if self.state_dir is None:
+            return
+        tmp = self.state_dir / f".{batch}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for i, eng in enumerate(self.engines):
+            (tmp / f"engine{i}.snap").write_bytes(eng.snapshot())
+        meta = {"watermark_ms": self.watermark_ms, "next_watermark_ms": self.next_watermark_ms,
+                "max_event_ms": self.max_event_ms, "last_batch": batch,
+                "counters": self.counters, "parallelism": self.spec["parallelism"]}
+        (tmp / "bridge.json").write_text(json.dumps(meta))
+        (tmp / "interner.pkl").write_bytes(pickle.dumps(self.interner.strings(), protocol=5))
+        final = self.state_dir / str(batch)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in self.state_dir.iterdir():
+            if old.name.isdigit() and int(old.name) < batch - 1:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _load(self, batch: int, ops) -> list:
+        src = self.state_dir / str(batch) if self.state_dir else None
+        if src is None or not (src / "bridge.json").exists():
+            raise RuntimeError(f"no engine state for batch {batch} under {self.state_dir}: the "
+                               "checkpoint was not written by this stretch query")
+        meta = json.loads((src / "bridge.json").read_text())
+        self.watermark_ms, self.next_watermark_ms = meta["watermark_ms"], meta["next_watermark_ms"]
+        self.max_event_ms, self.last_batch = meta["max_event_ms"], meta["last_batch"]
+        self.counters.update(meta["counters"])
+        self.spec["parallelism"] = meta["parallelism"]
+        self.interner = Interner(pickle.loads((src / "interner.pkl").read_bytes()))
+        return [Engine.restore(op, (src / f"engine{i}.snap").read_bytes())
+                for i, op in enumerate(ops)]
 
     def _advance(self, watermark_ms: int) -> pa.Table:
         self.watermark_ms = watermark_ms

@@ -28,7 +28,8 @@ class HostDaemon:
         self.queries = {}
         self.stop_event = threading.Event()
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
-        for op in ("open", "step", "flush", "reconfigure", "metrics", "close", "shutdown"):
+        for op in ("open", "step", "flush", "flushed", "reconfigure", "metrics", "close",
+                   "shutdown"):
             self.receiver.register(op, getattr(self, f"_op_{op}"))
 
     def _query(self, header):
@@ -52,6 +53,9 @@ class HostDaemon:
 
     def _op_flush(self, h):
         return self._query(h).flush()
+
+    def _op_flushed(self, h):
+        return self._query(h).flushed()
 
     def _op_reconfigure(self, h):
         return self._query(h).reconfigure(h.get("parallelism"), h.get("owner_map"))

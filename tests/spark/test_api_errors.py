@@ -94,15 +94,6 @@ def test_output_schema_names_like_spark(wm):
     assert [f.dataType for f in native.schema.fields][2:] == [f.dataType for f in agg.schema.fields][2:]
 
 
-def test_resuming_from_a_used_checkpoint_is_refused_not_wrong(wm, tmp_path):
-    (tmp_path / "ckpt" / "commits").mkdir(parents=True)
-    (tmp_path / "ckpt" / "commits" / "0").write_text("v1\n{}")
-    agg = wm.stretchAggregate(keys="user", window="1 minute")
-    with pytest.raises(NotImplementedError, match="does not checkpoint yet"):
-        agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "ckpt")) \
-            .start(str(tmp_path / "out"))
-
-
 def test_grouped_drop_in_is_not_silently_something_else(wm):
     with pytest.raises(NotImplementedError, match="applyInPandasWithState drop-in\\) is not implemented"):
         wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",
