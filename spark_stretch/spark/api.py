@@ -202,7 +202,8 @@ class StretchQuery:
         state_dir = Path(checkpoint) / "stretch" / "state"
         try:
             self._engine.request({"op": "open", "query": self.stretch_id, "spec": {
-                **asdict(agg.spec), "state_dir": str(state_dir), "resume_batch": resume}})
+                **asdict(agg.spec), "output_names": agg.spec.output_names(),
+                "state_dir": str(state_dir), "resume_batch": resume}})
             if resume is not None and self._sink_holds_flush(resume):
                 # The last flush reached the table but not the saved state: replay it, unwritten.
                 self._engine.request({"op": "flush", "query": self.stretch_id})

@@ -240,10 +240,7 @@ class QueryRuntime:
     def _ids(self, arr: pa.Array, force_intern: bool = False) -> np.ndarray:
         """Exact int64 ids: strings interned (each distinct string once per batch), longs as is."""
         if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type) or force_intern:
-            enc = pc.dictionary_encode(arr).combine_chunks() if isinstance(arr, pa.ChunkedArray) \
-                else pc.dictionary_encode(arr)
-            uniq = self.interner.intern(enc.dictionary.to_pylist())
-            return np.asarray(uniq, np.int64)[enc.indices.to_numpy(zero_copy_only=False)]
+            return self.interner.intern(arr)
         return pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)
 
     def _output(self) -> pa.Table:
@@ -262,7 +259,7 @@ class QueryRuntime:
         keys = np.asarray(out["key"], np.int64)
         key = self._decode_keys(keys)
         arrays, names = [window, key], ["window", "key"]
-        for (fn, col), name, o in zip(s["aggs"], _names(s), outs):
+        for (fn, col), name, o in zip(s["aggs"], s["output_names"], outs):
             v = np.asarray(o[fn])
             if fn == "count" or (fn in ("sum", "min", "max") and s["value_types"][col] == "long"):
                 arrays.append(pa.array(v.astype(np.int64)))
@@ -329,11 +326,6 @@ class QueryRuntime:
                 self.receiver.offer(self._offered, None)
             for eng in self.engines:
                 eng.close()
-
-
-def _names(spec: dict):
-    return ["count" if fn == "count" else f"{'avg' if fn == 'mean' else fn}({col})"
-            for fn, col in spec["aggs"]]
 
 
 def _make_operators(spec: dict):
