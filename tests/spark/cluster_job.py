@@ -10,7 +10,10 @@ from pyspark.sql import functions as F
 import spark_stretch
 
 spark = spark_stretch.session(master="local-cluster[2,1,1024]", app_name="stretch cluster test",
-                              conf={"spark.driver.memory": "1g"})
+                              conf={"spark.driver.memory": "1g",
+                                    # One partition per file, so every micro-batch of two files has
+                                    # two tasks and each executor JVM (one core each) runs one.
+                                    "spark.sql.files.openCostInBytes": str(1 << 30)})
 spark.sparkContext.setLogLevel("ERROR")
 result = {}
 try:
@@ -36,9 +39,9 @@ try:
     from harness import run_native, run_stretch, source
 
     tmp = Path(tempfile.mkdtemp(prefix="cluster-job-"))
-    src = write_tweets(tmp / "src", 4000, files=3, rate=20.0, vocab=200, late_fraction=0.02,
+    src = write_tweets(tmp / "src", 4000, files=4, rate=20.0, vocab=200, late_fraction=0.02,
                        jitter_s=4.0, seed=9)
-    agg = source(spark, src, files_per_batch=1).stretchAggregate(
+    agg = source(spark, src, files_per_batch=2).stretchAggregate(
         keys=F.col("words"), window=("60 seconds", "30 seconds"), parallelism=2, max_parallelism=2)
     q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp / "c"))
          .trigger(availableNow=True).start(str(tmp / "s")))
