@@ -20,6 +20,21 @@ _TMP = tempfile.gettempdir()
 _BEFORE = set(glob.glob(os.path.join(_TMP, "stretch-*")))
 
 
+def _engines() -> set:
+    """Host engine processes (``python -m spark_stretch.spark.hostd``) on this machine."""
+    out = set()
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            if b"spark_stretch.spark.hostd" in Path(cmdline).read_bytes():
+                out.add(int(cmdline.split("/")[2]))
+        except OSError:
+            continue
+    return out
+
+
+_ENGINES_BEFORE = _engines()
+
+
 def _child_jvms(pid: int) -> list:
     """Java processes descending from ``pid`` (read from /proc, no psutil needed)."""
     parents = {}
@@ -63,7 +78,10 @@ def pytest_sessionfinish(session, exitstatus):
     deadline = time.time() + 30
     while _child_jvms(os.getpid()) and time.time() < deadline:
         time.sleep(0.5)
+    while _engines() - _ENGINES_BEFORE and time.time() < deadline:
+        time.sleep(0.5)
     leaks = [f"JVM {p}: {c}" for p, c in _child_jvms(os.getpid())]
+    leaks += [f"host engine process {p}" for p in _engines() - _ENGINES_BEFORE]
     leaks += [f"temp dir {d}" for d in set(glob.glob(os.path.join(_TMP, "stretch-*"))) - _BEFORE]
     if leaks:
         print("\nLEAKED after the tests:\n  " + "\n  ".join(leaks), file=sys.stderr)

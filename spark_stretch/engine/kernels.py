@@ -119,6 +119,13 @@ def _reinsert(b, r, af, rec, acc_f):
 
 
 @njit(nogil=True, cache=True)
+def insert_rows(bs, rows, afs, rec, acc_f):
+    """Insert compacted live slots (bucket ``bs[i]``, record ``rows[i]``) into empty tables."""
+    for i in range(bs.shape[0]):
+        _reinsert(bs[i], rows[i], afs[i], rec, acc_f)
+
+
+@njit(nogil=True, cache=True)
 def rebuild_bucket(b, rec, acc_f, bcount, bminl):
     """Re-pack bucket ``b`` after removals / window shifts (its own slots only)."""
     n = bcount[b]

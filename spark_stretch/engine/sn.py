@@ -80,12 +80,21 @@ class SNEngine(Engine):
         d["tuples_forwarded"] = self._m_dup
         return d
 
-    def _state_arrays(self):
-        return {"states": [s.arrays() for s in self.states]}
+    def _state_arrays(self, delta=False):
+        return {"states": [s.compact(np.flatnonzero(s.dirty) if delta else None)
+                           for s in self.states]}
 
     def _load_state_arrays(self, arrs):
-        self.states = [BucketState.from_arrays(a) for a in arrs["states"]]
+        self.states = [BucketState.from_compact(a) for a in arrs["states"]]
         self.state = self.states[0]
+
+    def _apply_state_delta(self, arrs):
+        for s, a in zip(self.states, arrs["states"]):
+            s.apply_compact(a)
+
+    def _clear_dirty(self):
+        for s in self.states:
+            s.dirty[:] = 0
 
 
 def _copy_cols(cols, idx):

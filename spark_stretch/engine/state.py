@@ -176,14 +176,50 @@ class BucketState:
         return {"rec": self.rec, "acc_f": self.acc_f, "bcount": self.bcount, "bminl": self.bminl,
                 "dirty": self.dirty, "init_i": self.init_i, "init_f": self.init_f}
 
+    def compact(self, buckets=None) -> dict:
+        """The live window instances only, copied (what a snapshot stores).
+
+        The tables are mostly empty slots (every bucket has the capacity of the fullest one), so
+        a snapshot of the live slots is several times smaller than :meth:`arrays`. With
+        ``buckets`` (an incremental checkpoint), only the live slots of those buckets.
+        """
+        live = self.rec[:, :, 1] != K.EMPTY
+        if buckets is not None:
+            buckets = np.asarray(buckets, np.int64)
+            keep = np.zeros(self.n_buckets, bool)
+            keep[buckets] = True
+            live &= keep[:, None]
+        return {"cap": self.cap, "only": buckets, "b": np.nonzero(live)[0].astype(np.int64),
+                "rec": self.rec[live], "acc_f": self.acc_f[live], "bcount": self.bcount.copy(),
+                "bminl": self.bminl.copy(), "init_i": self.init_i, "init_f": self.init_f}
+
     @classmethod
-    def from_arrays(cls, a: dict) -> "BucketState":
+    def from_compact(cls, a: dict) -> "BucketState":
+        """The state a full :meth:`compact` described, with every live slot re-inserted."""
+        if a.get("only") is not None:
+            raise ValueError("an incremental bucket snapshot needs its base: use apply_compact")
         st = cls.__new__(cls)
-        for k, v in a.items():
-            setattr(st, k, np.array(v, copy=True))
-        st.n_buckets = st.rec.shape[0]
+        st.n_buckets = len(a["bcount"])
+        st.init_i, st.init_f = np.array(a["init_i"]), np.array(a["init_f"])
+        st.rec = st._new_rec(int(a["cap"]))
+        st.acc_f = np.zeros((st.n_buckets, int(a["cap"]), st.init_f.shape[0]), np.float64)
         st.version = 0
+        st.dirty = np.zeros(st.n_buckets, np.uint8)  # equal to the snapshot: nothing changed since
+        st.apply_compact(a)
         return st
+
+    def apply_compact(self, a: dict) -> None:
+        """Replace the buckets an incremental :meth:`compact` lists (all of them for a full one)."""
+        while self.cap < int(a["cap"]):
+            self.grow()
+        only = a.get("only")
+        if only is None:
+            self.rec[:, :, 1] = K.EMPTY
+        else:
+            self.rec[np.asarray(only, np.int64), :, 1] = K.EMPTY
+        K.insert_rows(np.asarray(a["b"], np.int64), np.asarray(a["rec"], np.int64),
+                      np.asarray(a["acc_f"], np.float64), self.rec, self.acc_f)
+        self.bcount, self.bminl = np.array(a["bcount"]), np.array(a["bminl"])
 
     def move_buckets(self, other: "BucketState", buckets) -> int:
         """Copy ``buckets`` from ``other`` into self and clear them there (shared-nothing state transfer).

@@ -282,8 +282,14 @@ class JoinEngine(Engine):
         out["_sub"] = inst.o_sub[:p].copy()
         return sorted_block(out)
 
+    def _state_arrays(self, delta=False):
+        return {"shared": self.state.arrays()}  # always whole: join stores are not incremental
+
     def _load_state_arrays(self, arrs):
         self.state = JoinStore.from_arrays(arrs["shared"])
+
+    def _apply_state_delta(self, arrs):
+        self._load_state_arrays(arrs)
 
     def _init_kernels(self):
         pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -31,6 +32,7 @@ __all__ = ["StretchAggregation", "StretchStreamWriter", "StretchQuery", "stretch
 
 _IDEMPOTENT = {"delta"}
 _FILE_FORMATS = {"parquet", "json", "csv", "orc"}
+_ROWS_PER_SPLIT = 50_000  # below this an output batch is read (and written) by one task
 
 
 def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, parallelism: int = 1,
@@ -198,16 +200,27 @@ class StretchQuery:
         self._finish_error: Optional[BaseException] = None
         self._last_step = time.monotonic()
         self._one_shot = False               # availableNow / once: flush when the run ends
+        self._last_done = resume             # the last batch whose engine state is on disk
         self._check_one_host()
-        state_dir = Path(checkpoint) / "stretch" / "state"
+        conf = self._spark.conf
+        policy = conf.get("spark.stretch.onEngineFailure", "restart").lower()
+        if policy not in ("restart", "fail"):
+            self._release()
+            raise ValueError(f"spark.stretch.onEngineFailure='{policy}': must be 'restart' "
+                             "(restart the engine from the last checkpoint and retry the batch) "
+                             "or 'fail' (fail the query)")
+        self._on_failure = policy
+        self._max_restarts = int(conf.get("spark.stretch.maxEngineRestarts", "3"))
+        self._restarts: list = []
+        self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
+        self._spec = {
+            **asdict(agg.spec), "output_names": agg.spec.output_names(),
+            "state_dir": str(Path(checkpoint) / "stretch" / "state"),
+            # Checkpoint cadence and retention follow Spark's own state store settings.
+            "min_deltas": int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
+            "min_batches_to_retain": int(conf.get("spark.sql.streaming.minBatchesToRetain", "100"))}
         try:
-            self._engine.request({"op": "open", "query": self.stretch_id, "spec": {
-                **asdict(agg.spec), "output_names": agg.spec.output_names(),
-                "state_dir": str(state_dir), "resume_batch": resume}})
-            if resume is not None and self._sink_holds_flush(resume):
-                # The last flush reached the table but not the saved state: replay it, unwritten.
-                self._engine.request({"op": "flush", "query": self.stretch_id})
-                self._engine.request({"op": "flushed", "query": self.stretch_id})
+            self._open(resume)
         except Exception:
             self._release()
             raise
@@ -266,10 +279,65 @@ class StretchQuery:
                 f"executors on hosts {sorted(others)}: this version runs one host engine, on the "
                 "driver's host (local, local-cluster or a one-host cluster)")
 
+    def _open(self, resume: Optional[int]) -> None:
+        """Open the query on the engine, continuing from the checkpoint of batch ``resume``."""
+        self._engine.request({"op": "open", "query": self.stretch_id,
+                              "spec": dict(self._spec, resume_batch=resume)})
+        if resume is not None and self._sink_holds_flush(resume):
+            # The last flush reached the table but not the saved state: replay it, unwritten.
+            self._engine.request({"op": "flush", "query": self.stretch_id})
+            self._engine.request({"op": "flushed", "query": self.stretch_id})
+
+    def _engine_failed(self) -> bool:
+        try:  # a killed engine is reaped at once; give a crashing one a moment to exit
+            self._engine.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _with_engine(self, what: str, resume: Optional[int], fn):
+        """Run ``fn``; if the host engine died meanwhile, restart it from the checkpoint of batch
+        ``resume`` and run ``fn`` again (``spark.stretch.onEngineFailure=restart``, at most
+        ``spark.stretch.maxEngineRestarts`` times in a row), or fail naming the cause."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if not self._engine_failed():
+                    raise
+                dead = self._engine
+                cause = (f"the stretch host engine (pid {dead.pid}) died (exit status "
+                         f"{dead.proc.returncode}) during {what}")
+                if self._on_failure == "fail" or attempt >= self._max_restarts:
+                    hint = ("; set spark.stretch.onEngineFailure=restart to restart it from the "
+                            "checkpoint" if self._on_failure == "fail" else
+                            f" after {attempt} restarts (spark.stretch.maxEngineRestarts)")
+                    raise EngineDiedError(cause + hint) from e
+                attempt += 1
+                t0 = time.perf_counter()
+                dead.release()
+                self._engine = HostEngine.acquire()
+                self._open(resume)
+                # Reconfigurations made after that checkpoint are not in it: apply them again.
+                for r in self._reconfig_log:
+                    if resume is None or r["after_batch"] >= resume:
+                        self._engine.request({"op": "reconfigure", "query": self.stretch_id,
+                                              "parallelism": r["parallelism"],
+                                              "owner_map": r["owner_map"]})
+                with self._lock:
+                    self._restarts.append({"cause": cause, "resumed_from": resume,
+                                           "restart_s": time.perf_counter() - t0})
+                    self._metrics["engine_restarts"] = list(self._restarts)
+
     # -- one micro-batch ---------------------------------------------------------------------------
     def _step(self, batch_df: DataFrame, batch_id: int) -> None:
         with self._step_lock:
-            self._step_locked(batch_df, batch_id)
+            # After a restart the engine continues from the state after the previous batch (it
+            # was on disk before Spark committed that batch) and this batch runs again whole.
+            self._with_engine(f"batch {batch_id}", batch_id - 1 if batch_id > 0 else None,
+                              lambda: self._step_locked(batch_df, batch_id))
+            self._last_done = batch_id
             self._last_step = time.monotonic()
 
     def _step_locked(self, batch_df: DataFrame, batch_id: int) -> None:
@@ -290,15 +358,20 @@ class StretchQuery:
         rows = int(reply["rows"])
         out = None
         if rows:
-            out = self._read_output(reply["stream"])
+            out = self._read_output(reply["stream"], rows)
             self._write_sink(out, batch_id)
         t3 = time.perf_counter()
+        # The engine wrote its state after this batch while Spark wrote the output; it must be on
+        # disk before Spark commits the batch (a restart resumes from it).
+        saved = eng.request({"op": "saved", "query": qid})
+        t4 = time.perf_counter()
         with self._lock:
             m = self._metrics
             m["batches"] += 1
             m["output_rows"] += rows
             m["last_batch"] = {"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
-                               "output_s": t3 - t2, "rows_out": rows, **reply.get("metrics", {})}
+                               "output_s": t3 - t2, "checkpoint_wait_s": t4 - t3,
+                               "checkpoint": saved, "rows_out": rows, **reply.get("metrics", {})}
             m.setdefault("batch_times", []).append(m["last_batch"])
             del m["batch_times"][:-100]  # the last 100 batches
             if len(m["plans"]) < 6:  # physical plans of the per-batch jobs (tests assert no Exchange)
@@ -313,17 +386,20 @@ class StretchQuery:
         repeated flush after a restart is a no-op in the table like a replayed batch.
         """
         with self._step_lock:
-            reply = self._engine.request({"op": "flush", "query": self.stretch_id})
-            rows = int(reply["rows"])
-            if rows:
-                self._write_sink(self._read_output(reply["stream"]), int(reply["batch"]),
-                                 app_suffix="-idle")
-                # Only now is the state after the flush the state of that batch.
-                self._engine.request({"op": "flushed", "query": self.stretch_id})
-                with self._lock:
-                    self._metrics["output_rows"] += rows
-                    self._metrics["flushes"] = self._metrics.get("flushes", 0) + 1
-            return rows
+            return self._with_engine("a flush", self._last_done, self._flush_locked)
+
+    def _flush_locked(self) -> int:
+        reply = self._engine.request({"op": "flush", "query": self.stretch_id})
+        rows = int(reply["rows"])
+        if rows:
+            self._write_sink(self._read_output(reply["stream"], rows), int(reply["batch"]),
+                             app_suffix="-idle")
+            # Only now is the state after the flush the state of that batch.
+            self._engine.request({"op": "flushed", "query": self.stretch_id})
+            with self._lock:
+                self._metrics["output_rows"] += rows
+                self._metrics["flushes"] = self._metrics.get("flushes", 0) + 1
+        return rows
 
     def _sink_holds_flush(self, batch: int) -> bool:
         """Whether the Delta table has the flush written after ``batch`` (its ``txn`` action)."""
@@ -337,10 +413,16 @@ class StretchQuery:
                     return int(txn["version"]) >= batch
         return False
 
-    def _read_output(self, stream: str) -> DataFrame:
-        """The rows the engine offers on ``stream``, read by the executors of its host."""
+    def _read_output(self, stream: str, rows: int) -> DataFrame:
+        """The rows the engine offers on ``stream``, read by the executors of its host.
+
+        Large outputs are read in up to ``defaultParallelism`` slices, so the sink is written by
+        every core of the host, not by one task.
+        """
+        splits = max(1, min(self._spark.sparkContext.defaultParallelism, rows // _ROWS_PER_SPLIT))
         return (self._spark.read.format("stretch").schema(self._agg.schema)
-                .option("endpoints", self._engine.endpoint).option("stream", stream).load())
+                .option("endpoints", self._engine.endpoint).option("stream", stream)
+                .option("splits", splits).load())
 
     def _write_sink(self, out: DataFrame, batch_id: int, app_suffix: str = "") -> None:
         fmt = self._format
@@ -379,12 +461,15 @@ class StretchQuery:
         if parallelism is None and owner_map is None:
             raise ValueError("reconfigure() needs parallelism= or owner_map=")
         t0 = time.perf_counter()
-        reply = self._engine.request({
-            "op": "reconfigure", "query": self.stretch_id, "parallelism": parallelism,
-            "owner_map": None if owner_map is None else [int(x) for x in owner_map]})
+        req = {"op": "reconfigure", "query": self.stretch_id, "parallelism": parallelism,
+               "owner_map": None if owner_map is None else [int(x) for x in owner_map]}
+        with self._step_lock:  # between two micro-batches
+            reply = self._engine.request(req)
         reply["request_ms"] = (time.perf_counter() - t0) * 1e3
         with self._lock:
             self._metrics["reconfigurations"].append(reply)
+            self._reconfig_log.append({"parallelism": parallelism, "owner_map": req["owner_map"],
+                                       "after_batch": reply["after_batch"]})
         return reply
 
     def metrics(self) -> dict:

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..engine import Engine, Interner, ListColumn
+from . import faults
 from ..ops.aggregate import aggregate
 
 __all__ = ["QueryRuntime"]
@@ -67,6 +68,10 @@ class QueryRuntime:
         self.pending = {}
         self.last_batch = -1
         self.state_dir = Path(spec["state_dir"]) if spec.get("state_dir") else None
+        self._saver: Optional[threading.Thread] = None
+        self._chain: Optional[dict] = None  # the last checkpoint: {"parent", "deltas", "strings"}
+        self._save_error: Optional[BaseException] = None
+        self.save_stats: dict = {}
         resume = spec.get("resume_batch")
         if resume is not None:  # continue from the state after Spark's last committed batch
             self.engines = self._load(resume, ops)
@@ -112,6 +117,7 @@ class QueryRuntime:
                 self.counters["input_rows"] += table.num_rows
                 top = int(cols["ts"].max()) // 1000
                 self.max_event_ms = top if self.max_event_ms is None else max(self.max_event_ms, top)
+            faults.inject("step", batch)
             out = self._advance(self.next_watermark_ms)  # evict with W_N
             if self.max_event_ms is not None:  # W_{N+1}, applied from the next batch
                 self.next_watermark_ms = max(self.watermark_ms,
@@ -139,48 +145,131 @@ class QueryRuntime:
     def flushed(self) -> dict:
         """The sink holds the last flush: keep the state after it as the state of the last batch."""
         with self.lock:
-            self._save(self.last_batch)
+            self._save(self.last_batch, full=True)  # replaces the batch's checkpoint: no delta
+            self._join_saver()
             return {"batch": self.last_batch}
 
     # -- engine state per batch (restart from a checkpoint) ----------------------------------------
-    def _save(self, batch: int) -> None:
-        """Snapshot every engine and the bridge's own variables as the state after ``batch``.
+    def _save(self, batch: int, full: bool = False) -> None:
+        """Checkpoint every engine and the bridge's own variables as the state after ``batch``.
 
-        Written to a temporary directory and renamed, so a crash leaves the previous state whole.
-        The states of the last two batches are kept: Spark replays batch N when it crashed before
-        committing N, and that needs the state after N-1.
+        Incremental where that pays: a *delta* holds only the buckets changed since the previous
+        checkpoint (its ``parent``); a *full* one is written first, every ``min_deltas`` batches
+        (Spark's ``stateStore.minDeltasForSnapshot``), and whenever most buckets changed anyway.
+        The snapshot is taken here (the engines are idle) and written by a background thread
+        while Spark writes the batch's output; :meth:`wait_saved` (the driver calls it before the
+        batch commits) waits for it. See docs/architecture.md, "Checkpoint format".
         """
         if self.state_dir is None:
             return
-        tmp = self.state_dir / f".{batch}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for i, eng in enumerate(self.engines):
-            (tmp / f"engine{i}.snap").write_bytes(eng.snapshot())
-        meta = {"watermark_ms": self.watermark_ms, "next_watermark_ms": self.next_watermark_ms,
+        self._join_saver()  # one write at a time, in batch order
+        t0 = time.perf_counter()
+        chain = self._chain
+        dirty = float(np.mean([eng._dirty().mean() for eng in self.engines]))
+        delta = not full and chain is not None and chain["parent"] < batch \
+            and chain["deltas"] + 1 < self.spec.get("min_deltas", 10) and dirty <= 0.5
+        buckets = int(sum(eng._dirty().sum() for eng in self.engines)) if delta else \
+            self.spec["buckets"] * len(self.engines)
+        blobs = {f"engine{i}.snap": eng.snapshot(delta=delta) for i, eng in enumerate(self.engines)}
+        strings = self.interner.strings()
+        since = chain["strings"] if delta else 0  # the interner only grows: deltas append
+        meta = {"format": 1, "kind": "delta" if delta else "full",
+                "parent": chain["parent"] if delta else None, "strings_from": since,
+                "watermark_ms": self.watermark_ms, "next_watermark_ms": self.next_watermark_ms,
                 "max_event_ms": self.max_event_ms, "last_batch": batch,
-                "counters": self.counters, "parallelism": self.spec["parallelism"]}
-        (tmp / "bridge.json").write_text(json.dumps(meta))
-        (tmp / "interner.pkl").write_bytes(pickle.dumps(self.interner.strings(), protocol=5))
-        final = self.state_dir / str(batch)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in self.state_dir.iterdir():
-            if old.name.isdigit() and int(old.name) < batch - 1:
-                shutil.rmtree(old, ignore_errors=True)
+                "counters": dict(self.counters), "parallelism": self.spec["parallelism"]}
+        blobs["interner.pkl"] = pickle.dumps(strings[since:], protocol=5)
+        blobs["bridge.json"] = json.dumps(meta).encode()  # last: its presence marks a whole dir
+        self._chain = {"parent": batch, "deltas": chain["deltas"] + 1 if delta else 0,
+                       "strings": len(strings)}
+        stats = {"batch": batch, "kind": meta["kind"], "buckets": buckets,
+                 "bytes": sum(len(b) for b in blobs.values()),
+                 "snapshot_ms": (time.perf_counter() - t0) * 1e3}
+        self._saver = threading.Thread(target=self._write_state, args=(batch, blobs, stats),
+                                       name=f"stretch-save-{batch}", daemon=True)
+        self._saver.start()
+
+    def _write_state(self, batch: int, blobs: dict, stats: dict) -> None:
+        try:
+            t0 = time.perf_counter()
+            tmp = self.state_dir / f".{batch}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for name, blob in blobs.items():
+                with open(tmp / name, "wb") as f:
+                    f.write(blob)
+                    os.fsync(f.fileno())
+            final = self.state_dir / str(batch)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            self._clean(batch)
+            self.save_stats = dict(stats, write_ms=(time.perf_counter() - t0) * 1e3)
+        except BaseException as e:  # reported by wait_saved, on the driver's thread
+            self._save_error = e
+
+    def _clean(self, batch: int) -> None:
+        """Keep the states of the last ``min_batches_to_retain`` batches (Spark's
+        ``minBatchesToRetain``) and the full checkpoints their deltas build on; drop older ones."""
+        have = sorted(int(d.name) for d in self.state_dir.iterdir() if d.name.isdigit())
+        keep = [b for b in have if b > batch - self.spec.get("min_batches_to_retain", 100)]
+        if not keep:
+            return
+        oldest = self._chain_of(keep[0])[0]
+        for b in have:
+            if b < oldest:
+                shutil.rmtree(self.state_dir / str(b), ignore_errors=True)
+
+    def _chain_of(self, batch: int) -> list:
+        """The batches whose checkpoints make the state after ``batch``: a full one, then deltas."""
+        chain, b = [], batch
+        while True:
+            f = self.state_dir / str(b) / "bridge.json"
+            if not f.exists():
+                raise RuntimeError(
+                    f"no engine state for batch {b} under {self.state_dir} (needed for the state "
+                    f"after batch {batch}): the checkpoint was not written by this stretch query "
+                    "or was cleaned")
+            meta = json.loads(f.read_text())
+            chain.append(b)
+            if meta.get("kind", "full") == "full":
+                return chain[::-1]
+            b = int(meta["parent"])
+
+    def _join_saver(self) -> None:
+        if self._saver is not None:
+            self._saver.join()
+            self._saver = None
+        if self._save_error is not None:
+            e, self._save_error = self._save_error, None
+            raise RuntimeError(f"writing the engine state to {self.state_dir} failed: {e}") from e
+
+    def wait_saved(self) -> dict:
+        """Block until the last checkpoint is on disk (before Spark may commit its batch)."""
+        with self.lock:
+            self._join_saver()
+            faults.inject("saved", self.last_batch)
+            return dict(self.save_stats)
 
     def _load(self, batch: int, ops) -> list:
-        src = self.state_dir / str(batch) if self.state_dir else None
-        if src is None or not (src / "bridge.json").exists():
-            raise RuntimeError(f"no engine state for batch {batch} under {self.state_dir}: the "
-                               "checkpoint was not written by this stretch query")
-        meta = json.loads((src / "bridge.json").read_text())
+        if self.state_dir is None:
+            raise RuntimeError(f"no state directory to resume batch {batch} from")
+        chain = self._chain_of(batch)
+        dirs = [self.state_dir / str(b) for b in chain]
+        meta = json.loads((dirs[-1] / "bridge.json").read_text())
         self.watermark_ms, self.next_watermark_ms = meta["watermark_ms"], meta["next_watermark_ms"]
         self.max_event_ms, self.last_batch = meta["max_event_ms"], meta["last_batch"]
         self.counters.update(meta["counters"])
         self.spec["parallelism"] = meta["parallelism"]
-        self.interner = Interner(pickle.loads((src / "interner.pkl").read_bytes()))
-        return [Engine.restore(op, (src / f"engine{i}.snap").read_bytes())
+        strings = []
+        for d in dirs:
+            part = json.loads((d / "bridge.json").read_text())
+            if part.get("strings_from", 0) != len(strings):
+                raise RuntimeError(f"engine checkpoint {d} does not continue {dirs[0]} (interner)")
+            strings += pickle.loads((d / "interner.pkl").read_bytes())
+        self.interner = Interner(strings)
+        self._chain = {"parent": batch, "deltas": len(chain) - 1, "strings": len(strings)}
+        return [Engine.restore(op, (dirs[0] / f"engine{i}.snap").read_bytes(),
+                               deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
                 for i, op in enumerate(ops)]
 
     def _advance(self, watermark_ms: int) -> pa.Table:
@@ -301,9 +390,11 @@ class QueryRuntime:
             t0 = time.perf_counter()
             m = parallelism or self.spec["parallelism"]
             om = None if owner_map is None else np.asarray(owner_map, np.int64)
-            for eng in self.engines:
+            for i, eng in enumerate(self.engines):
                 epoch = eng.reconfigure(m=parallelism, owner_map=om)
                 eng.drain()
+                if i == 0:  # a failure half way: some operators switched, some not
+                    faults.inject("reconfigure", self.last_batch)
             ms = (time.perf_counter() - t0) * 1e3
             self.spec["parallelism"] = m
             rec = {"epoch": int(epoch), "parallelism": m, "switch_ms": ms,
@@ -317,11 +408,16 @@ class QueryRuntime:
             return {**self.counters, "parallelism": self.spec["parallelism"],
                     "watermark_ms": self.watermark_ms, "switches": list(self.switches),
                     "live_windows": int(self.engines[0].live_windows()),
+                    "checkpoint": dict(self.save_stats),
                     "engine": {k: v for k, v in self.engines[0].metrics().items()
                                if isinstance(v, (int, float, str))}}
 
     def close(self) -> None:
         with self.lock:
+            try:
+                self._join_saver()
+            except RuntimeError:
+                pass  # the query is ending; its driver already saw (or will not need) the error
             if self._offered is not None:
                 self.receiver.offer(self._offered, None)
             for eng in self.engines:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -28,7 +29,7 @@ class HostDaemon:
         self.queries = {}
         self.stop_event = threading.Event()
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
-        for op in ("open", "step", "flush", "flushed", "reconfigure", "metrics", "close",
+        for op in ("open", "step", "saved", "flush", "flushed", "reconfigure", "metrics", "close",
                    "shutdown"):
             self.receiver.register(op, getattr(self, f"_op_{op}"))
 
@@ -50,6 +51,9 @@ class HostDaemon:
 
     def _op_step(self, h):
         return self._query(h).step(int(h["batch"]))
+
+    def _op_saved(self, h):
+        return self._query(h).wait_saved()
 
     def _op_flush(self, h):
         return self._query(h).flush()
@@ -96,7 +100,13 @@ def main(argv=None) -> int:
         traceback.print_exc()
         return 1
     signal.signal(signal.SIGTERM, lambda *_: daemon.stop_event.set())
-    daemon.serve(args.parent)
+    try:
+        daemon.serve(args.parent)
+    finally:
+        # The driver made the socket's directory; if the driver died first, nobody else removes it.
+        sock_dir = os.path.dirname(args.socket)
+        if os.path.basename(sock_dir).startswith("stretch-engine-"):
+            shutil.rmtree(sock_dir, ignore_errors=True)
     return 0
 
 

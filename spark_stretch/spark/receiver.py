@@ -32,6 +32,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pyarrow as pa
 
+from . import faults
+
 __all__ = ["Receiver", "request"]
 
 _LEN = struct.Struct(">i")
@@ -106,6 +108,8 @@ class _Handler(socketserver.StreamRequestHandler):
             return
         try:
             op = header.get("op")
+            if op in ("write", "read"):
+                faults.inject(op, faults.batch_of(header.get("stream", "")))
             if op == "write":
                 creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                 _CREDS.size)
@@ -115,6 +119,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 rows = receiver._stage(header, batches, reader.schema)
                 _write_frame(self.wfile, {"ok": True, "rows": rows})
             elif op == "commit":
+                faults.inject("commit", faults.batch_of(header["stream"]))
                 rows = receiver._commit(header["stream"], header["job"],
                                         [tuple(a) for a in header["attempts"]])
                 _write_frame(self.wfile, {"ok": True, "rows": rows})
@@ -123,6 +128,10 @@ class _Handler(socketserver.StreamRequestHandler):
                 _write_frame(self.wfile, {"ok": True})
             elif op in ("schema", "read"):
                 table = receiver._offered(header["stream"])
+                if op == "read" and int(header.get("splits", 1)) > 1:
+                    # Input partition `split` of `splits` reads its contiguous slice of rows.
+                    k, j, n = int(header["splits"]), int(header["split"]), table.num_rows
+                    table = table.slice(n * j // k, n * (j + 1) // k - n * j // k)
                 _write_frame(self.wfile, {"ok": True})
                 with pa.ipc.new_stream(self.wfile, table.schema) as writer:
                     if op == "read":

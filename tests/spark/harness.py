@@ -22,8 +22,9 @@ def run_native(spark, agg, out: Path) -> DataFrame:
     return spark.read.format("delta").load(str(out))
 
 
-def run_stretch(spark, agg, out: Path, **trigger) -> DataFrame:
-    q = (agg.writeStream.format("delta").option("checkpointLocation", str(out) + "-ckpt")
+def run_stretch(spark, agg, out: Path, checkpoint=None, **trigger) -> DataFrame:
+    q = (agg.writeStream.format("delta")
+         .option("checkpointLocation", str(checkpoint or str(out) + "-ckpt"))
          .trigger(**(trigger or {"availableNow": True})).start(str(out)))
     q.awaitTermination()
     return spark.read.format("delta").load(str(out))

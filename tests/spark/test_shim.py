@@ -98,7 +98,22 @@ def test_large_read_with_nested_columns(spark, receiver):
                                             sum(2 * k + 1 for k in range(n)))
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_read_in_splits_returns_every_row_once(spark, receiver, splits):
+    # `splits` partitions per receiver (so several cores write the output), each a slice of rows.
+    n = 100_003
+    receiver.offer("big", pa.table({"id": pa.array(range(n))}))
+    df = spark.read.format("stretch").options(**receiver.options("big")).option("splits", splits).load()
+    assert df.rdd.getNumPartitions() == splits
+    per = df.groupBy(F.spark_partition_id().alias("p")).agg(F.count("*").alias("n")).collect()
+    assert sorted(r.n for r in per) == sorted(n * (j + 1) // splits - n * j // splits
+                                              for j in range(splits))
+    row = df.agg(F.count("*").alias("n"), F.countDistinct("id").alias("d"), F.sum("id").alias("s")).first()
+    assert (row.n, row.d, row.s) == (n, n, sum(range(n)))
+
+
 @pytest.mark.parametrize("option,value,needle", [
+    ("splits", "0", "The option 'splits' must be a positive integer"),
     ("batchRows", "zero", "Invalid value 'zero'. The option 'batchRows' must be a positive integer"),
     ("batchRows", "-3", "The option 'batchRows' must be a positive integer"),
     ("timeoutMs", "1.5", "The option 'timeoutMs' must be a positive integer"),

@@ -9,13 +9,15 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap
  *
  * `endpoints` names the host engines' receivers as `host=/path/to/socket` entries separated by
  * commas (a bare `/path` means "this host"). Writers send each partition to the receiver of the
- * executor's own host; readers get one input partition per receiver, placed on its host.
+ * executor's own host; readers get `splits` input partitions per receiver (each a contiguous
+ * slice of the offered rows, so several cores of the host read and write them), placed on its host.
  */
 case class StretchOptions(
     endpoints: Seq[(String, String)],
     stream: String,
     batchRows: Int,
-    timeoutMs: Int) extends Serializable {
+    timeoutMs: Int,
+    splits: Int = 1) extends Serializable {
 
   /** The endpoint of `host`, or the only one when there is a single endpoint (one-host setups). */
   def endpointFor(host: String): String = {
@@ -34,6 +36,7 @@ object StretchOptions {
   val STREAM = "stream"
   val BATCH_ROWS = "batchRows"
   val TIMEOUT_MS = "timeoutMs"
+  val SPLITS = "splits"
   val DEFAULT_BATCH_ROWS = 65536
   val DEFAULT_TIMEOUT_MS = 120000
   private val StreamName = "[A-Za-z0-9_.:-]{1,200}".r
@@ -74,7 +77,8 @@ object StretchOptions {
     }
     StretchOptions(endpoints, stream,
       positiveInt(options, BATCH_ROWS, DEFAULT_BATCH_ROWS),
-      positiveInt(options, TIMEOUT_MS, DEFAULT_TIMEOUT_MS))
+      positiveInt(options, TIMEOUT_MS, DEFAULT_TIMEOUT_MS),
+      positiveInt(options, SPLITS, 1))
   }
 
   def hostOf(): String = {

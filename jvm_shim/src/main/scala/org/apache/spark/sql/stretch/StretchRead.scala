@@ -15,16 +15,20 @@ class StretchScanBuilder(schema: StructType, opts: StretchOptions) extends ScanB
     override def readSchema(): StructType = schema
     override def toBatch: Batch = this
     override def description(): String = s"stretch[${opts.stream}]"
-    // One partition per host receiver, placed on that host so rows never leave it.
+    // `splits` partitions per host receiver, placed on that host so rows never leave it.
     override def planInputPartitions(): Array[InputPartition] =
-      opts.endpoints.zipWithIndex.map { case ((host, path), i) =>
-        StretchInputPartition(i, host, path): InputPartition
+      opts.endpoints.zipWithIndex.flatMap { case ((host, path), i) =>
+        (0 until opts.splits).map { j =>
+          StretchInputPartition(i * opts.splits + j, host, path, j, opts.splits): InputPartition
+        }
       }.toArray
     override def createReaderFactory(): PartitionReaderFactory = StretchReaderFactory(schema, opts)
   }
 }
 
-case class StretchInputPartition(index: Int, host: String, endpoint: String) extends InputPartition {
+case class StretchInputPartition(
+    index: Int, host: String, endpoint: String, split: Int = 0, splits: Int = 1)
+  extends InputPartition {
   override def preferredLocations(): Array[String] =
     if (host == "*" || host.isEmpty) Array.empty else Array(host)
 }
@@ -54,6 +58,8 @@ case class StretchReaderFactory(schema: StructType, opts: StretchOptions)
       client.request({
         val h = ReceiverClient.header("read", opts.stream)
         h.put("partition", p.index)
+        h.put("split", p.split)
+        h.put("splits", p.splits)
         h
       })
       private val allocator =
