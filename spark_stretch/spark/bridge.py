@@ -100,6 +100,7 @@ class QueryRuntime:
 
     def step(self, batch: int) -> dict:
         with self.lock:
+            self._join_saver()  # the previous checkpoint reads the engines: let it finish
             table = self.pending.pop(batch, None)
             if batch <= self.last_batch:
                 if batch == self.last_batch and self.last_reply is not None:
@@ -135,6 +136,7 @@ class QueryRuntime:
     def flush(self) -> dict:
         """Spark's no-data batch: emit the windows the next watermark closes, if it is ahead."""
         with self.lock:
+            self._join_saver()
             if self.next_watermark_ms <= self.watermark_ms:
                 return {"rows": 0, "batch": self.last_batch}
             out = self._advance(self.next_watermark_ms)
@@ -156,21 +158,20 @@ class QueryRuntime:
         Incremental where that pays: a *delta* holds only the buckets changed since the previous
         checkpoint (its ``parent``); a *full* one is written first, every ``min_deltas`` batches
         (Spark's ``stateStore.minDeltasForSnapshot``), and whenever most buckets changed anyway.
-        The snapshot is taken here (the engines are idle) and written by a background thread
-        while Spark writes the batch's output; :meth:`wait_saved` (the driver calls it before the
-        batch commits) waits for it. See docs/architecture.md, "Checkpoint format".
+        A background thread takes the snapshot and writes it while Spark writes the batch's
+        output: the engines are idle until :meth:`wait_saved` (the driver calls it before the
+        batch commits; the next step, flush or reconfiguration also waits for it). See
+        docs/architecture.md, "Checkpoint format".
         """
         if self.state_dir is None:
             return
         self._join_saver()  # one write at a time, in batch order
-        t0 = time.perf_counter()
         chain = self._chain
         dirty = float(np.mean([eng._dirty().mean() for eng in self.engines]))
         delta = not full and chain is not None and chain["parent"] < batch \
             and chain["deltas"] + 1 < self.spec.get("min_deltas", 10) and dirty <= 0.5
         buckets = int(sum(eng._dirty().sum() for eng in self.engines)) if delta else \
             self.spec["buckets"] * len(self.engines)
-        blobs = {f"engine{i}.snap": eng.snapshot(delta=delta) for i, eng in enumerate(self.engines)}
         strings = self.interner.strings()
         since = chain["strings"] if delta else 0  # the interner only grows: deltas append
         meta = {"format": 1, "kind": "delta" if delta else "full",
@@ -178,20 +179,23 @@ class QueryRuntime:
                 "watermark_ms": self.watermark_ms, "next_watermark_ms": self.next_watermark_ms,
                 "max_event_ms": self.max_event_ms, "last_batch": batch,
                 "counters": dict(self.counters), "parallelism": self.spec["parallelism"]}
-        blobs["interner.pkl"] = pickle.dumps(strings[since:], protocol=5)
-        blobs["bridge.json"] = json.dumps(meta).encode()  # last: its presence marks a whole dir
         self._chain = {"parent": batch, "deltas": chain["deltas"] + 1 if delta else 0,
                        "strings": len(strings)}
-        stats = {"batch": batch, "kind": meta["kind"], "buckets": buckets,
-                 "bytes": sum(len(b) for b in blobs.values()),
-                 "snapshot_ms": (time.perf_counter() - t0) * 1e3}
-        self._saver = threading.Thread(target=self._write_state, args=(batch, blobs, stats),
-                                       name=f"stretch-save-{batch}", daemon=True)
+        stats = {"batch": batch, "kind": meta["kind"], "buckets": buckets}
+        self._saver = threading.Thread(
+            target=self._write_state, args=(batch, delta, strings[since:], meta, stats),
+            name=f"stretch-save-{batch}", daemon=True)
         self._saver.start()
 
-    def _write_state(self, batch: int, blobs: dict, stats: dict) -> None:
+    def _write_state(self, batch: int, delta: bool, strings: list, meta: dict,
+                     stats: dict) -> None:
         try:
             t0 = time.perf_counter()
+            blobs = {f"engine{i}.snap": eng.snapshot(delta=delta)
+                     for i, eng in enumerate(self.engines)}
+            blobs["interner.pkl"] = pickle.dumps(strings, protocol=5)
+            blobs["bridge.json"] = json.dumps(meta).encode()  # last: marks a whole directory
+            t1 = time.perf_counter()
             tmp = self.state_dir / f".{batch}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -203,7 +207,9 @@ class QueryRuntime:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             self._clean(batch)
-            self.save_stats = dict(stats, write_ms=(time.perf_counter() - t0) * 1e3)
+            self.save_stats = dict(stats, bytes=sum(len(b) for b in blobs.values()),
+                                   snapshot_ms=(t1 - t0) * 1e3,
+                                   write_ms=(time.perf_counter() - t1) * 1e3)
         except BaseException as e:  # reported by wait_saved, on the driver's thread
             self._save_error = e
 
@@ -387,6 +393,7 @@ class QueryRuntime:
     # -- control -----------------------------------------------------------------------------------
     def reconfigure(self, parallelism: Optional[int], owner_map) -> dict:
         with self.lock:  # between two micro-batches: the engine is idle here
+            self._join_saver()
             t0 = time.perf_counter()
             m = parallelism or self.spec["parallelism"]
             om = None if owner_map is None else np.asarray(owner_map, np.int64)
