@@ -114,6 +114,10 @@ class HostEngine:
         try:
             return request(self.socket_path, header, timeout=timeout)
         except ConnectionError as e:
+            try:  # a killed process closes its sockets a moment before it can be reaped
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
             if self.proc.poll() is not None:
                 raise EngineDiedError(
                     f"the stretch host engine (pid {self.pid}) died with exit status "

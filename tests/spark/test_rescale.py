@@ -59,8 +59,12 @@ def test_engine_killed_fails_the_query_with_the_cause(spark, tmp_path):
     src = tmp_path / "src"
     write_tweets(src, 500, files=1, rate=10.0, vocab=50, seed=5)
     agg = source(spark, src).stretchAggregate(keys="words", window="60 seconds")
-    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "c"))
-         .trigger(processingTime="200 milliseconds").start(str(tmp_path / "o")))
+    spark.conf.set("spark.stretch.onEngineFailure", "fail")  # the default restarts it
+    try:
+        q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "c"))
+             .trigger(processingTime="200 milliseconds").start(str(tmp_path / "o")))
+    finally:
+        spark.conf.unset("spark.stretch.onEngineFailure")
     _wait_batches(q, 1)
     engine = HostEngine._current
     os.kill(engine.pid, signal.SIGKILL)
