@@ -32,7 +32,7 @@ import numpy as np
 
 from . import kernels as K
 from .errors import EngineError
-from .esg import ESG, Control, Segment, sort_rows
+from .esg import ESG, Control, sort_rows
 from .state import BucketState, Interner, RWLock, balanced_owner_map, validate_owner_map
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")

@@ -39,7 +39,6 @@ class SNEngine(Engine):
     def _segment_for(self, j, seg, cols):
         """forwardSN for instance j: route and copy (duplicate) the tuples it needs into its own queue."""
         c0, c1 = cols
-        inst = self.instances[j]
         sel = self._route(j, self.owner_map, seg.ts, seg.stream, seg.row, c0, c1, self._ip,
                           np.empty(1 << 16, np.int64))
         ts, stream, seq = seg.ts[sel], seg.stream[sel], seg.seq[sel]

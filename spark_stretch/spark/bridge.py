@@ -342,7 +342,6 @@ class QueryRuntime:
         s = self.spec
         outs = [eng.esg_out.get_batch("driver")[0] for eng in self.engines]
         out = outs[0]
-        n = len(out["ts"])
         for other in outs[1:]:  # same tuples, same windows: the rows must line up one to one
             if not (np.array_equal(other["key"], out["key"])
                     and np.array_equal(other["window_start"], out["window_start"])):

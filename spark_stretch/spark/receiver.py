@@ -27,7 +27,6 @@ import struct
 import tempfile
 import threading
 from collections import defaultdict
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pyarrow as pa

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from spark_stretch.engine import Engine, SNEngine
+from spark_stretch.engine import SNEngine
 from spark_stretch.engine.reference import ref_aggregate, reference_run
 from spark_stretch.ops import aggregate, longest, paircount, wordcount
 from stretch_helpers import run_engine, same_rows

@@ -3,7 +3,6 @@
 import json
 import sys
 
-import pyarrow as pa
 from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
@@ -36,7 +35,7 @@ try:
     from spark_stretch.testing import write_tweets
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from harness import run_native, run_stretch, source
+    from harness import run_native, source
 
     tmp = Path(tempfile.mkdtemp(prefix="cluster-job-"))
     src = write_tweets(tmp / "src", 4000, files=4, rate=20.0, vocab=200, late_fraction=0.02,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from pyspark.sql import DataFrame, functions as F
@@ -41,3 +45,13 @@ def key_str(df: DataFrame) -> DataFrame:
     if dict(df.dtypes)["key"].startswith("struct"):
         return df.withColumn("key", F.concat_ws(" ", "key._1", "key._2"))
     return df
+
+
+def run_job(script: str, *args) -> dict:
+    """Run ``script`` (next to this file) in its own Python process; return its ``RESULT`` json."""
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), *map(str, args)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])

@@ -72,7 +72,7 @@ def test_windows_closed_by_the_watermark_equal_batch_sql(spark, tmp_path):
     # No late data here: every window the final watermark closed holds all of its rows.
     wm_us = (spark.read.parquet(str(src)).agg(F.max("ts")).first()[0].timestamp() - 10) * 1e6
     spark.read.parquet(str(src)).createOrReplaceTempView("tweets")
-    want = spark.sql(f"""
+    want = spark.sql("""
         SELECT window(ts, '60 seconds') AS window, key, count(1) AS count
         FROM tweets LATERAL VIEW explode(words) w AS key
         GROUP BY window(ts, '60 seconds'), key

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from harness import run_job
 
 pytestmark = pytest.mark.cluster
 
@@ -21,12 +19,7 @@ def _java_pids() -> set:
 
 def test_two_executor_jvms_share_one_receiver():
     before = _java_pids()
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cluster_job.py"))],
-                          capture_output=True, text=True, timeout=600, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_job("cluster_job.py")
     assert result["executors"] == 2
     # Both executor JVMs wrote their partitions to the one host receiver, none is the driver.
     assert len(result["writer_pids"]) == 2

@@ -21,7 +21,7 @@ from spark_stretch.spark.faults import ENV
 from spark_stretch.spark.host import EngineDiedError
 from spark_stretch.testing import write_tweets
 
-from harness import run_native, run_stretch, source
+from harness import run_job, run_native, run_stretch, source
 
 FILES = 5
 
@@ -200,12 +200,7 @@ def test_incremental_checkpoints_cleaned_like_min_batches_to_retain(spark, tmp_p
 
 def test_task_failures_in_ingest_and_output_read_are_retried_by_spark():
     # local[2,3]: Spark retries a failed task (local[2] would not). In its own process.
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("fault_job.py"))],
-                          capture_output=True, text=True, timeout=600, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_job("fault_job.py")
     # Both faults failed their task (a failed write or read task fails its job unless Spark
     # retries it), the engine never restarted, and the table equals native (checked in the job).
     assert result["fired"] == ["read", "write"]
