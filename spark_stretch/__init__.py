@@ -8,14 +8,18 @@ Set-up::
     spark = spark_stretch.configure_spark_with_stretch(SparkSession.builder).getOrCreate()
 """
 
+from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+
 from .spark.api import StretchAggregation, StretchQuery, _install, stretch_aggregate
+from .spark.grouped import StretchGroupedAggregation, stretch_apply_in_pandas_with_state
 from .spark.receiver import Receiver
 from .spark.session import configure_spark_with_stretch, session
 from .spark.spec import pairs
 
-_install()  # df.stretchAggregate(...)
+_install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
 
 __version__ = "0.1.0"
 
-__all__ = ["Receiver", "StretchAggregation", "StretchQuery", "configure_spark_with_stretch", "pairs",
-           "session", "stretch_aggregate", "__version__"]
+__all__ = ["GroupState", "GroupStateTimeout", "Receiver", "StretchAggregation",
+           "StretchGroupedAggregation", "StretchQuery", "configure_spark_with_stretch", "pairs",
+           "session", "stretch_aggregate", "stretch_apply_in_pandas_with_state", "__version__"]

@@ -1,7 +1,8 @@
 """Run-wide checks: the environment Spark needs, and a leak check at the end.
 
-The leak check fails the run if a Spark JVM started by this process, or a receiver socket
-directory, outlives the tests.
+The leak check fails the run if a Spark JVM started by this process, a host engine or one of its
+instance processes, a receiver socket directory, or a query's state directory in shared memory
+(``/dev/shm/stretch-*``) outlives the tests.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
 
 _TMP = tempfile.gettempdir()
+_SHM = "/dev/shm"
 _BEFORE = set(glob.glob(os.path.join(_TMP, "stretch-*")))
+_SHM_BEFORE = set(glob.glob(os.path.join(_SHM, "stretch-*")))
 
 
 def _engines() -> set:
-    """Host engine processes (``python -m spark_stretch.spark.hostd``) on this machine."""
+    """Host engine processes (``python -m spark_stretch.spark.hostd``) and their instance
+    processes (``python -m spark_stretch.spark.grouped_runtime``) on this machine."""
     out = set()
     for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
         try:
-            if b"spark_stretch.spark.hostd" in Path(cmdline).read_bytes():
+            cmd = Path(cmdline).read_bytes()
+            if b"spark_stretch.spark.hostd" in cmd or b"spark_stretch.spark.grouped_runtime" in cmd:
                 out.add(int(cmdline.split("/")[2]))
         except OSError:
             continue
@@ -81,8 +86,10 @@ def pytest_sessionfinish(session, exitstatus):
     while _engines() - _ENGINES_BEFORE and time.time() < deadline:
         time.sleep(0.5)
     leaks = [f"JVM {p}: {c}" for p, c in _child_jvms(os.getpid())]
-    leaks += [f"host engine process {p}" for p in _engines() - _ENGINES_BEFORE]
+    leaks += [f"host engine or instance process {p}" for p in _engines() - _ENGINES_BEFORE]
     leaks += [f"temp dir {d}" for d in set(glob.glob(os.path.join(_TMP, "stretch-*"))) - _BEFORE]
+    leaks += [f"shared-memory dir {d}"
+              for d in set(glob.glob(os.path.join(_SHM, "stretch-*"))) - _SHM_BEFORE]
     if leaks:
         print("\nLEAKED after the tests:\n  " + "\n  ".join(leaks), file=sys.stderr)
         session.exitstatus = 1

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.group import GroupedData
 from pyspark.sql.streaming import StreamingQuery
 
 from .host import EngineDiedError, HostEngine
@@ -88,7 +87,16 @@ def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, par
 
 
 class StretchAggregation:
-    """The result of ``stretchAggregate``: write it with ``.writeStream``."""
+    """The result of ``stretchAggregate``: write it with ``.writeStream``.
+
+    A *query kind* for :class:`StretchQuery`, which asks of it: ``schema``, ``max_parallelism``,
+    ``_engine_spec()`` (the engine's ``open`` spec; its ``kind`` picks the engine runtime),
+    ``_input_columns()``, ``_output_mode(mode)``, ``_check_start(mode)``, and the extra arguments
+    of the engine's ``step``/``flush`` (``_step_args``, ``_flush_args``). The other kind is
+    :class:`spark_stretch.spark.grouped.StretchGroupedAggregation`.
+    """
+
+    kind = "aggregate"
 
     def __init__(self, df: DataFrame, spec: AggregationSpec):
         self._df = df
@@ -111,11 +119,37 @@ class StretchAggregation:
     def writeStream(self) -> "StretchStreamWriter":
         return StretchStreamWriter(self)
 
+    @property
+    def max_parallelism(self) -> int:
+        return self.spec.max_parallelism
+
+    def _engine_spec(self) -> dict:
+        return {**asdict(self.spec), "kind": "aggregate", "output_names": self.spec.output_names()}
+
+    def _input_columns(self):
+        spec = self.spec
+        return [spec.ts_column, spec.key_column, *spec.value_columns]
+
+    def _output_mode(self, mode: str) -> str:
+        if mode.lower() != "append":
+            raise ValueError(f"outputMode '{mode}' is not supported by stretchAggregate: a "
+                             "window is emitted once, when the watermark passes its end ('append')")
+        return "append"
+
+    def _check_start(self, mode: str) -> None:
+        pass
+
+    def _step_args(self, query, batch_id: int) -> dict:
+        return {}
+
+    def _flush_args(self, query, replay: bool = False) -> dict:
+        return {}
+
 
 class StretchStreamWriter:
-    """Mirrors :class:`pyspark.sql.streaming.DataStreamWriter` for a stretch aggregation."""
+    """Mirrors :class:`pyspark.sql.streaming.DataStreamWriter` for a stretch query kind."""
 
-    def __init__(self, agg: StretchAggregation):
+    def __init__(self, agg):
         self._agg = agg
         self._format = "delta"
         self._options: Dict[str, str] = {}
@@ -137,10 +171,7 @@ class StretchStreamWriter:
         return self
 
     def outputMode(self, outputMode: str) -> "StretchStreamWriter":
-        if outputMode.lower() != "append":
-            raise ValueError(f"outputMode '{outputMode}' is not supported by stretchAggregate: a "
-                             "window is emitted once, when the watermark passes its end ('append')")
-        self._mode = "append"
+        self._mode = self._agg._output_mode(outputMode)
         return self
 
     def trigger(self, **kwargs) -> "StretchStreamWriter":
@@ -166,6 +197,7 @@ class StretchStreamWriter:
                              "delta (exactly once), parquet/json/csv/orc, console or noop")
         if path is None and table is None and fmt not in ("console", "noop"):
             raise ValueError(f"start() needs a path (or use toTable) for format '{fmt}'")
+        self._agg._check_start(self._mode)
         return StretchQuery._start(self._agg, fmt, dict(self._options), path, table,
                                    self._trigger, self._name)
 
@@ -214,7 +246,7 @@ class StretchQuery:
         self._restarts: list = []
         self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
         self._spec = {
-            **asdict(agg.spec), "output_names": agg.spec.output_names(),
+            **agg._engine_spec(),
             "state_dir": str(Path(checkpoint) / "stretch" / "state"),
             # Checkpoint cadence and retention follow Spark's own state store settings.
             "min_deltas": int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
@@ -235,8 +267,7 @@ class StretchQuery:
         resume = max(done) if done else None  # Spark resumes after its last committed batch
         meta = cls._meta(checkpoint)
         query = cls(agg, fmt, options, path, table, checkpoint, own, meta, resume)
-        spec = agg.spec
-        cols = [spec.ts_column, spec.key_column, *spec.value_columns]
+        cols = agg._input_columns()
         writer = (agg._df.select(*cols).writeStream.foreachBatch(query._step)
                   .option("checkpointLocation", checkpoint))
         if trigger:
@@ -285,7 +316,8 @@ class StretchQuery:
                               "spec": dict(self._spec, resume_batch=resume)})
         if resume is not None and self._sink_holds_flush(resume):
             # The last flush reached the table but not the saved state: replay it, unwritten.
-            self._engine.request({"op": "flush", "query": self.stretch_id})
+            self._engine.request({"op": "flush", "query": self.stretch_id,
+                                  "args": self._agg._flush_args(self, replay=True)})
             self._engine.request({"op": "flushed", "query": self.stretch_id})
 
     def _engine_failed(self) -> bool:
@@ -309,6 +341,7 @@ class StretchQuery:
                 dead = self._engine
                 cause = (f"the stretch host engine (pid {dead.pid}) died (exit status "
                          f"{dead.proc.returncode}) during {what}")
+                _remove_shm(self.stretch_id)  # what its instances left in /dev/shm
                 if self._on_failure == "fail" or attempt >= self._max_restarts:
                     hint = ("; set spark.stretch.onEngineFailure=restart to restart it from the "
                             "checkpoint" if self._on_failure == "fail" else
@@ -353,7 +386,8 @@ class StretchQuery:
                     f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
             raise
         t1 = time.perf_counter()
-        reply = eng.request({"op": "step", "query": qid, "batch": batch_id})
+        reply = eng.request({"op": "step", "query": qid, "batch": batch_id,
+                             "args": self._agg._step_args(self, batch_id)})
         t2 = time.perf_counter()
         rows = int(reply["rows"])
         out = None
@@ -389,11 +423,13 @@ class StretchQuery:
             return self._with_engine("a flush", self._last_done, self._flush_locked)
 
     def _flush_locked(self) -> int:
-        reply = self._engine.request({"op": "flush", "query": self.stretch_id})
+        reply = self._engine.request({"op": "flush", "query": self.stretch_id,
+                                      "args": self._agg._flush_args(self)})
         rows = int(reply["rows"])
         if rows:
             self._write_sink(self._read_output(reply["stream"], rows), int(reply["batch"]),
                              app_suffix="-idle")
+        if rows or reply.get("changed"):
             # Only now is the state after the flush the state of that batch.
             self._engine.request({"op": "flushed", "query": self.stretch_id})
             with self._lock:
@@ -454,10 +490,10 @@ class StretchQuery:
         owner_map : sequence of int, optional
             Owner instance for each of the ``buckets`` buckets (a rebalance).
         """
-        spec = self._agg.spec
-        if parallelism is not None and not (1 <= parallelism <= spec.max_parallelism):
+        top = self._agg.max_parallelism
+        if parallelism is not None and not (1 <= parallelism <= top):
             raise ValueError(f"parallelism={parallelism}: must be between 1 and "
-                             f"max_parallelism={spec.max_parallelism}")
+                             f"max_parallelism={top}")
         if parallelism is None and owner_map is None:
             raise ValueError("reconfigure() needs parallelism= or owner_map=")
         t0 = time.perf_counter()
@@ -527,6 +563,7 @@ class StretchQuery:
         except Exception:
             pass
         self._engine.release()
+        _remove_shm(self.stretch_id)
         if self._own_checkpoint:
             shutil.rmtree(self._checkpoint, ignore_errors=True)
 
@@ -562,8 +599,17 @@ class StretchQuery:
         return f"StretchQuery(id={self._query.id if self._query else None}, format={self._format})"
 
 
+def _remove_shm(stretch_id: str) -> None:
+    """Remove the query's state directories in shared memory (``/dev/shm/stretch-<id>-<pid>-*``)
+    left by an engine that died; a live engine removes its own when the query closes."""
+    from .grouped_runtime import shm_root
+
+    for d in Path(shm_root()).glob(f"stretch-{stretch_id}-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _install() -> None:
-    """Attach ``stretchAggregate`` to DataFrame (once, on import of spark_stretch)."""
+    """Attach ``stretchAggregate`` to DataFrame and GroupedData (once, on import of spark_stretch)."""
     if getattr(DataFrame, "_stretch_installed", False):
         return
 
@@ -573,16 +619,7 @@ def _install() -> None:
     stretchAggregate.__doc__ = stretch_aggregate.__doc__
     DataFrame.stretchAggregate = stretchAggregate
 
-    def grouped_stretch_aggregate(self, *args, **kwargs):
-        """The ``applyInPandasWithState`` drop-in (``groupBy(k).stretchAggregate(func, ...)``).
+    from .grouped import _install_grouped
 
-        Not available in this version: it raises, rather than silently run something else.
-        """
-        raise NotImplementedError(
-            "groupBy(...).stretchAggregate(func, outputStructType, stateStructType, outputMode, "
-            "timeoutConf) (the applyInPandasWithState drop-in) is not implemented yet; use "
-            "groupBy(...).applyInPandasWithState(...) with the same arguments meanwhile, or "
-            "df.stretchAggregate(keys=..., window=..., agg=...) for windowed aggregations")
-
-    GroupedData.stretchAggregate = grouped_stretch_aggregate
+    _install_grouped()  # groupBy(...).stretchAggregate(func, ...): the applyInPandasWithState drop-in
     DataFrame._stretch_installed = True

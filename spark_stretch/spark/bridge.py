@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 
 from ..engine import Engine, Interner, ListColumn
 from . import faults
+from .checkpointed import CheckpointedRuntime
 from ..ops.aggregate import aggregate
 
 __all__ = ["QueryRuntime"]
@@ -44,7 +45,7 @@ __all__ = ["QueryRuntime"]
 _TS = pa.timestamp("us", tz="UTC")
 
 
-class QueryRuntime:
+class QueryRuntime(CheckpointedRuntime):
     """The engine-side state of one query (``spec`` is ``asdict(AggregationSpec)``)."""
 
     def __init__(self, qid: str, spec: dict, receiver):
@@ -213,49 +214,6 @@ class QueryRuntime:
         except BaseException as e:  # reported by wait_saved, on the driver's thread
             self._save_error = e
 
-    def _clean(self, batch: int) -> None:
-        """Keep the states of the last ``min_batches_to_retain`` batches (Spark's
-        ``minBatchesToRetain``) and the full checkpoints their deltas build on; drop older ones."""
-        have = sorted(int(d.name) for d in self.state_dir.iterdir() if d.name.isdigit())
-        keep = [b for b in have if b > batch - self.spec.get("min_batches_to_retain", 100)]
-        if not keep:
-            return
-        oldest = self._chain_of(keep[0])[0]
-        for b in have:
-            if b < oldest:
-                shutil.rmtree(self.state_dir / str(b), ignore_errors=True)
-
-    def _chain_of(self, batch: int) -> list:
-        """The batches whose checkpoints make the state after ``batch``: a full one, then deltas."""
-        chain, b = [], batch
-        while True:
-            f = self.state_dir / str(b) / "bridge.json"
-            if not f.exists():
-                raise RuntimeError(
-                    f"no engine state for batch {b} under {self.state_dir} (needed for the state "
-                    f"after batch {batch}): the checkpoint was not written by this stretch query "
-                    "or was cleaned")
-            meta = json.loads(f.read_text())
-            chain.append(b)
-            if meta.get("kind", "full") == "full":
-                return chain[::-1]
-            b = int(meta["parent"])
-
-    def _join_saver(self) -> None:
-        if self._saver is not None:
-            self._saver.join()
-            self._saver = None
-        if self._save_error is not None:
-            e, self._save_error = self._save_error, None
-            raise RuntimeError(f"writing the engine state to {self.state_dir} failed: {e}") from e
-
-    def wait_saved(self) -> dict:
-        """Block until the last checkpoint is on disk (before Spark may commit its batch)."""
-        with self.lock:
-            self._join_saver()
-            faults.inject("saved", self.last_batch)
-            return dict(self.save_stats)
-
     def _load(self, batch: int, ops) -> list:
         if self.state_dir is None:
             raise RuntimeError(f"no state directory to resume batch {batch} from")
@@ -284,16 +242,6 @@ class QueryRuntime:
             eng.esg_in.advance_watermark(watermark_ms * 1000)
             eng.drain()
         return self._output()
-
-    def _offer(self, stream: str, out: pa.Table, metrics: dict) -> dict:
-        # Keep the previous output offered until the next one replaces it (a retried read task,
-        # or a replayed batch, reads the same rows).
-        if self._offered is not None and self._offered != stream:
-            self.receiver.offer(self._offered, None)
-        self.receiver.offer(stream, out)
-        self._offered = stream
-        self.counters["output_rows"] += out.num_rows
-        return {"rows": out.num_rows, "stream": stream, "metrics": metrics}
 
     def _columns(self, table: pa.Table, batch: int) -> dict:
         s = self.spec

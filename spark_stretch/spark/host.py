@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from .receiver import request
@@ -24,11 +25,22 @@ class EngineDiedError(RuntimeError):
 
 
 def _die_with_parent() -> None:
-    # Linux: the engine gets SIGTERM if the driver dies, even by kill -9.
+    # Linux: the child gets SIGTERM if its parent dies, even by kill -9.
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+# Linux delivers PR_SET_PDEATHSIG when the *thread* that forked the child exits, not the process:
+# a child started from a short-lived thread (a py4j callback, a request handler) would be killed
+# with it. So children are started from one thread that lives as long as this process.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stretch-spawner")
+
+
+def spawn_child(*args, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(*args, **kwargs)`` of a child that dies with this process."""
+    return _SPAWNER.submit(subprocess.Popen, *args, preexec_fn=_die_with_parent, **kwargs).result()
 
 
 class HostEngine:
@@ -52,11 +64,10 @@ class HostEngine:
         self._refs = 0
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
-        self.proc = subprocess.Popen(
+        self.proc = spawn_child(
             [sys.executable, "-m", "spark_stretch.spark.hostd", "--socket", self.socket_path,
              "--parent", str(os.getpid())],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            preexec_fn=_die_with_parent)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self._readline(start_timeout)
         if line.strip() != "READY":
             err = self._drain_stderr()

@@ -2,7 +2,9 @@
 
 Started by :class:`spark_stretch.spark.host.HostEngine` as ``python -m spark_stretch.spark.hostd``.
 It serves the ``stretch`` data source on a Unix socket (executors write input and read results) and
-the driver's control requests (``open``, ``step``, ``reconfigure``, ``metrics``, ``close``). It
+the driver's control requests (``open``, ``step``, ``reconfigure``, ``metrics``, ``close``) for
+both query kinds: ``stretchAggregate`` (:mod:`.bridge`) and the ``applyInPandasWithState`` drop-in
+(:mod:`.grouped_runtime`, chosen by the ``kind`` of the ``open`` spec). It
 exits on ``shutdown``, on SIGTERM, or when its parent (the driver) is gone, removing its socket.
 """
 
@@ -46,17 +48,25 @@ class HostDaemon:
     def _op_open(self, h):
         qid = h["query"]
         if qid not in self.queries:
-            self.queries[qid] = self._QueryRuntime(qid, h["spec"], self.receiver)
+            kind = h["spec"].get("kind", "aggregate")
+            if kind == "grouped":
+                from .grouped_runtime import GroupedRuntime as runtime
+            elif kind == "aggregate":
+                runtime = self._QueryRuntime
+            else:
+                raise ValueError(f"unknown query kind {kind!r}")
+            self.queries[qid] = runtime(qid, h["spec"], self.receiver)
         return self.queries[qid].describe()
 
     def _op_step(self, h):
-        return self._query(h).step(int(h["batch"]))
+        # args: what the query kind adds (the grouped runtime: the batch's processing time)
+        return self._query(h).step(int(h["batch"]), **h.get("args", {}))
 
     def _op_saved(self, h):
         return self._query(h).wait_saved()
 
     def _op_flush(self, h):
-        return self._query(h).flush()
+        return self._query(h).flush(**h.get("args", {}))
 
     def _op_flushed(self, h):
         return self._query(h).flushed()

@@ -94,7 +94,12 @@ def test_output_schema_names_like_spark(wm):
     assert [f.dataType for f in native.schema.fields][2:] == [f.dataType for f in agg.schema.fields][2:]
 
 
-def test_grouped_drop_in_is_not_silently_something_else(wm):
-    with pytest.raises(NotImplementedError, match="applyInPandasWithState drop-in\\) is not implemented"):
-        wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",
+def test_grouped_drop_in_checks_arguments_like_native(wm):
+    # groupBy(...).stretchAggregate is the applyInPandasWithState drop-in (tests/spark/test_grouped.py):
+    # its arguments are checked by the native operator itself.
+    g = wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",
                                             "NoTimeout")
+    assert g.schema.simpleString() == "struct<user:string>"
+    with pytest.raises(AssertionError):
+        wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",
+                                            "SometimesTimeout")
