@@ -89,15 +89,26 @@ def test_stop_leaves_no_engine_behind(spark, tmp_path):
     assert not os.path.exists(sock_dir)
 
 
-def _restarted_runs(spark, agg_of, src, out, runs, native=False):
-    """Run availableNow ``runs`` times over a folder that grows before each run (stop + restart)."""
-    for first, n in runs:
+def _restarted_runs(spark, agg_of, src, out, runs, native=False, rescale=None):
+    """Run availableNow ``runs`` times over a folder that grows before each run (stop + restart).
+
+    ``rescale[i]``: a parallelism the stretch query is reconfigured to during run ``i``; the next
+    run restarts from the checkpoint written after it and must start at that parallelism.
+    """
+    expect = None
+    for i, (first, n) in enumerate(runs):
         write_tweets(src, 300 * n, files=n, first_file=first, rate=10.0, vocab=80,
                      late_fraction=0.03, jitter_s=5.0, seed=21)
         agg = agg_of(src)
         w = (agg.native().writeStream.outputMode("append") if native else agg.writeStream)
         q = (w.format("delta").option("checkpointLocation", str(out) + "-ckpt")
              .trigger(availableNow=True).start(str(out)))
+        if not native:
+            if expect is not None:  # restored from the checkpoint, rescale included
+                assert q.metrics()["engine"]["parallelism"] == expect
+            if rescale and i in rescale:
+                q.reconfigure(parallelism=rescale[i])  # before (or between) this run's batches
+                expect = rescale[i]
         q.awaitTermination()
     return spark.read.format("delta").load(str(out))
 
@@ -112,7 +123,8 @@ def test_restart_from_checkpoint_several_times_equals_native(spark, tmp_path):
             max_parallelism=2, buckets=64)
 
     runs = [(0, 2), (2, 1), (3, 3), (6, 1)]
-    got = _restarted_runs(spark, agg_of, src, tmp_path / "s", runs)
+    # Rescaled 2 -> 1 during the third run: the fourth restarts right after a rescale.
+    got = _restarted_runs(spark, agg_of, src, tmp_path / "s", runs, rescale={2: 1})
     # Native Spark restarted the same way (its state store is checkpointed) is the oracle. The
     # input folder already holds every file, so rebuild it run by run in a second folder.
     src2 = tmp_path / "src2"
