@@ -516,8 +516,11 @@ class ESG:
             return items
 
     def pending_for(self, j) -> int:
+        """Tuples (and controls) not yet read by reader ``j``; 0 once ``j`` is no reader (a
+        free-running instance may leave in an epoch switch while the caller asks)."""
         with self._lock:
-            return self._log_base + len(self._log) - self._readers[j]
+            pos = self._readers.get(j)
+            return 0 if pos is None else self._log_base + len(self._log) - pos
 
     def _gc(self):
         if not self._readers:

@@ -444,7 +444,7 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while True:
-                pending = any(self.esg_in.pending_for(j) for j in self.active if j in self.esg_in._readers)
+                pending = any(self.esg_in.pending_for(j) for j in list(self.active))
                 if not pending and self._busy == 0:
                     return
                 rem = None if deadline is None else deadline - time.monotonic()
