@@ -23,9 +23,7 @@ touching the engine; Delta's ``txnVersion`` then makes the sink write a no-op.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -197,17 +195,7 @@ class QueryRuntime(CheckpointedRuntime):
             blobs["interner.pkl"] = pickle.dumps(strings, protocol=5)
             blobs["bridge.json"] = json.dumps(meta).encode()  # last: marks a whole directory
             t1 = time.perf_counter()
-            tmp = self.state_dir / f".{batch}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for name, blob in blobs.items():
-                with open(tmp / name, "wb") as f:
-                    f.write(blob)
-                    os.fsync(f.fileno())
-            final = self.state_dir / str(batch)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            self._clean(batch)
+            self._write_dir(batch, blobs)
             self.save_stats = dict(stats, bytes=sum(len(b) for b in blobs.values()),
                                    snapshot_ms=(t1 - t0) * 1e3,
                                    write_ms=(time.perf_counter() - t1) * 1e3)

@@ -5,6 +5,7 @@ background thread and cleaned like Spark's ``minBatchesToRetain``. No Spark impo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import pyarrow as pa
 
@@ -34,6 +35,22 @@ class CheckpointedRuntime:
         self._offered = stream
         self.counters["output_rows"] += out.num_rows
         return {"rows": out.num_rows, "stream": stream, "metrics": metrics}
+
+    def _write_dir(self, batch: int, blobs: dict) -> None:
+        """Write ``blobs`` (file name -> bytes, ``META`` last) as the checkpoint of ``batch``:
+        into a temporary directory, fsynced, then renamed, so a crash leaves whole checkpoints
+        only; then clean old ones."""
+        tmp = self.state_dir / f".{batch}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, blob in blobs.items():
+            with open(tmp / name, "wb") as f:
+                f.write(blob)
+                os.fsync(f.fileno())
+        final = self.state_dir / str(batch)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self._clean(batch)
 
     def _clean(self, batch: int) -> None:
         """Keep the states of the last ``min_batches_to_retain`` batches (Spark's

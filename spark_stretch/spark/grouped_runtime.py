@@ -402,17 +402,7 @@ class GroupedRuntime(CheckpointedRuntime):
     def _write_state(self, batch: int, blobs: dict, stats: dict) -> None:
         try:
             t0 = time.perf_counter()
-            tmp = self.state_dir / f".{batch}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for name, blob in blobs.items():
-                with open(tmp / name, "wb") as f:
-                    f.write(blob)
-                    os.fsync(f.fileno())
-            final = self.state_dir / str(batch)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            self._clean(batch)
+            self._write_dir(batch, blobs)
             self.save_stats = dict(stats, write_ms=(time.perf_counter() - t0) * 1e3)
         except BaseException as e:
             self._save_error = e
