@@ -89,14 +89,6 @@ class QueryRuntime(CheckpointedRuntime):
                 "max_parallelism": self.spec["max_parallelism"]}
 
     # -- data --------------------------------------------------------------------------------------
-    def ingest(self, rest: str, job: str, table: pa.Table) -> None:
-        kind, _, batch = rest.partition(":")
-        if kind != "in":
-            raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
-        with self.lock:
-            # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
-            self.pending[int(batch)] = table
-
     def step(self, batch: int) -> dict:
         with self.lock:
             self._join_saver()  # the previous checkpoint reads the engines: let it finish

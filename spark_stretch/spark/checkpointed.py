@@ -18,13 +18,22 @@ class CheckpointedRuntime:
     """Mixin of :class:`~spark_stretch.spark.bridge.QueryRuntime` and
     :class:`~spark_stretch.spark.grouped_runtime.GroupedRuntime`.
 
-    The subclass sets ``state_dir`` (or None), ``spec``, ``lock``, ``receiver``, ``counters``,
+    The subclass sets ``qid``, ``pending``, ``state_dir`` (or None), ``spec``, ``lock``, ``receiver``, ``counters``,
     ``last_batch``, ``_offered``, ``_saver``, ``_save_error`` and ``save_stats``; ``META`` names the
     JSON file whose presence marks a whole checkpoint directory (with ``kind`` and ``parent``).
     """
 
     META = "bridge.json"
     state_dir = None
+
+    def ingest(self, rest: str, job: str, table: pa.Table) -> None:
+        """The committed input of a batch (stream ``in:<N>``), kept until its step."""
+        kind, _, batch = rest.partition(":")
+        if kind != "in":
+            raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
+        with self.lock:
+            # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
+            self.pending[int(batch)] = table
 
     def _offer(self, stream: str, out: pa.Table, metrics: dict) -> dict:
         # Keep the previous output offered until the next one replaces it (a retried read task,

@@ -147,13 +147,6 @@ class GroupedRuntime(CheckpointedRuntime):
                 "kind": "grouped", "instance_pids": [i.pid for i in self.instances]}
 
     # -- data --------------------------------------------------------------------------------
-    def ingest(self, rest: str, job: str, table: pa.Table) -> None:
-        kind, _, batch = rest.partition(":")
-        if kind != "in":
-            raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
-        with self.lock:
-            self.pending[int(batch)] = table
-
     def step(self, batch: int, batch_ts_ms: Optional[int] = None) -> dict:
         with self.lock:
             table = self.pending.pop(batch, None)
