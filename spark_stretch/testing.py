@@ -14,6 +14,9 @@ Examples
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["tweets_table", "write_tweets"]
+__all__ = ["publish", "tweets_table", "write_tweets"]
 
 _VOCAB_CACHE = {}
 
@@ -68,8 +71,9 @@ def write_tweets(folder, n: int, files: int = 1, first_file: int = 0, seed: Opti
                  **kwargs) -> Path:
     """Write ``n`` tweets as ``files`` parquet files (consecutive event times) into ``folder``.
 
-    File names sort in event-time order, so a file source with ``maxFilesPerTrigger`` replays the
-    stream batch by batch. Returns the folder.
+    File names and modification times both grow with event time, so a file source with
+    ``maxFilesPerTrigger`` (which takes new files in modification-time order) replays the stream
+    batch by batch, in order. Returns the folder.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -84,4 +88,41 @@ def write_tweets(folder, n: int, files: int = 1, first_file: int = 0, seed: Opti
         t = tweets_table(k, start_s=start_s + f * per / rate, rate=rate,
                          seed=(f if seed is None else seed * 100_003 + f), **kwargs)
         pq.write_table(t, folder / f"tweets-{f:06d}.parquet")
+        _stamp(folder / f"tweets-{f:06d}.parquet")
     return folder
+
+
+def publish(file, folder) -> Path:
+    """Copy ``file`` into the streamed ``folder`` atomically (a hidden copy, then a rename), with a
+    modification time after every file published or written here before.
+
+    Spark's file source takes new files in modification-time order; files copied within the same
+    millisecond would be taken in directory-listing order, which is arbitrary.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from spark_stretch.testing import publish, write_tweets
+    >>> tmp = Path(tempfile.mkdtemp())
+    >>> src = write_tweets(tmp / "src", 100, files=2)
+    >>> live = tmp / "live"; live.mkdir()
+    >>> [publish(f, live).name for f in sorted(src.glob("*.parquet"))]
+    ['tweets-000000.parquet', 'tweets-000001.parquet']
+    """
+    file, folder = Path(file), Path(folder)
+    tmp = folder / f".{file.name}.tmp"
+    shutil.copyfile(file, tmp)
+    _stamp(tmp)
+    os.replace(tmp, folder / file.name)
+    return folder / file.name
+
+
+_last_mtime_ns = 0
+
+
+def _stamp(path: Path) -> None:
+    """Set ``path``'s modification time 10 ms after the last one set (or to now, if later)."""
+    global _last_mtime_ns
+    t = max(time.time_ns(), _last_mtime_ns + 10_000_000)
+    os.utime(path, ns=(t, t))
+    _last_mtime_ns = t

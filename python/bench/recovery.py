@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import spark_stretch
-from spark_stretch.testing import write_tweets
+from spark_stretch.testing import publish, write_tweets
 
 SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
 
@@ -46,7 +46,7 @@ def main() -> None:
     src = work / "src"
     src.mkdir()
     for f in files[:-1]:
-        shutil.copy(f, src / f.name)
+        publish(f, src)
     spark = spark_stretch.session(app_name="bench recovery",
                                   conf={"spark.sql.shuffle.partitions": "2"})
     spark.sparkContext.setLogLevel("ERROR")
@@ -74,12 +74,12 @@ def main() -> None:
                 report["live_windows"] = q.metrics()["engine"]["live_windows"]
             else:
                 report["native_state_rows"] = q.lastProgress["stateOperators"][0]["numRowsTotal"]
-        shutil.copy(files[-1], src / files[-1].name)  # one more file, then restart both
+        publish(files[-1], src)  # one more file, then restart both
         for kind in ("native", "stretch"):
             report[f"{kind}_restart_s"], q = run(kind)
             if kind == "stretch":
                 report["stretch_checkpoint"] = [b["checkpoint"] for b in q.metrics()["batch_times"]]
-        shutil.copy(closing, src / closing.name)
+        publish(closing, src)
         report["native_closing_s"], _ = run("native")
         report["stretch_closing_s"], _ = run("stretch")
         a = spark.read.format("delta").load(str(work / "native"))

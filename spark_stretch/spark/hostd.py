@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from .receiver import Receiver
@@ -30,6 +31,7 @@ class HostDaemon:
         self._QueryRuntime = QueryRuntime
         self.queries = {}
         self.stop_event = threading.Event()
+        self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
         for op in ("open", "step", "saved", "flush", "flushed", "reconfigure", "metrics", "close",
                    "shutdown"):
@@ -91,9 +93,10 @@ class HostDaemon:
 
     def serve(self, parent: int) -> None:
         print("READY", flush=True)
-        while not self.stop_event.wait(0.5):
+        while not (self.stop_event.is_set() or self.signalled):
             if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
                 break
+            time.sleep(0.2)
         for rt in list(self.queries.values()):
             rt.close()
         self.receiver.close()
@@ -109,7 +112,9 @@ def main(argv=None) -> int:
     except Exception:
         traceback.print_exc()
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: daemon.stop_event.set())
+    # A plain flag: Event.set() in a handler can deadlock on the lock the interrupted
+    # Event.wait() holds (seen: an engine outliving its driver).
+    signal.signal(signal.SIGTERM, lambda *_: setattr(daemon, "signalled", True))
     try:
         daemon.serve(args.parent)
     finally:

@@ -8,7 +8,6 @@ no manual clock for native queries) a plain-Python sequential run of the same ru
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import time
@@ -22,7 +21,7 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql.streaming.state import GroupStateTimeout
 
 from spark_stretch.spark.faults import ENV
-from spark_stretch.testing import write_tweets
+from spark_stretch.testing import publish, write_tweets
 
 from harness import TWEETS
 
@@ -264,7 +263,7 @@ def test_restart_from_checkpoint_mid_stream_equals_native(spark, stream, tmp_pat
     files = sorted(Path(src).glob("*.parquet"))
     for phase in (files[:2], files[2:4]):
         for f in phase:
-            shutil.copy(f, live / f.name)
+            publish(f, live)
         run_native(source(spark, live).groupBy("user").applyInPandasWithState(*args),
                    tmp_path / "n")
         run_stretch(source(spark, live).groupBy("user").stretchAggregate(*args),
