@@ -242,6 +242,14 @@ class StretchQuery:
                              "(restart the engine from the last checkpoint and retry the batch) "
                              "or 'fail' (fail the query)")
         self._on_failure = policy
+        direct = conf.get("spark.stretch.delta.directWrite", "true").lower()
+        if direct not in ("true", "false"):
+            self._release()
+            raise ValueError(f"spark.stretch.delta.directWrite='{direct}': must be 'true' (the "
+                             "engine appends to a path-based Delta sink itself) or 'false'")
+        # Writer options (mergeSchema, partitionBy, ...) are Spark's to apply: Spark writes then.
+        self._direct = (direct == "true" and fmt == "delta" and bool(path) and not table
+                        and not set(self._sink_options) - {"path"})
         self._max_restarts = int(conf.get("spark.stretch.maxEngineRestarts", "3"))
         self._restarts: list = []
         self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
@@ -390,10 +398,7 @@ class StretchQuery:
                              "args": self._agg._step_args(self, batch_id)})
         t2 = time.perf_counter()
         rows = int(reply["rows"])
-        out = None
-        if rows:
-            out = self._read_output(reply["stream"], rows)
-            self._write_sink(out, batch_id)
+        out = self._emit(reply["stream"], rows, batch_id) if rows else None
         t3 = time.perf_counter()
         # The engine wrote its state after this batch while Spark wrote the output; it must be on
         # disk before Spark commits the batch (a restart resumes from it).
@@ -427,8 +432,7 @@ class StretchQuery:
                                       "args": self._agg._flush_args(self)})
         rows = int(reply["rows"])
         if rows:
-            self._write_sink(self._read_output(reply["stream"], rows), int(reply["batch"]),
-                             app_suffix="-idle")
+            self._emit(reply["stream"], rows, int(reply["batch"]), app_suffix="-idle")
         if rows or reply.get("changed"):
             # Only now is the state after the flush the state of that batch.
             self._engine.request({"op": "flushed", "query": self.stretch_id})
@@ -448,6 +452,32 @@ class StretchQuery:
                 if txn and txn.get("appId") == app:
                     return int(txn["version"]) >= batch
         return False
+
+    def _emit(self, stream: str, rows: int, batch_id: int,
+              app_suffix: str = "") -> Optional[DataFrame]:
+        """Write the ``rows`` the engine offers on ``stream`` to the sink as batch ``batch_id``.
+
+        A path-based Delta sink is appended to by the engine itself (``delta_direct``: one Delta
+        commit from the process that holds the rows, with the same ``txn`` action Spark's writer
+        adds) unless ``spark.stretch.delta.directWrite=false``; otherwise, and whenever deltalake
+        cannot write the table, the executors read the rows back and Spark writes them. Returns
+        the DataFrame Spark wrote, or None.
+        """
+        if self._direct:
+            reply = self._engine.request({
+                "op": "write_delta", "query": self.stretch_id, "stream": stream,
+                "path": self._path, "app_id": self._app_id + app_suffix, "version": batch_id})
+            with self._lock:
+                m = self._metrics
+                if "unsupported" not in reply:
+                    m["direct_writes"] = m.get("direct_writes", 0) + 1
+                    return None
+                if reply["permanent"]:
+                    self._direct = False
+                    m["direct_write_off"] = reply["unsupported"]
+        out = self._read_output(stream, rows)
+        self._write_sink(out, batch_id, app_suffix)
+        return out
 
     def _read_output(self, stream: str, rows: int) -> DataFrame:
         """The rows the engine offers on ``stream``, read by the executors of its host.

@@ -33,8 +33,8 @@ class HostDaemon:
         self.stop_event = threading.Event()
         self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
-        for op in ("open", "step", "saved", "flush", "flushed", "reconfigure", "metrics", "close",
-                   "shutdown"):
+        for op in ("open", "step", "saved", "flush", "flushed", "write_delta", "reconfigure",
+                   "metrics", "close", "shutdown"):
             self.receiver.register(op, getattr(self, f"_op_{op}"))
 
     def _query(self, header):
@@ -72,6 +72,13 @@ class HostDaemon:
 
     def _op_flushed(self, h):
         return self._query(h).flushed()
+
+    def _op_write_delta(self, h):
+        # The output offered on a stream, appended to a Delta table from here (delta_direct).
+        from .delta_direct import append
+
+        self._query(h)
+        return append(h["path"], self.receiver.offered(h["stream"]), h["app_id"], int(h["version"]))
 
     def _op_reconfigure(self, h):
         return self._query(h).reconfigure(h.get("parallelism"), h.get("owner_map"))

@@ -126,7 +126,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 receiver._abort(header["stream"], header["job"])
                 _write_frame(self.wfile, {"ok": True})
             elif op in ("schema", "read"):
-                table = receiver._offered(header["stream"])
+                table = receiver.offered(header["stream"])
                 if op == "read" and int(header.get("splits", 1)) > 1:
                     # Input partition `split` of `splits` reads its contiguous slice of rows.
                     k, j, n = int(header["splits"]), int(header["split"]), table.num_rows
@@ -300,7 +300,8 @@ class Receiver:
             self._staged.pop((stream, job), None)
             self._schemas.pop((stream, job), None)
 
-    def _offered(self, stream: str) -> pa.Table:
+    def offered(self, stream: str) -> pa.Table:
+        """The table offered on ``stream`` (KeyError if none)."""
         with self._lock:
             table = self._offers.get(stream)
         if table is None:

@@ -19,7 +19,9 @@ from harness import run_native, source  # noqa: E402
 tmp = Path(tempfile.mkdtemp(prefix="fault-job-"))
 # Batch 1's first ingest write and batch 3's first output read fail (once each).
 os.environ[ENV] = f"fail@write:1:{tmp / 'write'},fail@read:3:{tmp / 'read'}"
-spark = spark_stretch.session(master="local[2,3]", app_name="stretch fault test")
+spark = spark_stretch.session(master="local[2,3]", app_name="stretch fault test",
+                              # the output read is a Spark job only when Spark writes the output
+                              conf={"spark.stretch.delta.directWrite": "false"})
 spark.sparkContext.setLogLevel("OFF")
 result = {}
 try:

@@ -119,6 +119,14 @@ def equal(got, want):
                        ignore_metadata=True)
 
 
+def _both(spark, src, args, tmp_path):
+    """(stretch, native) tables of ``groupBy("user")`` with ``args``, update mode, no watermark."""
+    run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(*args),
+               tmp_path / "n")
+    run_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    return read(spark, tmp_path / "o"), read(spark, tmp_path / "n")
+
+
 def _shm_dirs():
     return set(Path("/dev/shm").glob("stretch-*")) if Path("/dev/shm").is_dir() else set()
 
@@ -155,10 +163,7 @@ def test_running_count_no_timeout_equals_native(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 300, files=2, rate=10.0, users=30, vocab=30, seed=3)
     args = (running_count, "user string, n long, words long", "n long", "Update",
             GroupStateTimeout.NoTimeout)
-    run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(*args),
-               tmp_path / "n")
-    run_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args), tmp_path / "o")
-    equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
+    equal(*_both(spark, src, args, tmp_path))
 
 
 def test_state_removal_and_multi_column_key_equal_native(spark, tmp_path):

@@ -54,6 +54,21 @@ def ontime(spark, tmp_path_factory):
     return src, want
 
 
+def _run(spark, src, tmp_path, **conf):
+    """One availableNow run of ``_agg`` into ``tmp_path/o`` with the Spark settings ``conf``."""
+    for k, v in conf.items():
+        spark.conf.set(k, str(v).lower())
+    try:
+        q = (_agg(spark, src).writeStream.format("delta")
+             .option("checkpointLocation", str(tmp_path / "c")).trigger(availableNow=True)
+             .start(str(tmp_path / "o")))
+        q.awaitTermination()
+    finally:
+        for k in conf:
+            spark.conf.unset(k)
+    return q
+
+
 def _equal(got, want):
     extra, missing = got.exceptAll(want), want.exceptAll(got)
     assert extra.isEmpty() and missing.isEmpty(), (
@@ -63,22 +78,22 @@ def _equal(got, want):
                        ignore_metadata=True)
 
 
-@pytest.mark.parametrize("point", ["write", "commit", "step", "read", "saved"])
+@pytest.mark.parametrize("point", ["write", "commit", "step", "read", "direct", "saved"])
 def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_path, monkeypatch,
                                                             point):
-    # kill -9 of the engine process while batch 2 is ingested, processed, read back, or just
-    # before its checkpoint is confirmed: the engine restarts from the checkpoint of batch 1, the
-    # batch runs again, and Delta's txnVersion keeps the table exact.
+    # kill -9 of the engine process while a batch is ingested, processed, read back by Spark
+    # (directWrite off) or appended to Delta by the engine itself, or just before its checkpoint
+    # is confirmed: the engine restarts from the previous batch's checkpoint, the batch runs
+    # again, and Delta's txn action keeps the table exact. (Batch 2 creates the table through
+    # Spark, so the engine's own append is first killed in batch 3.)
     src, want = stream
-    monkeypatch.setenv(ENV, f"kill@{point}:2:{tmp_path / 'fired'}")
-    q = (_agg(spark, src).writeStream.format("delta")
-         .option("checkpointLocation", str(tmp_path / "c")).trigger(availableNow=True)
-         .start(str(tmp_path / "o")))
-    q.awaitTermination()
+    batch = 3 if point == "direct" else 2
+    monkeypatch.setenv(ENV, f"kill@{point}:{batch}:{tmp_path / 'fired'}")
+    q = _run(spark, src, tmp_path, **{"spark.stretch.delta.directWrite": str(point != "read")})
     assert (tmp_path / "fired").exists(), "the fault did not fire"
     restarts = q.metrics()["engine_restarts"]
-    assert len(restarts) == 1 and restarts[0]["resumed_from"] == 1, restarts
-    assert f"died (exit status -{int(signal.SIGKILL)}) during batch 2" in restarts[0]["cause"]
+    assert len(restarts) == 1 and restarts[0]["resumed_from"] == batch - 1, restarts
+    assert f"died (exit status -{int(signal.SIGKILL)}) during batch {batch}" in restarts[0]["cause"]
     _equal(spark.read.format("delta").load(str(tmp_path / "o")), want)
 
 
@@ -165,16 +180,8 @@ def test_reconfiguration_in_flight_when_the_engine_dies(spark, ontime, tmp_path,
 
 def test_incremental_checkpoints_cleaned_like_min_batches_to_retain(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 2400, files=8, rate=10.0, vocab=60, seed=33)
-    spark.conf.set("spark.sql.streaming.stateStore.minDeltasForSnapshot", "3")
-    spark.conf.set("spark.sql.streaming.minBatchesToRetain", "2")
-    try:
-        q = (_agg(spark, src).writeStream.format("delta")
-             .option("checkpointLocation", str(tmp_path / "c")).trigger(availableNow=True)
-             .start(str(tmp_path / "o")))
-        q.awaitTermination()
-    finally:
-        spark.conf.unset("spark.sql.streaming.stateStore.minDeltasForSnapshot")
-        spark.conf.unset("spark.sql.streaming.minBatchesToRetain")
+    q = _run(spark, src, tmp_path, **{"spark.sql.streaming.stateStore.minDeltasForSnapshot": 3,
+                                      "spark.sql.streaming.minBatchesToRetain": 2})
     saves = [b["checkpoint"] for b in q.metrics()["batch_times"]]
     # 4096 buckets, 60 words: a batch changes a few hundred buckets, so deltas pay; a full
     # checkpoint every 3 batches (minDeltasForSnapshot).
