@@ -214,6 +214,60 @@ def test_append_mode_equals_native(spark, tmp_path):
         start_stretch(g, tmp_path / "x", mode="update")
 
 
+def timeout_soon_or_never(key, pdfs, state):
+    """A processing-time timeout whose outcome does not depend on the clock: users with an even
+    number time out 1 ms after their batch (so at the next batch without their data; batches are
+    far more than 1 ms apart), the others after a day (never, in a test)."""
+    if state.hasTimedOut:
+        (n,) = state.get
+        state.remove()
+        yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [True]})
+        return
+    n = (state.get[0] if state.exists else 0) + sum(len(p) for p in pdfs)
+    state.update((n,))
+    state.setTimeoutDuration(1 if int(key[0][1:]) % 2 == 0 else 86_400_000)
+    yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [False]})
+
+
+def test_processing_time_timeout_equals_native(spark, tmp_path):
+    # The real clock on both sides, processing-time triggers (native availableNow never ends with
+    # ProcessingTimeTimeout: every batch asks for another). Both run until the files are done and
+    # a no-data batch (native) / idle flush (stretch) has timed the even users out, then stop.
+    files = 3
+    src = write_tweets(tmp_path / "src", 180, files=files, rate=10.0, users=40, vocab=30, seed=8)
+    args = (timeout_soon_or_never, "user string, n long, timed_out boolean", "n long", "Update",
+            GroupStateTimeout.ProcessingTimeTimeout)
+
+    def write(batch, batch_id):
+        batch.write.format("delta").mode("append").option("txnAppId", "native") \
+            .option("txnVersion", batch_id).save(str(tmp_path / "n"))
+
+    def until(cond, what):
+        deadline = time.time() + 180
+        while not cond():
+            assert time.time() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    nq = (source(spark, src, False).groupBy("user").applyInPandasWithState(*args).writeStream
+          .outputMode("update").foreachBatch(write)
+          .option("checkpointLocation", str(tmp_path / "n-ckpt"))
+          .trigger(processingTime="300 milliseconds").start())
+    try:  # batches 0..files-1 have data; files and files+1 are no-data batches
+        until(lambda: (nq.lastProgress or {}).get("batchId", -1) >= files + 1, "native batches")
+    finally:
+        nq.stop()
+    sq = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args),
+                       tmp_path / "o", processingTime="300 milliseconds")
+    try:
+        until(lambda: sq.metrics()["batches"] >= files and sq.metrics().get("flushes", 0) >= 1,
+              "stretch batches and an idle flush")
+    finally:
+        sq.stop()
+    want = read(spark, tmp_path / "n")
+    assert want.where("timed_out").count() > 0 and want.where("NOT timed_out").count() > 0
+    equal(read(spark, tmp_path / "o"), want)
+
+
 def test_processing_time_timeout_against_sequential_oracle(spark, tmp_path):
     start, step, duration = 1_000_000, 10_000, 15_000
 
