@@ -104,7 +104,8 @@ def _unsupported_protocol(dt) -> str:
 
 def _same_type(a: pa.DataType, b: pa.DataType) -> bool:
     """Equal up to what a cast may change without changing a value: string sizes, timestamp units
-    and zones (Delta's are microseconds, UTC), nullability, and field names' order within."""
+    and zones (Delta's are microseconds, UTC) and nullability. Struct fields must have the same
+    names in the same order, list elements the same type."""
     if pa.types.is_struct(a) and pa.types.is_struct(b):
         return [f.name for f in a] == [f.name for f in b] and all(
             _same_type(x.type, y.type) for x, y in zip(a, b))
