@@ -33,7 +33,9 @@ True
 """
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +43,7 @@ import pyarrow as pa
 
 from . import kernels as K
 from .errors import EngineError
+from .order import lexsort, merge_runs
 
 MIN_TS = -(2 ** 62)
 MAX_TS = 2 ** 62
@@ -99,14 +102,32 @@ def _concat(cols):
     return cols[0] if len(cols) == 1 else np.concatenate(cols)
 
 
+PARALLEL_ROWS = 1 << 18  # batches at least this long are gathered / concatenated column-parallel
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _columns(fn, names, rows):
+    """``{name: fn(name)}``, on all cores for large batches: numpy's gathers and copies release the
+    GIL, and in an ESG_out merge they are the one sequential step between two parallel ones."""
+    global _pool
+    if rows < PARALLEL_ROWS or len(names) < 2:
+        return {k: fn(k) for k in names}
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="stretch-columns")
+    return dict(zip(names, _pool.map(fn, names)))
+
+
 def batch_take(batch, idx):
-    return {k: _take(v, idx) for k, v in batch.items()}
+    return _columns(lambda k: _take(batch[k], idx), list(batch), len(idx))
 
 
 def batch_concat(batches):
     if len(batches) == 1:
         return batches[0]
-    return {k: _concat([b[k] for b in batches]) for k in batches[0]}
+    return _columns(lambda k: _concat([b[k] for b in batches]), list(batches[0]),
+                    sum(batch_len(b) for b in batches))
 
 
 def batch_len(batch):
@@ -374,8 +395,8 @@ class ESG:
                                       f"'{self.name}' (its last timestamp is {max(int(src.last_ts), int(ts[0]))}); "
                                       "an ordered source must add non-decreasing timestamps, or add it with "
                                       "ordered=False and explicit watermarks")
-            elif not presorted:
-                b = self._sorted(b)
+            if not presorted and (not src.ordered or self.tie_columns):
+                b = self._sorted(b)  # every chunk sorted by (ts, tie columns): _merge merges them
             src.chunks.append(b)
             src.last_ts = max(src.last_ts, int(b["ts"][-1]) if src.ordered else int(b["ts"].max()))
             self._release()
@@ -472,12 +493,19 @@ class ESG:
             b = batches[0]
             ts, stream, row = b["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
             parts = batches
+        elif self.n_streams == 1:  # one stream (an operator's output): merge its sorted chunks
+            b = batches[0]
+            bounds = np.cumsum([0] + [len(ch["ts"]) for ch in per_stream[0]])
+            perm = merge_runs([b["ts"]] + [b[c] for c in self.tie_columns], bounds) \
+                if self.tie_columns else np.argsort(b["ts"], kind="stable")
+            parts = [batch_take(b, perm)]
+            ts, stream, row = parts[0]["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
         else:
             g_ts = np.concatenate([b["ts"] for b in batches if b is not None])
             g_stream = np.concatenate([np.full(L, s, np.int64) for s, L in enumerate(lens) if L])
             g_local = np.concatenate([np.arange(L, dtype=np.int64) for L in lens if L])
             if self.tie_columns:
-                perm = lexsort_rows([g_ts] + [np.concatenate([p[c] for p in per_stream[0]]) for c in self.tie_columns])
+                perm = lexsort([g_ts] + [np.concatenate([p[c] for p in per_stream[0]]) for c in self.tie_columns])
             else:
                 perm = np.argsort(g_ts, kind="stable")
             ts, stream, loc = g_ts[perm], g_stream[perm], g_local[perm]
@@ -574,20 +602,8 @@ class ESG:
 
 
 def sort_rows(batch, tie_columns):
-    """Stable permutation sorting a batch by ``(ts, *tie_columns)``."""
-    return lexsort_rows([batch["ts"]] + [batch[c] for c in tie_columns])
-
-
-def lexsort_rows(cols):
-    """Stable permutation sorting rows by ``cols[0]``, then ``cols[1]``, ...; constant columns are skipped
-    (numpy's sorts release the GIL, so instance threads sort their blocks in parallel)."""
-    n = len(cols[0])
-    varying = [c for c in cols if n and c[0] != c[-1] or (n and (c != c[0]).any())]
-    if not varying:
-        return np.arange(n)
-    if len(varying) == 1:
-        return np.argsort(varying[0], kind="stable")
-    return np.lexsort(varying[::-1])
+    """Stable permutation sorting a batch by ``(ts, *tie_columns)`` (int64 columns)."""
+    return lexsort([batch["ts"]] + [batch[c] for c in tie_columns])
 
 
 def n_single(per_stream):

@@ -166,14 +166,13 @@ def _mk_builtin(stream, cols0, cols1, row, out, ip):
     kind = ip[stream * 4]
     param = ip[stream * 4 + 1]
     if stream == 0:
-        return _mk_one(cols0[0], cols0[1], row, out, kind, param)
-    return _mk_one(cols1[0], cols1[1], row, out, kind, param)
+        return _mk_builtin_keys(cols0[0][row], cols0[0][row + 1], cols0[1], out, kind, param)
+    return _mk_builtin_keys(cols1[0][row], cols1[0][row + 1], cols1[1], out, kind, param)
 
 
 @njit(**HOT)
-def _mk_one(off, vals, row, out, kind, param):
-    a = off[row]
-    e = off[row + 1]
+def _mk_builtin_keys(a, e, vals, out, kind, param):
+    """The keys of a tuple whose list of ids is ``vals[a:e]``, into ``out``; returns how many."""
     n = 0
     cap = out.shape[0]
     if kind == MK_LIST:
@@ -259,6 +258,7 @@ def _val_none(stream, cols0, cols1, row, ip):
     return 0, 0.0
 
 
+_BUILTIN = True  # the built-in f_U (written out in the kernel); False in ``specialize``d kernels
 _MK = _mk_builtin
 _VAL = _val_builtin
 _UPD = _upd_builtin
@@ -322,19 +322,38 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                    resume, keybuf, max_out_upd, max_out_fire):
     """processVSN (Alg. 4) of instance ``j`` over one ready segment; see the module docstring."""
     nb = rec.shape[0]
+    cap = rec.shape[1]
+    mask = cap - 1
+    n_init_i = init_i.shape[0]
+    n_init_f = init_f.shape[0]
     cap_out = o_ts.shape[0]
+    if _BUILTIN:  # the built-in column layout (see ``_mk_builtin``), bound once per call
+        off0, val0, vf0, vi0 = cols0[0], cols0[1], cols0[2], cols0[3]
+        off1, val1, vf1, vi1 = cols1[0], cols1[1], cols1[2], cols1[3]
     phase = resume[0]
     if phase == 0:
         i0 = resume[1]
         for i in range(i0, ts.shape[0]):
             t = ts[i]
             wt = w_prev if w_prev > t else t  # implicit watermark at t: every ts < t is final
-            nk = _MK(stream[i], cols0, cols1, row[i], keybuf, ip)
+            if _BUILTIN:  # built-in f_MK and value, written out (no array passed to a helper)
+                st = stream[i]
+                r = row[i]
+                agg = ip[st * 4 + 2]
+                if st == 0:
+                    nk = _mk_builtin_keys(off0[r], off0[r + 1], val0, keybuf, ip[0], ip[1])
+                    vi, vf = vi0[r] if vi0.shape[0] else 0, vf0[r] if vf0.shape[0] else 0.0
+                else:
+                    nk = _mk_builtin_keys(off1[r], off1[r + 1], val1, keybuf, ip[4], ip[5])
+                    vi, vf = vi1[r] if vi1.shape[0] else 0, vf1[r] if vf1.shape[0] else 0.0
+            else:
+                agg = 0
+                nk = _MK(stream[i], cols0, cols1, row[i], keybuf, ip)
+                vi, vf = _VAL(stream[i], cols0, cols1, row[i], ip)
             if nk > keybuf.shape[0]:
                 resume[1] = i
                 resume[2] = nk
                 return 3
-            vi, vf = _VAL(stream[i], cols0, cols1, row[i], ip)
             k0 = resume[2] if i == i0 else 0
             if wkind == 0:
                 lf = 0
@@ -364,14 +383,62 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 w0 = resume[3] if (i == i0 and ki == k0) else 0
                 for wi in range(w0, nw):
                     l = lf + wi * WA
-                    s = find_or_insert(b, h, key, l, rec, acc_f, bcount, bminl, init_i, init_f)
+                    # find_or_insert, written out: passing the state arrays to a helper costs an
+                    # atomic incref + decref of each (numba's reference counts), ~14 per update,
+                    # on cache lines every instance thread shares
+                    s = _slot0(h, l, mask)
+                    while True:
+                        cur = rec[b, s, 1]
+                        if cur == EMPTY or (cur == l and rec[b, s, 0] == key):
+                            break
+                        s = (s + 1) & mask
                     p = opos[0]
-                    if s < 0 or p + max_out_upd > cap_out:
+                    if cur == EMPTY:
+                        if (bcount[b] + 1) * 2 > cap:
+                            resume[1] = i
+                            resume[2] = ki
+                            resume[3] = wi
+                            return 1
+                        rec[b, s, 0] = key
+                        rec[b, s, 1] = l
+                        for q in range(n_init_i):
+                            rec[b, s, 2 + q] = init_i[q]
+                        for q in range(n_init_f):
+                            acc_f[b, s, q] = init_f[q]
+                        bcount[b] += 1
+                        if l < bminl[b]:
+                            bminl[b] = l
+                    if p + max_out_upd > cap_out:
                         resume[1] = i
                         resume[2] = ki
                         resume[3] = wi
-                        return 1 if s < 0 else 2
-                    n = _UPD(stream[i], cols0, cols1, row[i], vi, vf, key, l, rec, acc_f, b, s, o_i, o_f, p, ip, fp)
+                        return 2
+                    if _BUILTIN:  # the built-in f_U, written out for the same reason
+                        n = 0
+                        if agg == AGG_COUNT:
+                            rec[b, s, 2] += 1
+                        elif agg == AGG_SUM_I:
+                            rec[b, s, 2] += vi
+                        elif agg == AGG_SUM_F:
+                            acc_f[b, s, 0] += vf
+                        elif agg == AGG_MIN_I:
+                            if vi < rec[b, s, 2]:
+                                rec[b, s, 2] = vi
+                        elif agg == AGG_MAX_I:
+                            if vi > rec[b, s, 2]:
+                                rec[b, s, 2] = vi
+                        elif agg == AGG_MIN_F:
+                            if vf < acc_f[b, s, 0]:
+                                acc_f[b, s, 0] = vf
+                        elif agg == AGG_MAX_F:
+                            if vf > acc_f[b, s, 0]:
+                                acc_f[b, s, 0] = vf
+                        elif agg == AGG_MEAN:
+                            acc_f[b, s, 0] += vf
+                            rec[b, s, 2] += 1
+                    else:
+                        n = _UPD(stream[i], cols0, cols1, row[i], vi, vf, key, l, rec, acc_f, b, s, o_i, o_f, p,
+                                 ip, fp)
                     for r in range(n):
                         o_ts[p + r] = t
                         o_key[p + r] = key
@@ -429,7 +496,7 @@ def specialize(mk, upd, out, slide, val=None):
     Returns ``(agg_kernel, route_kernel)``; not cached on disk (compiled on first call).
     """
     g = dict(globals())
-    g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val or _val_none)
+    g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val or _val_none, _BUILTIN=False)
 
     def clone(f):
         return njit(nogil=True)(types.FunctionType(f.__code__, g, f.__name__, f.__defaults__))

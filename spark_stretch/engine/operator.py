@@ -242,7 +242,7 @@ def _user_kernels(op: Operator):
     if op.python:
         import types
         g = dict(vars(K))
-        g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val)
+        g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val, _BUILTIN=False)
 
         def clone(f):
             return types.FunctionType(f.__code__, g, f.__name__)

@@ -32,7 +32,8 @@ import numpy as np
 
 from . import kernels as K
 from .errors import EngineError
-from .esg import ESG, Control, sort_rows
+from .esg import ESG, Control
+from .order import lexsort
 from .state import BucketState, Interner, RWLock, balanced_owner_map, validate_owner_map
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
@@ -248,22 +249,26 @@ class Engine:
             self._rw.release_write()
 
     def _block(self, inst):
+        """The instance's output rows, sorted, as new arrays (gathered once from its buffers)."""
         p = int(inst.opos[0])
         op = self.op
-        l = inst.o_l[:p].copy()
-        out = {"ts": inst.o_ts[:p].copy(), "key": inst.o_key[:p].copy(), "window_start": l,
+        ties = {"key": inst.o_key[:p], "window_start": inst.o_l[:p], "_seq": inst.o_seq[:p],
+                "_sub": inst.o_sub[:p]}
+        perm = lexsort([inst.o_ts[:p]] + [ties[c] for c in OUT_TIES])
+        l = inst.o_l[:p][perm]
+        out = {"ts": inst.o_ts[:p][perm], "key": inst.o_key[:p][perm], "window_start": l,
                "window_end": np.where(l >= 0, l + (op.WS or 0), -1) if op.WA is not None else l.copy()}
         ii = ff = 0
         for name, kind in op.S:
             if kind == "i":
-                out[name] = inst.o_i[:p, ii].copy()
+                out[name] = inst.o_i[:p, ii][perm]
                 ii += 1
             else:
-                out[name] = inst.o_f[:p, ff].copy()
+                out[name] = inst.o_f[:p, ff][perm]
                 ff += 1
-        out["_seq"] = inst.o_seq[:p].copy()
-        out["_sub"] = inst.o_sub[:p].copy()
-        return sorted_block(out)
+        out["_seq"] = inst.o_seq[:p][perm]
+        out["_sub"] = inst.o_sub[:p][perm]
+        return out
 
     def _process_segment(self, seg):
         cols = self._cols(seg)
@@ -555,7 +560,7 @@ class Engine:
 def sorted_block(out):
     """An instance's output block in ``(ts, key, window_start, _seq, _sub)`` order (sorted on its own thread)."""
     if len(out["ts"]) > 1:
-        perm = sort_rows(out, OUT_TIES)
+        perm = lexsort([out["ts"]] + [out[c] for c in OUT_TIES])
         out = {k: v[perm] for k, v in out.items()}
     return out
 

@@ -464,9 +464,12 @@ class StretchQuery:
         the DataFrame Spark wrote, or None.
         """
         if self._direct:
-            reply = self._engine.request({
-                "op": "write_delta", "query": self.stretch_id, "stream": stream,
-                "path": self._path, "app_id": self._app_id + app_suffix, "version": batch_id})
+            req = {"op": "write_delta", "query": self.stretch_id, "stream": stream,
+                   "path": self._path, "app_id": self._app_id + app_suffix, "version": batch_id}
+            reply = self._engine.request(req)
+            if not reply.get("permanent", True):  # no table yet: Spark makes it, empty, then
+                self._create_table()               # the engine appends (not Spark's slow path)
+                reply = self._engine.request(req)
             with self._lock:
                 m = self._metrics
                 if "unsupported" not in reply:
@@ -478,6 +481,12 @@ class StretchQuery:
         out = self._read_output(stream, rows)
         self._write_sink(out, batch_id, app_suffix)
         return out
+
+    def _create_table(self) -> None:
+        """Create the sink's Delta table, empty, with the output schema and the session's Delta
+        defaults (table properties, protocol), as Spark's writer would for the first batch."""
+        empty = self._spark.createDataFrame(self._spark.sparkContext.emptyRDD(), self._agg.schema)
+        empty.write.format("delta").mode("append").save(self._path)
 
     def _read_output(self, stream: str, rows: int) -> DataFrame:
         """The rows the engine offers on ``stream``, read by the executors of its host.

@@ -10,9 +10,10 @@ tens of milliseconds, from the process that holds the rows. No Spark import here
 Exactly once is Delta's own rule, as Spark's writer applies it for ``txnAppId``/``txnVersion``:
 the commit carries a ``txn`` action ``(app_id, version)``, and a batch whose version the table
 already holds for ``app_id`` is skipped. The driver uses this path only for a path-based Delta sink
-without writer options, and only once the table exists (Spark creates it, with the session's Delta
-defaults); anything ``deltalake`` cannot write (a table feature it does not support, a schema it
-cannot cast to) is reported as ``unsupported`` and the driver goes back to Spark's writer.
+without writer options, and only once the table exists (Spark creates it empty, with the session's
+Delta defaults, when the first batch finds none); anything ``deltalake`` cannot open or write (a
+path it has no credentials for, a table feature it does not support, a schema it cannot cast to)
+is reported as ``unsupported`` and the driver goes back to Spark's writer.
 
 Examples
 --------
@@ -60,6 +61,9 @@ def append(path: str, table: pa.Table, app_id: str, version: int) -> dict:
         return _unsupported("no Delta table at the path yet", permanent=False)
     except DeltaProtocolError as e:
         return _unsupported(f"deltalake cannot read the table: {e}")
+    except Exception as e:  # e.g. an object store the engine has no credentials for: Spark has
+        first = (str(e).strip().splitlines() or [""])[0]  # delta-rs appends a backtrace
+        return _unsupported(f"deltalake cannot open the table: {type(e).__name__}: {first}")
     why = _unsupported_protocol(dt)
     if why:
         return _unsupported(why)

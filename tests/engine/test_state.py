@@ -65,16 +65,6 @@ def test_full_key_compare_no_collision_mistakes_and_growth():
     assert st.bminl[0] == 0
 
 
-def test_lexsort_rows_is_a_stable_lexsort_skipping_constant_columns():
-    from spark_stretch.engine.esg import lexsort_rows
-    rng = np.random.default_rng(0)
-    keys = rng.integers(0, 4, (3, 500))
-    assert (lexsort_rows(list(keys)) == np.lexsort(keys[::-1])).all()
-    const = np.full(500, 7)
-    assert (lexsort_rows([const, keys[0], const]) == np.argsort(keys[0], kind="stable")).all()
-    assert (lexsort_rows([const]) == np.arange(500)).all()
-
-
 def test_take_list_matches_python():
     off = np.array([0, 2, 2, 5], np.int64)
     vals = np.array([1, 2, 3, 4, 5], np.int64)

@@ -59,6 +59,14 @@ def test_what_deltalake_cannot_write_goes_back_to_spark(tmp_path):
     r = append(str(tmp_path / "typed"), t, "q", 0)
     assert not r["written"] and r["permanent"] and "output schema" in r["unsupported"]
     assert DeltaTable(str(tmp_path / "other")).to_pyarrow_table().num_rows == 0
+    # A table deltalake cannot open (here a corrupt log; an object store it has no credentials
+    # for is the same): Spark, which may be able to, writes.
+    log = tmp_path / "corrupt" / "_delta_log"
+    log.mkdir(parents=True)
+    (log / f"{0:020d}.json").write_text("not json\n")
+    r = append(str(tmp_path / "corrupt"), t, "q", 0)
+    assert not r["written"] and r["permanent"] and "cannot open" in r["unsupported"], r
+    assert "\n" not in r["unsupported"]
     # A table whose writer needs more than a plain append (here CHECK constraints' writer v3).
     _empty(tmp_path / "checked", t.schema)
     DeltaTable(str(tmp_path / "checked")).alter.add_constraint({"n_positive": "n > 0"})
@@ -87,7 +95,7 @@ def _equal(spark, out: Path, want):
                        ignore_nullable=True, ignore_metadata=True, ignore_column_order=True)
 
 
-def test_engine_appends_after_spark_created_the_table_and_equals_native(spark, tweets, tmp_path):
+def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, tweets, tmp_path):
     def agg():
         return source(spark, tweets).stretchAggregate(keys=F.col("words"),
                                                       window=("60 seconds", "30 seconds"))
@@ -97,8 +105,12 @@ def test_engine_appends_after_spark_created_the_table_and_equals_native(spark, t
     m = q.metrics()
     assert m.get("direct_writes", 0) >= 1 and "direct_write_off" not in m, m
     txns = _txns(tmp_path / "direct")
-    # The first output batch made the table through Spark; the engine appended every later one.
-    assert txns[0][2] == "spark" and {w for _, _, w in txns[1:]} == {"engine"}, txns
+    # Spark made the table empty (its first commit, no txn, no files); the engine appended
+    # every output batch.
+    assert {w for _, _, w in txns} == {"engine"}, txns
+    first = [json.loads(line) for line in
+             (tmp_path / "direct" / "_delta_log" / f"{0:020d}.json").read_text().splitlines()]
+    assert "metaData" in str(first) and not any("add" in a or "txn" in a for a in first), first
     assert [v for a, v, _ in txns if not a.endswith("-idle")] == sorted(
         v for a, v, _ in txns if not a.endswith("-idle"))
     _equal(spark, tmp_path / "direct", want)
