@@ -8,7 +8,9 @@ earliest window ends at or before the segment watermark (``f_O``, then ``f_S`` o
 
 The kernel reaches the operator functions through the module globals ``_MK``, ``_UPD``, ``_OUT`` and
 ``_SLIDE``. The module-level compilation (``agg_kernel``) binds them to the built-in dispatchers below and
-is cached on disk; :func:`specialize` makes an uncached copy bound to user numba functions.
+is cached on disk; its key generation, value read and f_U are written out in the body (``_BUILTIN``),
+because numba increfs every array passed to a helper it inlines. :func:`specialize` makes an
+uncached copy bound to user numba functions.
 
 State layout (see :mod:`spark_stretch.engine.state`): per bucket ``b`` an open-addressing table of
 ``cap`` slots, one int64 record per slot ``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (one
@@ -195,44 +197,6 @@ def _mk_builtin_keys(a, e, vals, out, kind, param):
     return n
 
 
-@njit(**HOT)
-def _val_builtin(stream, cols0, cols1, row, ip):
-    """The tuple's value for the aggregate (read once per tuple, not once per key)."""
-    kind = ip[stream * 4 + 2]
-    if kind == AGG_COUNT:
-        return 0, 0.0
-    if kind == AGG_SUM_I or kind == AGG_MIN_I or kind == AGG_MAX_I:
-        return (cols0[3][row] if stream == 0 else cols1[3][row]), 0.0
-    return 0, (cols0[2][row] if stream == 0 else cols1[2][row])
-
-
-@njit(**HOT)
-def _upd_builtin(stream, cols0, cols1, row, vi, vf, key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
-    kind = ip[stream * 4 + 2]
-    if kind == AGG_COUNT:
-        rec[b, s, 2] += 1
-    elif kind == AGG_SUM_I:
-        rec[b, s, 2] += vi
-    elif kind == AGG_SUM_F:
-        acc_f[b, s, 0] += vf
-    elif kind == AGG_MIN_I:
-        if vi < rec[b, s, 2]:
-            rec[b, s, 2] = vi
-    elif kind == AGG_MAX_I:
-        if vi > rec[b, s, 2]:
-            rec[b, s, 2] = vi
-    elif kind == AGG_MIN_F:
-        if vf < acc_f[b, s, 0]:
-            acc_f[b, s, 0] = vf
-    elif kind == AGG_MAX_F:
-        if vf > acc_f[b, s, 0]:
-            acc_f[b, s, 0] = vf
-    elif kind == AGG_MEAN:
-        acc_f[b, s, 0] += vf
-        rec[b, s, 2] += 1
-    return 0
-
-
 @njit(nogil=True, cache=True)
 def _out_builtin(key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
     kind = ip[2]
@@ -258,10 +222,18 @@ def _val_none(stream, cols0, cols1, row, ip):
     return 0, 0.0
 
 
-_BUILTIN = True  # the built-in f_U (written out in the kernel); False in ``specialize``d kernels
+@njit(nogil=True, cache=True)
+def _upd_none(stream, cols0, cols1, row, vi, vf, key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
+    return 0
+
+
+# The built-in value read and f_U (count, sum, min, max, mean) are written out in the kernel body
+# under ``if _BUILTIN`` (a compile-time constant): as helpers they were inlined with an atomic
+# incref/decref of every array they took. ``specialize``d kernels set it False and call _VAL/_UPD.
+_BUILTIN = True
 _MK = _mk_builtin
-_VAL = _val_builtin
-_UPD = _upd_builtin
+_VAL = _val_none
+_UPD = _upd_none
 _OUT = _out_builtin
 _SLIDE = _slide_builtin
 

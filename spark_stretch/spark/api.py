@@ -358,7 +358,12 @@ class StretchQuery:
                 attempt += 1
                 t0 = time.perf_counter()
                 dead.release()
-                self._engine = HostEngine.acquire()
+                fresh = HostEngine.acquire()
+                with self._lock:  # the query may have ended meanwhile: then nobody would release it
+                    if self._released:
+                        fresh.release()
+                        raise EngineDiedError(cause + "; the query ended before the restart") from e
+                    self._engine = fresh
                 self._open(resume)
                 # Reconfigurations made after that checkpoint are not in it: apply them again.
                 for r in self._reconfig_log:
