@@ -496,8 +496,7 @@ class ESG:
         elif self.n_streams == 1:  # one stream (an operator's output): merge its sorted chunks
             b = batches[0]
             bounds = np.cumsum([0] + [len(ch["ts"]) for ch in per_stream[0]])
-            perm = merge_runs([b["ts"]] + [b[c] for c in self.tie_columns], bounds) \
-                if self.tie_columns else np.argsort(b["ts"], kind="stable")
+            perm = merge_runs([b["ts"]] + [b[c] for c in self.tie_columns], bounds)
             parts = [batch_take(b, perm)]
             ts, stream, row = parts[0]["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
         else:

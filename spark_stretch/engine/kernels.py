@@ -310,14 +310,14 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
             wt = w_prev if w_prev > t else t  # implicit watermark at t: every ts < t is final
             if _BUILTIN:  # built-in f_MK and value, written out (no array passed to a helper)
                 st = stream[i]
-                r = row[i]
+                ri = row[i]
                 agg = ip[st * 4 + 2]
                 if st == 0:
-                    nk = _mk_builtin_keys(off0[r], off0[r + 1], val0, keybuf, ip[0], ip[1])
-                    vi, vf = vi0[r] if vi0.shape[0] else 0, vf0[r] if vf0.shape[0] else 0.0
+                    nk = _mk_builtin_keys(off0[ri], off0[ri + 1], val0, keybuf, ip[0], ip[1])
+                    vi, vf = vi0[ri] if vi0.shape[0] else 0, vf0[ri] if vf0.shape[0] else 0.0
                 else:
-                    nk = _mk_builtin_keys(off1[r], off1[r + 1], val1, keybuf, ip[4], ip[5])
-                    vi, vf = vi1[r] if vi1.shape[0] else 0, vf1[r] if vf1.shape[0] else 0.0
+                    nk = _mk_builtin_keys(off1[ri], off1[ri + 1], val1, keybuf, ip[4], ip[5])
+                    vi, vf = vi1[ri] if vi1.shape[0] else 0, vf1[ri] if vf1.shape[0] else 0.0
             else:
                 agg = 0
                 nk = _MK(stream[i], cols0, cols1, row[i], keybuf, ip)
@@ -365,12 +365,13 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                             break
                         s = (s + 1) & mask
                     p = opos[0]
+                    full = cur == EMPTY and (bcount[b] + 1) * 2 > cap
+                    if full or p + max_out_upd > cap_out:
+                        resume[1] = i
+                        resume[2] = ki
+                        resume[3] = wi
+                        return 1 if full else 2
                     if cur == EMPTY:
-                        if (bcount[b] + 1) * 2 > cap:
-                            resume[1] = i
-                            resume[2] = ki
-                            resume[3] = wi
-                            return 1
                         rec[b, s, 0] = key
                         rec[b, s, 1] = l
                         for q in range(n_init_i):
@@ -380,11 +381,6 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         bcount[b] += 1
                         if l < bminl[b]:
                             bminl[b] = l
-                    if p + max_out_upd > cap_out:
-                        resume[1] = i
-                        resume[2] = ki
-                        resume[3] = wi
-                        return 2
                     if _BUILTIN:  # the built-in f_U, written out for the same reason
                         n = 0
                         if agg == AGG_COUNT:

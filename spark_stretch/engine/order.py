@@ -67,10 +67,16 @@ def _fix_ties(perm, c0, c1, rest):
     return long_runs
 
 
+def _varying(cols):
+    """The columns that are not constant (a constant column orders nothing)."""
+    n = len(cols[0])
+    return [c for c in cols if n and (c[0] != c[-1] or (c != c[0]).any())]
+
+
 def lexsort(cols):
     """Stable permutation ordering rows by ``cols[0]``, then ``cols[1]``, ... (int64 columns)."""
     n = len(cols[0])
-    varying = [c for c in cols if n and (c[0] != c[-1] or (c != c[0]).any())]
+    varying = _varying(cols)
     if not varying:
         return np.arange(n)
     if len(varying) == 1:
@@ -120,7 +126,7 @@ def merge_runs(cols, bounds):
     sorted already (pairwise merges, log2(runs) passes)."""
     n = len(cols[0])
     bounds = np.asarray(bounds, np.int64)
-    varying = [c for c in cols if n and (c[0] != c[-1] or (c != c[0]).any())]
+    varying = _varying(cols)
     src = np.arange(n)
     if not varying or bounds.shape[0] <= 2:
         return src

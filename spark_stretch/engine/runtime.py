@@ -32,8 +32,7 @@ import numpy as np
 
 from . import kernels as K
 from .errors import EngineError
-from .esg import ESG, Control
-from .order import lexsort
+from .esg import ESG, Control, sort_rows
 from .state import BucketState, Interner, RWLock, balanced_owner_map, validate_owner_map
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
@@ -252,9 +251,8 @@ class Engine:
         """The instance's output rows, sorted, as new arrays (gathered once from its buffers)."""
         p = int(inst.opos[0])
         op = self.op
-        ties = {"key": inst.o_key[:p], "window_start": inst.o_l[:p], "_seq": inst.o_seq[:p],
-                "_sub": inst.o_sub[:p]}
-        perm = lexsort([inst.o_ts[:p]] + [ties[c] for c in OUT_TIES])
+        perm = sort_rows({"ts": inst.o_ts[:p], "key": inst.o_key[:p], "window_start": inst.o_l[:p],
+                          "_seq": inst.o_seq[:p], "_sub": inst.o_sub[:p]}, OUT_TIES)
         l = inst.o_l[:p][perm]
         out = {"ts": inst.o_ts[:p][perm], "key": inst.o_key[:p][perm], "window_start": l,
                "window_end": np.where(l >= 0, l + (op.WS or 0), -1) if op.WA is not None else l.copy()}
@@ -560,7 +558,7 @@ class Engine:
 def sorted_block(out):
     """An instance's output block in ``(ts, key, window_start, _seq, _sub)`` order (sorted on its own thread)."""
     if len(out["ts"]) > 1:
-        perm = lexsort([out["ts"]] + [out[c] for c in OUT_TIES])
+        perm = sort_rows(out, OUT_TIES)
         out = {k: v[perm] for k, v in out.items()}
     return out
 
