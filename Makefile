@@ -31,6 +31,7 @@ test-slow: setup
 bench: setup
 	$(PY) python/bench/shim.py
 	$(PY) python/bench/engine.py
+	$(PY) python/bench/join.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

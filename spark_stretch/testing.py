@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["publish", "tweets_table", "write_tweets"]
+__all__ = ["points_table", "publish", "tweets_table", "write_points", "write_tweets"]
 
 _VOCAB_CACHE = {}
 
@@ -75,20 +75,53 @@ def write_tweets(folder, n: int, files: int = 1, first_file: int = 0, seed: Opti
     ``maxFilesPerTrigger`` (which takes new files in modification-time order) replays the stream
     batch by batch, in order. Returns the folder.
     """
+    return _write_files(folder, n, files, first_file, seed, tweets_table, "tweets", kwargs)
+
+
+def points_table(n: int, *, columns=("x", "y"), integer: bool = False, start_s: float = 0.0,
+                 rate: float = 100.0, span: float = 200.0, late_fraction: float = 0.0,
+                 late_by_s: float = 60.0, jitter_s: float = 0.0, seed: int = 0) -> pa.Table:
+    """``n`` points ``(ts, *columns)`` uniform in ``[0, span)`` (bigint with ``integer``, else
+    double), ``rate`` a second in event time: the input of a band join (ScaleJoin's ``x, y``).
+
+    Examples
+    --------
+    >>> points_table(3, columns=("a", "b"), integer=True).column_names
+    ['ts', 'a', 'b']
+    """
+    rng = np.random.default_rng(seed)
+    ts_s = start_s + np.arange(n) / rate + rng.uniform(0, jitter_s, n)
+    if late_fraction > 0:
+        ts_s[rng.random(n) < late_fraction] -= late_by_s
+    out = {"ts": pa.array((np.maximum(ts_s, 0) * 1e6).astype(np.int64)).cast(
+        pa.timestamp("us", tz="UTC"))}
+    for c in columns:
+        v = rng.uniform(0, span, n)
+        out[c] = pa.array(np.floor(v).astype(np.int64) if integer else np.round(v, 3))
+    return pa.table(out)
+
+
+def write_points(folder, n: int, files: int = 1, first_file: int = 0, seed: Optional[int] = None,
+                 **kwargs) -> Path:
+    """Write ``n`` :func:`points_table` points as ``files`` parquet files, like :func:`write_tweets`."""
+    return _write_files(folder, n, files, first_file, seed, points_table, "points", kwargs)
+
+
+def _write_files(folder, n, files, first_file, seed, make, prefix, kwargs) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     per = -(-n // files)
-    rate = kwargs.pop("rate", 1000.0)
+    rate = kwargs.pop("rate", 1000.0 if make is tweets_table else 100.0)
     start_s = kwargs.pop("start_s", 0.0)
     for i in range(files):
         k = min(per, n - i * per)
         if k <= 0:
             break
         f = first_file + i
-        t = tweets_table(k, start_s=start_s + f * per / rate, rate=rate,
-                         seed=(f if seed is None else seed * 100_003 + f), **kwargs)
-        pq.write_table(t, folder / f"tweets-{f:06d}.parquet")
-        _stamp(folder / f"tweets-{f:06d}.parquet")
+        t = make(k, start_s=start_s + f * per / rate, rate=rate,
+                 seed=(f if seed is None else seed * 100_003 + f), **kwargs)
+        pq.write_table(t, folder / f"{prefix}-{f:06d}.parquet")
+        _stamp(folder / f"{prefix}-{f:06d}.parquet")
     return folder
 
 

@@ -82,34 +82,6 @@ def _slot0(h, l, mask):
     return np.int64((h ^ (np.uint64(l) * _GOLD)) & np.uint64(mask))
 
 
-@njit(**HOT)
-def find_or_insert(b, h, key, l, rec, acc_f, bcount, bminl, init_i, init_f):
-    """Slot of window ``(key, l)`` in bucket ``b`` (``h = mix64(key)``); created with the initial state
-    if absent; -1 if the bucket is full (load factor 1/2)."""
-    cap = rec.shape[1]
-    mask = cap - 1
-    s = _slot0(h, l, mask)
-    while True:
-        cur = rec[b, s, 1]
-        if cur == EMPTY:
-            break
-        if cur == l and rec[b, s, 0] == key:
-            return s
-        s = (s + 1) & mask
-    if (bcount[b] + 1) * 2 > cap:
-        return -1
-    rec[b, s, 0] = key
-    rec[b, s, 1] = l
-    for q in range(init_i.shape[0]):
-        rec[b, s, 2 + q] = init_i[q]
-    for q in range(init_f.shape[0]):
-        acc_f[b, s, q] = init_f[q]
-    bcount[b] += 1
-    if l < bminl[b]:
-        bminl[b] = l
-    return s
-
-
 @njit(nogil=True, cache=True)
 def _reinsert(b, r, af, rec, acc_f):
     mask = rec.shape[1] - 1
@@ -355,7 +327,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 w0 = resume[3] if (i == i0 and ki == k0) else 0
                 for wi in range(w0, nw):
                     l = lf + wi * WA
-                    # find_or_insert, written out: passing the state arrays to a helper costs an
+                    # find-or-insert of the window, written out: passing the state arrays to a helper costs an
                     # atomic incref + decref of each (numba's reference counts), ~14 per update,
                     # on cache lines every instance thread shares
                     s = _slot0(h, l, mask)

@@ -3,7 +3,9 @@ from .aggregate import aggregate, count, longest, max_, mean, min_, sum_
 from .wordcount import paircount, wordcount
 
 __all__ = ["aggregate", "count", "sum_", "min_", "max_", "mean", "longest", "wordcount", "paircount"]
+from ..engine.operator import Operator
+from ..engine.store import JoinOperator
 from .examples import passthrough, value_barrier_partials, value_barrier_totals
 from .join import band_join, hedge_join, join
 
-__all__ += ["passthrough", "value_barrier_partials", "value_barrier_totals", "band_join", "hedge_join", "join"]
+__all__ += ["Operator", "JoinOperator", "passthrough", "value_barrier_partials", "value_barrier_totals", "band_join", "hedge_join", "join"]

@@ -34,8 +34,9 @@ _FILE_FORMATS = {"parquet", "json", "csv", "orc"}
 _ROWS_PER_SPLIT = 50_000  # below this an output batch is read (and written) by one task
 
 
-def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, parallelism: int = 1,
-                      max_parallelism: int = 4, buckets: int = 4096) -> "StretchAggregation":
+def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, others=None,
+                      parallelism: int = 1, max_parallelism: int = 4,
+                      buckets: int = 4096) -> "StretchAggregation":
     """Windowed aggregation per key on the host's shared-state (VSN) engine.
 
     The rows are those of the native ``groupBy(window(ts, size, slide), key).agg(...)`` (after
@@ -48,9 +49,19 @@ def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, par
         row: multi-key), or an engine key function such as ``pairs("words", distance=3)``.
     window : str or (str, str)
         Window size, or ``(size, slide)``, as for ``pyspark.sql.functions.window``.
-    agg : str, list or dict
+    agg : str, list, dict or engine operator
         ``"count"``, a list like ``["count", "sum(x)", "max(x)", "mean(x)"]``, or ``{"x": "sum"}``.
-        Columns are named as Spark names them: ``count``, ``sum(x)``, ``avg(x)``, ...
+        Columns are named as Spark names them: ``count``, ``sum(x)``, ``avg(x)``, ... Or one of
+        the engine's operators: a join (:func:`spark_stretch.ops.band_join`,
+        :func:`spark_stretch.ops.join` with a numba predicate) or an O+ operator with numba
+        ``f_MK``/``f_U``/``f_O``/``f_S`` (:class:`spark_stretch.ops.Operator`, e.g.
+        :func:`spark_stretch.ops.passthrough`); see :mod:`spark_stretch.spark.custom` for the
+        result's columns. Its keys come from its ``f_MK`` (no ``keys=``); ``window=`` sets its
+        window, else its ``WS``/``WA`` are in microseconds.
+    others : DataFrame, optional
+        The second input stream (stream 1) of an operator with ``I = 2`` (joins, pass-through),
+        with its own ``withWatermark``. Both streams run in one query; the watermark is Spark's
+        global one (the min of the two, or per ``spark.sql.streaming.multipleWatermarkPolicy``).
     parallelism : int
         Instances updating state at the start (m).
     max_parallelism : int
@@ -82,6 +93,16 @@ def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, par
     ``spark.databricks.delta.properties.defaults.columnMapping.mode=name`` for new tables. A null key is an error at run time (Spark would make a
     null group); filter nulls first.
     """
+    from .custom import StretchOperatorAggregation, build_operator_spec, is_engine_operator
+
+    if is_engine_operator(agg):
+        spec = build_operator_spec(df, others, agg, window, keys, parallelism, max_parallelism,
+                                   buckets)
+        return StretchOperatorAggregation(df, others, spec)
+    if others is not None:
+        raise ValueError("others= is the second input stream of an engine operator with I = 2 "
+                         "(agg=spark_stretch.ops.band_join(...), passthrough(...)); built-in "
+                         "aggregations read one stream")
     spec = build_spec(df, keys, window, agg, parallelism, max_parallelism, buckets)
     return StretchAggregation(df, spec)
 
@@ -91,8 +112,9 @@ class StretchAggregation:
 
     A *query kind* for :class:`StretchQuery`, which asks of it: ``schema``, ``max_parallelism``,
     ``_engine_spec()`` (the engine's ``open`` spec; its ``kind`` picks the engine runtime),
-    ``_input_columns()``, ``_output_mode(mode)``, ``_check_start(mode)``, and the extra arguments
-    of the engine's ``step``/``flush`` (``_step_args``, ``_flush_args``). The other kind is
+    ``_input_df()`` (the streaming DataFrame each micro-batch writes to the engine), ``_output_mode(mode)``, ``_check_start(mode)``, and the extra arguments
+    of the engine's ``step``/``flush`` (``_step_args``, ``_flush_args``). The other kinds are
+    :class:`spark_stretch.spark.custom.StretchOperatorAggregation` (an engine operator) and
     :class:`spark_stretch.spark.grouped.StretchGroupedAggregation`.
     """
 
@@ -126,9 +148,10 @@ class StretchAggregation:
     def _engine_spec(self) -> dict:
         return {**asdict(self.spec), "kind": "aggregate", "output_names": self.spec.output_names()}
 
-    def _input_columns(self):
+    def _input_df(self) -> DataFrame:
+        """What each micro-batch hands to the engine: the columns it reads, nothing else."""
         spec = self.spec
-        return [spec.ts_column, spec.key_column, *spec.value_columns]
+        return self._df.select(spec.ts_column, spec.key_column, *spec.value_columns)
 
     def _output_mode(self, mode: str) -> str:
         if mode.lower() != "append":
@@ -275,8 +298,7 @@ class StretchQuery:
         resume = max(done) if done else None  # Spark resumes after its last committed batch
         meta = cls._meta(checkpoint)
         query = cls(agg, fmt, options, path, table, checkpoint, own, meta, resume)
-        cols = agg._input_columns()
-        writer = (agg._df.select(*cols).writeStream.foreachBatch(query._step)
+        writer = (agg._input_df().writeStream.foreachBatch(query._step)
                   .option("checkpointLocation", checkpoint))
         if trigger:
             writer = writer.trigger(**trigger)

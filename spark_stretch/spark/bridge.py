@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..engine import Engine, Interner, ListColumn
+from ..engine import Interner, ListColumn, engine_class
 from . import faults
 from .checkpointed import CheckpointedRuntime
 from ..ops.aggregate import aggregate
@@ -53,15 +53,13 @@ class QueryRuntime(CheckpointedRuntime):
         self.interner = Interner()
         self.lock = threading.Lock()
         self.counters = {"input_rows": 0, "late_rows": 0, "output_rows": 0, "batches": 0}
-        # One engine operator per aggregation, all fed the same tuples under the same owner map
-        # and watermark: their outputs come out in the same (ts, key, window) order and zip.
-        # (A fused multi-aggregate kernel would update all in one pass; see docs/architecture.md.)
-        ops = _make_operators(spec)
+        ops = self._operators()
         # Spark's watermark starts at 0 ms; the engine works in microseconds. watermark_ms is
         # W_N (eviction, and the late rule of the next batch); next_watermark_ms is W_{N+1}.
         self.watermark_ms = 0
         self.next_watermark_ms = 0
-        self.max_event_ms: Optional[int] = None
+        # Per input stream (one withWatermark each): the largest event time seen so far, in ms.
+        self.stream_max_ms: list = [None] * len(self._delays())
         self._offered: Optional[str] = None
         self._dict_cache: Optional[pa.Array] = None  # interned values, id order
         self.pending = {}
@@ -76,10 +74,12 @@ class QueryRuntime(CheckpointedRuntime):
             self.engines = self._load(resume, ops)
         else:
             self.engines = [
-                Engine(op, m=spec["parallelism"], n=spec["max_parallelism"],
-                       n_buckets=spec["buckets"], lateness="window") for op in ops]
-            for eng in self.engines:
-                eng.esg_in.add_sources([0], ordered=False, watermark=0)
+                engine_class(op)(op, m=spec["parallelism"], n=spec["max_parallelism"],
+                                 n_buckets=spec["buckets"], lateness=self._lateness(op))
+                for op in ops]
+            for eng in self.engines:  # source s feeds stream s
+                for s in range(eng.op.I):
+                    eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
         self.last_reply: Optional[dict] = None
 
         self.switches = []
@@ -103,17 +103,18 @@ class QueryRuntime(CheckpointedRuntime):
             lead = self.engines[0]
             late_before = lead.esg_in.late_dropped
             if table is not None and table.num_rows:
-                cols = self._columns(table, batch)
-                for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
-                    eng.esg_in.add(cols, 0)
+                for s, cols in enumerate(self._stream_columns(table, batch)):
+                    if cols is None or not len(cols["ts"]):
+                        continue
+                    for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
+                        eng.esg_in.add(cols, s)
+                    top = int(cols["ts"].max()) // 1000
+                    seen = self.stream_max_ms[s]
+                    self.stream_max_ms[s] = top if seen is None else max(seen, top)
                 self.counters["input_rows"] += table.num_rows
-                top = int(cols["ts"].max()) // 1000
-                self.max_event_ms = top if self.max_event_ms is None else max(self.max_event_ms, top)
             faults.inject("step", batch)
             out = self._advance(self.next_watermark_ms)  # evict with W_N
-            if self.max_event_ms is not None:  # W_{N+1}, applied from the next batch
-                self.next_watermark_ms = max(self.watermark_ms,
-                                             self.max_event_ms - self.spec["delay_ms"])
+            self.next_watermark_ms = self._next_watermark()  # W_{N+1}, used from the next batch
             late = lead.esg_in.late_dropped - late_before
             self.counters["late_rows"] += late
             self.counters["batches"] += 1
@@ -168,7 +169,7 @@ class QueryRuntime(CheckpointedRuntime):
         meta = {"format": 1, "kind": "delta" if delta else "full",
                 "parent": chain["parent"] if delta else None, "strings_from": since,
                 "watermark_ms": self.watermark_ms, "next_watermark_ms": self.next_watermark_ms,
-                "max_event_ms": self.max_event_ms, "last_batch": batch,
+                "stream_max_ms": self.stream_max_ms, "last_batch": batch,
                 "counters": dict(self.counters), "parallelism": self.spec["parallelism"]}
         self._chain = {"parent": batch, "deltas": chain["deltas"] + 1 if delta else 0,
                        "strings": len(strings)}
@@ -201,7 +202,8 @@ class QueryRuntime(CheckpointedRuntime):
         dirs = [self.state_dir / str(b) for b in chain]
         meta = json.loads((dirs[-1] / "bridge.json").read_text())
         self.watermark_ms, self.next_watermark_ms = meta["watermark_ms"], meta["next_watermark_ms"]
-        self.max_event_ms, self.last_batch = meta["max_event_ms"], meta["last_batch"]
+        self.last_batch = meta["last_batch"]
+        self.stream_max_ms = meta.get("stream_max_ms", [meta.get("max_event_ms")])
         self.counters.update(meta["counters"])
         self.spec["parallelism"] = meta["parallelism"]
         strings = []
@@ -212,9 +214,39 @@ class QueryRuntime(CheckpointedRuntime):
             strings += pickle.loads((d / "interner.pkl").read_bytes())
         self.interner = Interner(strings)
         self._chain = {"parent": batch, "deltas": len(chain) - 1, "strings": len(strings)}
-        return [Engine.restore(op, (dirs[0] / f"engine{i}.snap").read_bytes(),
-                               deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
+        return [engine_class(op).restore(
+                    op, (dirs[0] / f"engine{i}.snap").read_bytes(),
+                    deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
                 for i, op in enumerate(ops)]
+
+    # -- what the query kind decides (the custom-operator runtime overrides these) ----------------
+    def _operators(self) -> list:
+        """The engine operators, all fed the same tuples under the same owner map and watermark:
+        one per aggregation, so their outputs come out in the same (ts, key, window) order and
+        zip. (A fused multi-aggregate kernel would update all in one pass; see
+        docs/architecture.md.)"""
+        return _make_operators(self.spec)
+
+    def _lateness(self, op) -> str:
+        return "window"  # Spark's rule for window aggregations
+
+    def _delays(self) -> list:
+        """The watermark delay (ms) of each input stream."""
+        return [self.spec["delay_ms"]]
+
+    def _stream_columns(self, table: pa.Table, batch: int) -> list:
+        """The batch's rows as engine columns, one dict (or None: no rows) per input stream."""
+        return [self._columns(table, batch)]
+
+    def _next_watermark(self) -> int:
+        """Spark's global watermark after this batch (``WatermarkTracker``): each stream's is
+        its largest event time minus its delay (0 before it has seen data), the global one the
+        min of them (``spark.sql.streaming.multipleWatermarkPolicy=max``: the max), never moving
+        back."""
+        per = [0 if top is None else top - delay
+               for top, delay in zip(self.stream_max_ms, self._delays())]
+        pick = max if self.spec.get("watermark_policy", "min") == "max" else min
+        return max(self.watermark_ms, self.next_watermark_ms, pick(per))
 
     def _advance(self, watermark_ms: int) -> pa.Table:
         self.watermark_ms = watermark_ms

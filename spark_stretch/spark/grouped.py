@@ -266,8 +266,8 @@ class StretchGroupedAggregation:
     def _engine_spec(self) -> dict:
         return self.spec.engine_spec()
 
-    def _input_columns(self) -> List[str]:
-        return list(self.spec.columns)
+    def _input_df(self) -> DataFrame:
+        return self._df.select(*self.spec.columns)
 
     def _output_mode(self, mode: str) -> str:
         if mode.lower() not in ("append", "update", "complete"):

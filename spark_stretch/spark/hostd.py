@@ -3,8 +3,9 @@
 Started by :class:`spark_stretch.spark.host.HostEngine` as ``python -m spark_stretch.spark.hostd``.
 It serves the ``stretch`` data source on a Unix socket (executors write input and read results) and
 the driver's control requests (``open``, ``step``, ``reconfigure``, ``metrics``, ``close``) for
-both query kinds: ``stretchAggregate`` (:mod:`.bridge`) and the ``applyInPandasWithState`` drop-in
-(:mod:`.grouped_runtime`, chosen by the ``kind`` of the ``open`` spec). It
+every query kind: ``stretchAggregate`` with built-in aggregations (:mod:`.bridge`) or an engine
+operator (:mod:`.operator_runtime`), and the ``applyInPandasWithState`` drop-in
+(:mod:`.grouped_runtime`), chosen by the ``kind`` of the ``open`` spec. It
 exits on ``shutdown``, on SIGTERM, or when its parent (the driver) is gone, removing its socket.
 """
 
@@ -55,6 +56,8 @@ class HostDaemon:
                 from .grouped_runtime import GroupedRuntime as runtime
             elif kind == "aggregate":
                 runtime = self._QueryRuntime
+            elif kind == "operator":
+                from .operator_runtime import OperatorRuntime as runtime
             else:
                 raise ValueError(f"unknown query kind {kind!r}")
             self.queries[qid] = runtime(qid, h["spec"], self.receiver)

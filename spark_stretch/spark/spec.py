@@ -193,13 +193,8 @@ def _parse_aggs(agg) -> List[Tuple[str, Optional[str]]]:
     return out
 
 
-def build_spec(df: DataFrame, keys, window, agg, parallelism: int, max_parallelism: int,
-               buckets: int = 4096) -> AggregationSpec:
-    """Check a ``stretchAggregate`` call against ``df`` and return its spec (or raise)."""
-    if not isinstance(df, DataFrame):
-        raise TypeError(f"stretchAggregate works on a DataFrame, got {type(df).__name__}")
-    if not df.isStreaming:
-        raise ValueError("stretchAggregate needs a streaming DataFrame (spark.readStream...)")
+def check_sizes(parallelism, max_parallelism, buckets) -> None:
+    """The instance and bucket counts of a ``stretchAggregate`` call (or raise)."""
     for name, v in (("parallelism", parallelism), ("max_parallelism", max_parallelism),
                     ("buckets", buckets)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -209,6 +204,16 @@ def build_spec(df: DataFrame, keys, window, agg, parallelism: int, max_paralleli
                          "the initial parallelism must not exceed the maximum")
     if buckets < max_parallelism:
         raise ValueError(f"buckets={buckets} < max_parallelism={max_parallelism}")
+
+
+def build_spec(df: DataFrame, keys, window, agg, parallelism: int, max_parallelism: int,
+               buckets: int = 4096) -> AggregationSpec:
+    """Check a ``stretchAggregate`` call against ``df`` and return its spec (or raise)."""
+    if not isinstance(df, DataFrame):
+        raise TypeError(f"stretchAggregate works on a DataFrame, got {type(df).__name__}")
+    if not df.isStreaming:
+        raise ValueError("stretchAggregate needs a streaming DataFrame (spark.readStream...)")
+    check_sizes(parallelism, max_parallelism, buckets)
     ts, delay_ms = find_watermark(df)
     fields = {f.name: f.dataType for f in df.schema.fields}
     if not isinstance(fields.get(ts), (T.TimestampType, T.TimestampNTZType)):

@@ -2,9 +2,10 @@
 import numpy as np
 import pytest
 
-from spark_stretch.engine import BucketState, EngineError, Interner, balanced_owner_map
+from spark_stretch.engine import Engine, EngineError, Interner, balanced_owner_map
 from spark_stretch.engine import kernels as K
 from spark_stretch.engine.state import validate_owner_map
+from spark_stretch.ops import count
 
 
 def test_interner_ids_are_exact_and_stable():
@@ -46,23 +47,24 @@ def test_bucket_of_matches_naive_python():
 
 
 def test_full_key_compare_no_collision_mistakes_and_growth():
-    st = BucketState(1, 1, 1, [0], [0.0], cap=4)  # one bucket: every key collides on the bucket
+    # One bucket: every key collides on the bucket, whose table grows from 4 slots to 200 windows.
+    eng = Engine(count(key="k", WS=20, WA=10), m=1, n=1, n_buckets=1, cap=4)
+    eng.esg_in.add_sources([0], ordered=False)
     keys = np.arange(-50, 50, dtype=np.int64) * 7919
-    for rep in range(3):
-        for k in keys:
-            for l in (0, 10):
-                while True:
-                    s = K.find_or_insert(0, np.uint64(K.mix64(k)), k, l, st.rec, st.acc_f, st.bcount, st.bminl,
-                                         st.init_i, st.init_f)
-                    if s >= 0:
-                        break
-                    st.grow()
-                st.rec[0, s, 2] += 1
-    k, l, ai, _ = st.bucket_rows()
-    assert len(k) == 200 and st.live_windows() == 200
-    assert set(zip(k.tolist(), l.tolist())) == {(int(x), y) for x in keys for y in (0, 10)}
+    for t in (0, 1, 2):  # each key 3 times in windows [-10, 10) and [0, 20)
+        eng.esg_in.add({"ts": np.full(len(keys), t, np.int64), "k": keys}, 0)
+    eng.esg_in.advance_watermark(5)
+    eng.drain()
+    k, l, ai, _ = eng.state.bucket_rows()
+    assert len(k) == 200 and eng.state.live_windows() == 200 and eng.metrics()["grows"] > 0
+    assert set(zip(k.tolist(), l.tolist())) == {(int(x), y) for x in keys for y in (-10, 0)}
     assert (ai[:, 0] == 3).all()
-    assert st.bminl[0] == 0
+    assert eng.state.bminl[0] == -10
+    eng.esg_in.advance_watermark(30)
+    eng.drain()
+    out, _ = eng.esg_out.get_batch("driver")
+    assert len(out["key"]) == 200 and (out["count"] == 3).all() and eng.state.live_windows() == 0
+    eng.close()
 
 
 def test_take_list_matches_python():

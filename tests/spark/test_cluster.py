@@ -25,6 +25,8 @@ def test_two_executor_jvms_share_one_receiver():
     assert len(result["writer_pids"]) == 2
     # stretchAggregate equalled native Spark, with both executor JVMs writing to one host engine.
     assert len(result["engine_writer_pids"]) == 2
+    # So did a band join of two streams (others=), equal to Spark's stream-stream join.
+    assert len(result["join_writer_pids"]) == 2
     # The driver, master, worker and executor JVMs of the job all end with it.
     deadline = time.time() + 60
     while _java_pids() - before and time.time() < deadline:
