@@ -40,7 +40,7 @@ from ..engine import JoinOperator
 from ..engine.operator import Operator
 from ..engine.store import PRED_BAND
 from .api import StretchAggregation
-from .spec import check_sizes, find_watermark, parse_interval_us
+from .spec import check_sizes, find_watermark, parse_interval_us, parse_window
 
 __all__ = ["OperatorSpec", "StretchOperatorAggregation", "build_operator_spec"]
 
@@ -151,13 +151,7 @@ def _with_window(op, window, spark):
     if op.WA is None:
         raise ValueError(f"operator {op.name} keeps keyed state without windows (WA = WS = None); "
                          "leave window= out")
-    if isinstance(window, str):
-        size = slide = parse_interval_us(spark, window, "window")
-    elif isinstance(window, (tuple, list)) and len(window) == 2:
-        size = parse_interval_us(spark, window[0], "window size")
-        slide = parse_interval_us(spark, window[1], "window slide")
-    else:
-        raise TypeError(f"window must be '60 seconds' or ('120 seconds', '60 seconds'), got {window!r}")
+    size, slide = parse_window(spark, window)
     return dataclasses.replace(op, WS=size, WA=slide, _compiled=None)
 
 

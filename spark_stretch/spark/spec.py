@@ -148,6 +148,20 @@ def parse_interval_us(spark, text: str, what: str) -> int:
     return us
 
 
+def parse_window(spark, window) -> Tuple[int, int]:
+    """``window=`` (``'60 seconds'`` or ``(size, slide)``) as (size, slide) in microseconds."""
+    if isinstance(window, str):
+        size = slide = parse_interval_us(spark, window, "window")
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        size = parse_interval_us(spark, window[0], "window size")
+        slide = parse_interval_us(spark, window[1], "window slide")
+    else:
+        raise TypeError(f"window must be '60 seconds' or ('120 seconds', '60 seconds'), got {window!r}")
+    if slide > size:
+        raise ValueError(f"window slide {window[1]} is longer than its size {window[0]}")
+    return size, slide
+
+
 def _column_name(keys) -> str:
     if isinstance(keys, str):
         return keys
@@ -242,16 +256,7 @@ def build_spec(df: DataFrame, keys, window, agg, parallelism: int, max_paralleli
 
     if window is None:
         raise ValueError("window is required: a size like '60 seconds' or (size, slide)")
-    spark = df.sparkSession
-    if isinstance(window, str):
-        size = slide = parse_interval_us(spark, window, "window")
-    elif isinstance(window, (tuple, list)) and len(window) == 2:
-        size = parse_interval_us(spark, window[0], "window size")
-        slide = parse_interval_us(spark, window[1], "window slide")
-    else:
-        raise TypeError(f"window must be '60 seconds' or ('120 seconds', '60 seconds'), got {window!r}")
-    if slide > size:
-        raise ValueError(f"window slide {window[1]} is longer than its size {window[0]}")
+    size, slide = parse_window(df.sparkSession, window)
 
     aggs = _parse_aggs(agg)
     value_types = {}
