@@ -57,14 +57,19 @@ def tweets_table(n: int, *, start_s: float = 0.0, rate: float = 1000.0, vocab: i
     offsets[1:] = np.cumsum(lens)
     ids = (rng.zipf(zipf_a, int(offsets[-1])) - 1) % vocab
     words = pa.ListArray.from_arrays(pa.array(offsets), _vocab(vocab).take(pa.array(ids)))
-    ts_s = start_s + np.arange(n) / rate + rng.uniform(0, jitter_s, n)
-    if late_fraction > 0:
-        late = rng.random(n) < late_fraction
-        ts_s[late] -= late_by_s
-    ts = pa.array((np.maximum(ts_s, 0) * 1e6).astype(np.int64)).cast(pa.timestamp("us", tz="UTC"))
+    ts = _event_times(rng, n, start_s, rate, jitter_s, late_fraction, late_by_s)
     user = pa.array([f"u{u}" for u in range(users)], pa.string()).take(
         pa.array(rng.integers(0, users, n)))
     return pa.table({"ts": ts, "words": words, "user": user, "len": pa.array(lens, pa.int64())})
+
+
+def _event_times(rng, n, start_s, rate, jitter_s, late_fraction, late_by_s) -> pa.Array:
+    """``n`` event times ``rate`` a second from ``start_s``, with ``jitter_s`` disorder and
+    ``late_fraction`` of them ``late_by_s`` seconds late (never before 0)."""
+    ts_s = start_s + np.arange(n) / rate + rng.uniform(0, jitter_s, n)
+    if late_fraction > 0:
+        ts_s[rng.random(n) < late_fraction] -= late_by_s
+    return pa.array((np.maximum(ts_s, 0) * 1e6).astype(np.int64)).cast(pa.timestamp("us", tz="UTC"))
 
 
 def write_tweets(folder, n: int, files: int = 1, first_file: int = 0, seed: Optional[int] = None,
@@ -75,7 +80,8 @@ def write_tweets(folder, n: int, files: int = 1, first_file: int = 0, seed: Opti
     ``maxFilesPerTrigger`` (which takes new files in modification-time order) replays the stream
     batch by batch, in order. Returns the folder.
     """
-    return _write_files(folder, n, files, first_file, seed, tweets_table, "tweets", kwargs)
+    return _write_files(folder, n, files, first_file, seed, tweets_table, "tweets",
+                        kwargs.pop("rate", 1000.0), kwargs)
 
 
 def points_table(n: int, *, columns=("x", "y"), integer: bool = False, start_s: float = 0.0,
@@ -90,11 +96,7 @@ def points_table(n: int, *, columns=("x", "y"), integer: bool = False, start_s: 
     ['ts', 'a', 'b']
     """
     rng = np.random.default_rng(seed)
-    ts_s = start_s + np.arange(n) / rate + rng.uniform(0, jitter_s, n)
-    if late_fraction > 0:
-        ts_s[rng.random(n) < late_fraction] -= late_by_s
-    out = {"ts": pa.array((np.maximum(ts_s, 0) * 1e6).astype(np.int64)).cast(
-        pa.timestamp("us", tz="UTC"))}
+    out = {"ts": _event_times(rng, n, start_s, rate, jitter_s, late_fraction, late_by_s)}
     for c in columns:
         v = rng.uniform(0, span, n)
         out[c] = pa.array(np.floor(v).astype(np.int64) if integer else np.round(v, 3))
@@ -104,14 +106,14 @@ def points_table(n: int, *, columns=("x", "y"), integer: bool = False, start_s: 
 def write_points(folder, n: int, files: int = 1, first_file: int = 0, seed: Optional[int] = None,
                  **kwargs) -> Path:
     """Write ``n`` :func:`points_table` points as ``files`` parquet files, like :func:`write_tweets`."""
-    return _write_files(folder, n, files, first_file, seed, points_table, "points", kwargs)
+    return _write_files(folder, n, files, first_file, seed, points_table, "points",
+                        kwargs.pop("rate", 100.0), kwargs)
 
 
-def _write_files(folder, n, files, first_file, seed, make, prefix, kwargs) -> Path:
+def _write_files(folder, n, files, first_file, seed, make, prefix, rate, kwargs) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     per = -(-n // files)
-    rate = kwargs.pop("rate", 1000.0 if make is tweets_table else 100.0)
     start_s = kwargs.pop("start_s", 0.0)
     for i in range(files):
         k = min(per, n - i * per)

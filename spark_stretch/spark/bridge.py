@@ -268,11 +268,8 @@ class QueryRuntime(CheckpointedRuntime):
             self._no_nulls(key, batch)
             cols["key"] = self._ids(key)
         else:
-            # A null array has no keys (as explode); a null element would be a null key.
-            key = pc.fill_null(key, pa.scalar([], key.type))
-            values = key.flatten()
+            offsets, values = list_parts(key)  # a null element would be a null key
             self._no_nulls(values, batch)
-            offsets = pc.subtract(key.offsets, key.offsets[0]).to_numpy().astype(np.int64)
             cols["key"] = ListColumn(offsets, self._ids(values, force_intern=s["key_kind"] == "pairs"))
         for c in s["value_types"]:
             v = table.column(c)
@@ -306,10 +303,7 @@ class QueryRuntime(CheckpointedRuntime):
             if not (np.array_equal(other["key"], out["key"])
                     and np.array_equal(other["window_start"], out["window_start"])):
                 raise RuntimeError("aggregation outputs out of step (engine bug)")
-        start = np.asarray(out["window_start"], np.int64)
-        window = pa.StructArray.from_arrays(
-            [pa.array(start, pa.int64()).cast(_TS), pa.array(start + s["window_us"], pa.int64()).cast(_TS)],
-            names=["start", "end"])
+        window = window_array(out["window_start"], s["window_us"])
         keys = np.asarray(out["key"], np.int64)
         key = self._decode_keys(keys)
         arrays, names = [window, key], ["window", "key"]
@@ -388,6 +382,20 @@ class QueryRuntime(CheckpointedRuntime):
                 self.receiver.offer(self._offered, None)
             for eng in self.engines:
                 eng.close()
+
+
+def list_parts(arr: pa.Array):
+    """A list array's offsets (from 0, int64) and flat values; a null list has no elements (as
+    ``explode``)."""
+    arr = pc.fill_null(arr, pa.scalar([], arr.type))
+    return pc.subtract(arr.offsets, arr.offsets[0]).to_numpy().astype(np.int64), arr.flatten()
+
+
+def window_array(start, window_us: int) -> pa.StructArray:
+    """Spark's ``window`` column (``start``, ``end`` timestamps) of windows starting at ``start`` (us)."""
+    start = np.asarray(start, np.int64)
+    return pa.StructArray.from_arrays(
+        [pa.array(start).cast(_TS), pa.array(start + window_us).cast(_TS)], names=["start", "end"])
 
 
 def _make_operators(spec: dict):

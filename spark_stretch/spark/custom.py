@@ -40,7 +40,7 @@ from ..engine import JoinOperator
 from ..engine.operator import Operator
 from ..engine.store import PRED_BAND
 from .api import StretchAggregation
-from .spec import check_sizes, find_watermark, parse_interval_us, parse_window
+from .spec import check_sizes, event_time, parse_interval_us, parse_window
 
 __all__ = ["OperatorSpec", "StretchOperatorAggregation", "build_operator_spec"]
 
@@ -112,11 +112,8 @@ def _kind(dt, col: str, stream: str) -> str:
 
 def _stream(df: DataFrame, name: str, wanted: list, lists_ok: bool) -> dict:
     """Check one input stream: its watermark and the columns the operator reads."""
-    ts, delay_ms = find_watermark(df)
+    ts, delay_ms = event_time(df, of=f" of input {name}")
     fields = {f.name: f.dataType for f in df.schema.fields}
-    if not isinstance(fields.get(ts), (T.TimestampType, T.TimestampNTZType)):
-        raise ValueError(f"watermark column '{ts}' of input {name} has type {fields.get(ts)}; it "
-                         "must be a timestamp")
     cols = []
     for col, dtype in wanted:
         if col == "ts" and ts != "ts":
@@ -147,12 +144,12 @@ def _with_window(op, window, spark):
         if not isinstance(window, str):
             raise TypeError(f"window of a join is one interval (matches are less than it apart "
                             f"in event time), e.g. '10 seconds'; got {window!r}")
-        return dataclasses.replace(op, WS=parse_interval_us(spark, window, "window"), _kernel=None)
+        return dataclasses.replace(op, WS=parse_interval_us(spark, window, "window"))
     if op.WA is None:
         raise ValueError(f"operator {op.name} keeps keyed state without windows (WA = WS = None); "
                          "leave window= out")
     size, slide = parse_window(spark, window)
-    return dataclasses.replace(op, WS=size, WA=slide, _compiled=None)
+    return dataclasses.replace(op, WS=size, WA=slide)
 
 
 def build_operator_spec(df: DataFrame, others, op, window, keys, parallelism: int,

@@ -25,11 +25,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..engine import JoinOperator, ListColumn
-from .bridge import QueryRuntime
+from .bridge import _TS, QueryRuntime, list_parts, window_array
 
 __all__ = ["OperatorRuntime", "TS_PAYLOAD"]
 
-_TS = pa.timestamp("us", tz="UTC")
 TS_PAYLOAD = "__ts"  # the join payload column holding a tuple's event time (microseconds)
 
 
@@ -81,10 +80,8 @@ class OperatorRuntime(QueryRuntime):
 
     def _convert(self, arr: pa.Array, kind: str, col: str, stream: str, batch: int):
         if kind == "list":
-            arr = pc.fill_null(arr, pa.scalar([], arr.type))  # a null array has no elements
-            values = arr.flatten()
+            offsets, values = list_parts(arr)
             self._check_nulls(values, f"elements of column '{col}'", stream, batch)
-            offsets = pc.subtract(arr.offsets, arr.offsets[0]).to_numpy().astype(np.int64)
             return ListColumn(offsets, self._ids(values, force_intern=pa.types.is_string(values.type)))
         self._check_nulls(arr, f"column '{col}'", stream, batch)
         if kind == "string":
@@ -104,10 +101,7 @@ class OperatorRuntime(QueryRuntime):
         arrays, names = [], []
         for name, kind, src in self.spec["output"]:
             if src == "window":
-                start = np.asarray(out["window_start"], np.int64)
-                arrays.append(pa.StructArray.from_arrays(
-                    [pa.array(start).cast(_TS), pa.array(start + self.spec["window_us"]).cast(_TS)],
-                    names=["start", "end"]))
+                arrays.append(window_array(out["window_start"], self.spec["window_us"]))
             else:
                 arrays.append(self._typed(np.asarray(out[src]), kind))
             names.append(name)

@@ -128,6 +128,16 @@ def find_watermark(df: DataFrame) -> Tuple[str, int]:
     return found[0]
 
 
+def event_time(df: DataFrame, of: str = "") -> Tuple[str, int]:
+    """:func:`find_watermark`, checking that the column is a timestamp (``of``: which input, for
+    the error)."""
+    ts, delay_ms = find_watermark(df)
+    t = df.schema[ts].dataType if ts in df.schema.names else None
+    if not isinstance(t, (T.TimestampType, T.TimestampNTZType)):
+        raise ValueError(f"watermark column '{ts}'{of} has type {t}; it must be a timestamp")
+    return ts, delay_ms
+
+
 def parse_interval_us(spark, text: str, what: str) -> int:
     """An interval string (``'10 seconds'``) in microseconds, with Spark's own parser."""
     jvm = spark._jvm
@@ -228,10 +238,8 @@ def build_spec(df: DataFrame, keys, window, agg, parallelism: int, max_paralleli
     if not df.isStreaming:
         raise ValueError("stretchAggregate needs a streaming DataFrame (spark.readStream...)")
     check_sizes(parallelism, max_parallelism, buckets)
-    ts, delay_ms = find_watermark(df)
+    ts, delay_ms = event_time(df)
     fields = {f.name: f.dataType for f in df.schema.fields}
-    if not isinstance(fields.get(ts), (T.TimestampType, T.TimestampNTZType)):
-        raise ValueError(f"watermark column '{ts}' has type {fields.get(ts)}; it must be a timestamp")
 
     if isinstance(keys, Pairs):
         kind, col, distance = "pairs", keys.column, keys.distance
