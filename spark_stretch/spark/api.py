@@ -1,13 +1,21 @@
 """``df.stretchAggregate(...)``: windowed, multi-key aggregation on the host's VSN engine.
 
-Each micro-batch runs as three Spark jobs with no Exchange: the batch's partitions are written to
-this host's engine (``format("stretch")``), the engine updates the keys each instance owns and
-emits the windows the watermark closed, and the results are read back on the same host and
-appended to the sink (Delta: idempotently, with ``txnAppId``/``txnVersion``).
+Each micro-batch runs with no Exchange: the batch's partitions are written to this host's engine
+(``format("stretch")``), the engine updates the keys each instance owns and emits the windows the
+watermark closed, and the results are appended to the sink (Delta: idempotently, with
+``txnAppId``/``txnVersion``; by the engine itself for a path-based Delta table, otherwise read
+back on the same host and written by Spark).
+
+Micro-batches are pipelined: once batch N's input is in the engine's input log, Spark may commit
+N and go on to batch N+1, while the engine steps N and its output is written. The next batch
+waits for that after its own ingest (and a flush, ``reconfigure``, ``processAllAvailable``,
+``stop`` or the end of an ``availableNow`` run waits for it too), so at most one batch is in
+flight, and a restart redoes the logged batches after the engine's last checkpoint.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -119,6 +127,7 @@ class StretchAggregation:
     """
 
     kind = "aggregate"
+    pipelined = True  # the engine runtime has submit/result and an input log (see the module doc)
 
     def __init__(self, df: DataFrame, spec: AggregationSpec):
         self._df = df
@@ -255,7 +264,13 @@ class StretchQuery:
         self._finish_error: Optional[BaseException] = None
         self._last_step = time.monotonic()
         self._one_shot = False               # availableNow / once: flush when the run ends
-        self._last_done = resume             # the last batch whose engine state is on disk
+        # the last batch the engine holds: its state on disk, or (pipelined) its input logged
+        self._last_done = resume
+        self._pipelined = bool(getattr(agg, "pipelined", False))
+        self._inflight: Optional[threading.Thread] = None  # finishing the last submitted batch
+        self._inflight_batch: Optional[int] = None
+        self._inflight_error: Optional[BaseException] = None
+        self._table_ready: Optional[threading.Thread] = None  # creating the Delta table
         self._check_one_host()
         conf = self._spark.conf
         policy = conf.get("spark.stretch.onEngineFailure", "restart").lower()
@@ -282,6 +297,9 @@ class StretchQuery:
             # Checkpoint cadence and retention follow Spark's own state store settings.
             "min_deltas": int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
             "min_batches_to_retain": int(conf.get("spark.sql.streaming.minBatchesToRetain", "100"))}
+        schema = _arrow_schema(agg._input_df().schema) if self._pipelined else None
+        if schema is not None:  # the engine warms up on made-up rows of it (QueryRuntime.warm_up)
+            self._spec["input_schema"] = schema
         try:
             self._open(resume)
         except Exception:
@@ -305,6 +323,12 @@ class StretchQuery:
         if name:
             writer = writer.queryName(name)
         query._one_shot = bool(trigger) and any(trigger.get(k) for k in ("availableNow", "once"))
+        if query._direct and not (Path(path) / "_delta_log").is_dir():
+            # Spark makes the empty table (with the session's Delta defaults) while the first
+            # batches run; the engine's first append waits for it (_emit).
+            query._table_ready = threading.Thread(target=query._create_table_quietly,
+                                                  name="stretch-create-table", daemon=True)
+            query._table_ready.start()
         try:
             query._query = writer.start()
         except Exception:
@@ -340,15 +364,35 @@ class StretchQuery:
                 f"executors on hosts {sorted(others)}: this version runs one host engine, on the "
                 "driver's host (local, local-cluster or a one-host cluster)")
 
-    def _open(self, resume: Optional[int]) -> None:
-        """Open the query on the engine, continuing from the checkpoint of batch ``resume``."""
-        self._engine.request({"op": "open", "query": self.stretch_id,
-                              "spec": dict(self._spec, resume_batch=resume)})
+    def _open(self, resume: Optional[int]) -> Optional[int]:
+        """Open the query on the engine, continuing after batch ``resume``.
+
+        A pipelined kind continues from its latest checkpoint at or before ``resume`` and the
+        engine names the batches to redo (``replay``): the checkpoint's own output, which the
+        sink may lack, then the logged inputs after it. Each is stepped and written here, with
+        its own batch id, so the sink takes each once. Returns the batch of the state the
+        engine continued from (None: from the start).
+        """
+        reply = self._engine.request({"op": "open", "query": self.stretch_id,
+                                      "spec": dict(self._spec, resume_batch=resume)})
+        for b in reply.get("replay", []):
+            step = self._engine.request({"op": "step", "query": self.stretch_id, "batch": b})
+            if int(step["rows"]):
+                self._emit(step["stream"], int(step["rows"]), b)
+        start = reply["checkpoint"] if "checkpoint" in reply else resume
         if resume is not None and self._sink_holds_flush(resume):
             # The last flush reached the table but not the saved state: replay it, unwritten.
             self._engine.request({"op": "flush", "query": self.stretch_id,
                                   "args": self._agg._flush_args(self, replay=True)})
             self._engine.request({"op": "flushed", "query": self.stretch_id})
+        return start
+
+    def _discard_inflight(self) -> None:
+        """Forget the batch in flight (its engine died; the restart redoes it from the log)."""
+        t, self._inflight = self._inflight, None
+        if t is not None:
+            t.join(timeout=60)
+        self._inflight_error = None
 
     def _engine_failed(self) -> bool:
         try:  # a killed engine is reaped at once; give a crashing one a moment to exit
@@ -358,9 +402,10 @@ class StretchQuery:
         return True
 
     def _with_engine(self, what: str, resume: Optional[int], fn):
-        """Run ``fn``; if the host engine died meanwhile, restart it from the checkpoint of batch
-        ``resume`` and run ``fn`` again (``spark.stretch.onEngineFailure=restart``, at most
-        ``spark.stretch.maxEngineRestarts`` times in a row), or fail naming the cause."""
+        """Run ``fn``; if the host engine died meanwhile, restart it to hold what it held after
+        batch ``resume`` (see :meth:`_open`) and run ``fn`` again
+        (``spark.stretch.onEngineFailure=restart``, at most ``spark.stretch.maxEngineRestarts``
+        times in a row), or fail naming the cause."""
         attempt = 0
         while True:
             try:
@@ -369,6 +414,10 @@ class StretchQuery:
                 if not self._engine_failed():
                     raise
                 dead = self._engine
+                if getattr(e, "stretch_batch", None) is not None:  # the batch in flight died
+                    what = f"batch {e.stretch_batch}"
+                elif self._inflight is not None:  # maybe while stepping that one
+                    what += f" (batch {self._inflight_batch} in flight)"
                 cause = (f"the stretch host engine (pid {dead.pid}) died (exit status "
                          f"{dead.proc.returncode}) during {what}")
                 _remove_shm(self.stretch_id)  # what its instances left in /dev/shm
@@ -379,6 +428,7 @@ class StretchQuery:
                     raise EngineDiedError(cause + hint) from e
                 attempt += 1
                 t0 = time.perf_counter()
+                self._discard_inflight()  # its batch is redone from the input log
                 dead.release()
                 fresh = HostEngine.acquire()
                 with self._lock:  # the query may have ended meanwhile: then nobody would release it
@@ -386,31 +436,33 @@ class StretchQuery:
                         fresh.release()
                         raise EngineDiedError(cause + "; the query ended before the restart") from e
                     self._engine = fresh
-                self._open(resume)
+                start = self._open(resume)
                 # Reconfigurations made after that checkpoint are not in it: apply them again.
                 for r in self._reconfig_log:
-                    if resume is None or r["after_batch"] >= resume:
+                    if start is None or r["after_batch"] >= start:
                         self._engine.request({"op": "reconfigure", "query": self.stretch_id,
                                               "parallelism": r["parallelism"],
                                               "owner_map": r["owner_map"]})
                 with self._lock:
-                    self._restarts.append({"cause": cause, "resumed_from": resume,
+                    self._restarts.append({"cause": cause, "resumed_from": start,
                                            "restart_s": time.perf_counter() - t0})
                     self._metrics["engine_restarts"] = list(self._restarts)
 
     # -- one micro-batch ---------------------------------------------------------------------------
     def _step(self, batch_df: DataFrame, batch_id: int) -> None:
         with self._step_lock:
-            # After a restart the engine continues from the state after the previous batch (it
-            # was on disk before Spark committed that batch) and this batch runs again whole.
-            self._with_engine(f"batch {batch_id}", batch_id - 1 if batch_id > 0 else None,
-                              lambda: self._step_locked(batch_df, batch_id))
+            # After a restart the engine continues from what it held after the previous batch
+            # (its state, or its logged input: on disk before Spark committed that batch) and
+            # this batch runs again whole.
+            fn = self._submit_locked if self._pipelined else self._step_locked
+            self._with_engine(f"batch {batch_id}", self._last_done,
+                              lambda: fn(batch_df, batch_id))
             self._last_done = batch_id
             self._last_step = time.monotonic()
 
-    def _step_locked(self, batch_df: DataFrame, batch_id: int) -> None:
+    def _ingest(self, batch_df: DataFrame, batch_id: int) -> None:
+        """The Spark job that writes the batch's partitions to the engine (no Exchange)."""
         eng, qid = self._engine, self.stretch_id
-        t0 = time.perf_counter()
         try:
             batch_df.write.format("stretch").mode("append") \
                 .option("endpoints", eng.endpoint).option("stream", f"{qid}:in:{batch_id}").save()
@@ -420,6 +472,71 @@ class StretchQuery:
                     f"the stretch host engine (pid {eng.pid}) died (exit status "
                     f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
             raise
+
+    def _submit_locked(self, batch_df: DataFrame, batch_id: int) -> None:
+        """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
+        meanwhile), log it and start its step, and let Spark commit it."""
+        t0 = time.perf_counter()
+        self._ingest(batch_df, batch_id)
+        t1 = time.perf_counter()
+        self._drain()
+        t2 = time.perf_counter()
+        self._engine.request({"op": "submit", "query": self.stretch_id, "batch": batch_id})
+        t3 = time.perf_counter()
+        times = {"batch": batch_id, "ingest_s": t1 - t0, "previous_s": t2 - t1,
+                 "submit_s": t3 - t2}
+        self._inflight_batch = batch_id
+        self._inflight = threading.Thread(target=self._finish,
+                                          args=(self._engine, batch_df, batch_id, times),
+                                          name=f"stretch-finish-{batch_id}", daemon=True)
+        self._inflight.start()
+
+    def _finish(self, eng, batch_df: DataFrame, batch_id: int, times: dict) -> None:
+        """Wait for the engine's step of a submitted batch and write its output (a thread)."""
+        try:
+            t0 = time.perf_counter()
+            reply = eng.request({"op": "result", "query": self.stretch_id, "batch": batch_id})
+            t1 = time.perf_counter()
+            rows = int(reply["rows"])
+            out = self._emit(reply["stream"], rows, batch_id) if rows else None
+            t2 = time.perf_counter()
+            # written meanwhile; waited for here only for its figures (and a write error)
+            saved = eng.request({"op": "saved", "query": self.stretch_id})
+            self._record(dict(times, engine_s=t1 - t0, output_s=t2 - t1,
+                              checkpoint_wait_s=time.perf_counter() - t2, checkpoint=saved,
+                              rows_out=rows, **reply.get("metrics", {})), rows, [batch_df, out])
+        except BaseException as e:  # raised by _drain, on the thread of the next batch
+            e.stretch_batch = batch_id
+            self._inflight_error = e
+
+    def _drain(self) -> None:
+        """Wait for the batch in flight, if any, to be stepped and written; raise its error."""
+        t, self._inflight = self._inflight, None
+        if t is None:
+            return
+        t.join()
+        e, self._inflight_error = self._inflight_error, None
+        if e is not None:
+            raise e
+
+    def _record(self, times: dict, rows: int, jobs: list) -> None:
+        """Count a finished batch; keep its figures, and the physical plans of its Spark jobs
+        (``jobs``: DataFrames or None) for the first few batches (tests assert no Exchange)."""
+        plans = [] if len(self._metrics["plans"]) >= 6 else \
+            [df._jdf.queryExecution().executedPlan().toString() for df in jobs if df is not None]
+        with self._lock:
+            m = self._metrics
+            m["batches"] += 1
+            m["output_rows"] += rows
+            m["last_batch"] = times
+            m.setdefault("batch_times", []).append(times)
+            del m["batch_times"][:-100]  # the last 100 batches
+            m["plans"].extend(plans[:6 - len(m["plans"])])
+
+    def _step_locked(self, batch_df: DataFrame, batch_id: int) -> None:
+        eng, qid = self._engine, self.stretch_id
+        t0 = time.perf_counter()
+        self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         reply = eng.request({"op": "step", "query": qid, "batch": batch_id,
                              "args": self._agg._step_args(self, batch_id)})
@@ -431,19 +548,9 @@ class StretchQuery:
         # disk before Spark commits the batch (a restart resumes from it).
         saved = eng.request({"op": "saved", "query": qid})
         t4 = time.perf_counter()
-        with self._lock:
-            m = self._metrics
-            m["batches"] += 1
-            m["output_rows"] += rows
-            m["last_batch"] = {"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
-                               "output_s": t3 - t2, "checkpoint_wait_s": t4 - t3,
-                               "checkpoint": saved, "rows_out": rows, **reply.get("metrics", {})}
-            m.setdefault("batch_times", []).append(m["last_batch"])
-            del m["batch_times"][:-100]  # the last 100 batches
-            if len(m["plans"]) < 6:  # physical plans of the per-batch jobs (tests assert no Exchange)
-                m["plans"].append(batch_df._jdf.queryExecution().executedPlan().toString())
-                if out is not None:
-                    m["plans"].append(out._jdf.queryExecution().executedPlan().toString())
+        self._record({"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
+                      "output_s": t3 - t2, "checkpoint_wait_s": t4 - t3, "checkpoint": saved,
+                      "rows_out": rows, **reply.get("metrics", {})}, rows, [batch_df, out])
 
     def _flush(self) -> int:
         """Spark's no-data batch: emit and write the windows the next watermark closes.
@@ -455,6 +562,7 @@ class StretchQuery:
             return self._with_engine("a flush", self._last_done, self._flush_locked)
 
     def _flush_locked(self) -> int:
+        self._drain()  # the last batch first
         reply = self._engine.request({"op": "flush", "query": self.stretch_id,
                                       "args": self._agg._flush_args(self)})
         rows = int(reply["rows"])
@@ -490,6 +598,8 @@ class StretchQuery:
         cannot write the table, the executors read the rows back and Spark writes them. Returns
         the DataFrame Spark wrote, or None.
         """
+        if self._table_ready is not None:
+            self._table_ready.join()
         if self._direct:
             req = {"op": "write_delta", "query": self.stretch_id, "stream": stream,
                    "path": self._path, "app_id": self._app_id + app_suffix, "version": batch_id}
@@ -508,6 +618,12 @@ class StretchQuery:
         out = self._read_output(stream, rows)
         self._write_sink(out, batch_id, app_suffix)
         return out
+
+    def _create_table_quietly(self) -> None:
+        try:
+            self._create_table()
+        except Exception:
+            pass  # the first append then finds no table and makes it itself, raising the error
 
     def _create_table(self) -> None:
         """Create the sink's Delta table, empty, with the output schema and the session's Delta
@@ -565,7 +681,8 @@ class StretchQuery:
         t0 = time.perf_counter()
         req = {"op": "reconfigure", "query": self.stretch_id, "parallelism": parallelism,
                "owner_map": None if owner_map is None else [int(x) for x in owner_map]}
-        with self._step_lock:  # between two micro-batches
+        with self._step_lock:  # between two micro-batches, none in flight
+            self._with_engine("the last batch", self._last_done, self._drain)
             reply = self._engine.request(req)
         reply["request_ms"] = (time.perf_counter() - t0) * 1e3
         with self._lock:
@@ -590,15 +707,20 @@ class StretchQuery:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Flush when idle (continuous triggers) or at the end of a one-shot run; release at the end.
+        """Flush when idle (continuous triggers) or at the end of a one-shot run; when the run
+        ends, finish the batch in flight and release.
 
         Native Spark runs a no-data batch when the watermark moved and no data is waiting; its
-        evictions are what ``_flush`` writes. ``stop()`` runs no final batch, in Spark or here.
+        evictions are what ``_flush`` writes. ``stop()`` runs no final batch, in Spark or here,
+        but a batch Spark committed is finished (its output written) before the query ends.
         """
         try:
             while self._query.isActive:
-                time.sleep(0.2)
-                if self._one_shot or self._metrics["batches"] == 0:
+                try:
+                    self._query.awaitTermination(0.2)  # returns at once when the run ends
+                except Exception:
+                    break  # the query failed: awaitTermination reports it to the user
+                if self._one_shot or self._metrics["batches"] == 0 or not self._query.isActive:
                     continue
                 st = self._query.status
                 if (not st["isTriggerActive"] and not st["isDataAvailable"]
@@ -607,7 +729,13 @@ class StretchQuery:
                         self._flush()
                     except Exception as e:  # surfaced by awaitTermination / metrics
                         self._finish_error = e
-            if self._one_shot and self._query.exception() is None and not self._stopped:
+            if self._pipelined:
+                try:
+                    self._settle()
+                except Exception as e:
+                    self._finish_error = e
+            if (self._one_shot and self._finish_error is None and self._query.exception() is None
+                    and not self._stopped):
                 try:
                     self._flush()
                 except Exception as e:
@@ -616,11 +744,20 @@ class StretchQuery:
             self._release()
             self._done.set()
 
+    def _settle(self) -> None:
+        """Wait until the batch in flight, if any, is stepped and written (restarting a dead
+        engine as a micro-batch would)."""
+        with self._step_lock:
+            self._with_engine("the last batch", self._last_done, self._drain)
+
     def _release(self) -> None:
         with self._lock:
             if self._released:
                 return
             self._released = True
+        for t in (self._inflight, self._table_ready):  # normally done by now
+            if t is not None:
+                t.join(timeout=60)
         try:
             if self._engine.alive():
                 self._engine_metrics = self._engine.request(
@@ -654,7 +791,11 @@ class StretchQuery:
         return result
 
     def processAllAvailable(self) -> None:
+        """As ``StreamingQuery.processAllAvailable``; also waits until the last batch's output is
+        written (micro-batches are pipelined)."""
         self._query.processAllAvailable()
+        if self._pipelined:
+            self._settle()
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -663,6 +804,17 @@ class StretchQuery:
 
     def __repr__(self) -> str:
         return f"StretchQuery(id={self._query.id if self._query else None}, format={self._format})"
+
+
+def _arrow_schema(schema) -> Optional[str]:
+    """``schema`` as a serialized Arrow schema (base64), or None if Arrow has no such type."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    try:
+        return base64.b64encode(
+            to_arrow_schema(schema, timezone="UTC").serialize().to_pybytes()).decode()
+    except Exception:
+        return None
 
 
 def _remove_shm(stretch_id: str) -> None:

@@ -22,10 +22,12 @@ touching the engine; Delta's ``txnVersion`` then makes the sink write a no-op.
 
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -69,9 +71,16 @@ class QueryRuntime(CheckpointedRuntime):
         self._chain: Optional[dict] = None  # the last checkpoint: {"parent", "deltas", "strings"}
         self._save_error: Optional[BaseException] = None
         self.save_stats: dict = {}
+        self.last_reply: Optional[dict] = None
+        # Continue after Spark's last committed batch (resume_batch): from the latest checkpoint
+        # at or before it, then the batches after that checkpoint again, from the input log
+        # (``replay``, stepped by the driver, which rewrites their outputs idempotently).
         resume = spec.get("resume_batch")
-        if resume is not None:  # continue from the state after Spark's last committed batch
-            self.engines = self._load(resume, ops)
+        start = self._latest_checkpoint(resume) if resume is not None else None
+        if start is not None:
+            self.engines = self._load(start, ops)
+            # the checkpoint's own output too, if it kept one: the sink may not have it yet
+            first = start if self.last_reply is not None else start + 1
         else:
             self.engines = [
                 engine_class(op)(op, m=spec["parallelism"], n=spec["max_parallelism"],
@@ -80,19 +89,71 @@ class QueryRuntime(CheckpointedRuntime):
             for eng in self.engines:  # source s feeds stream s
                 for s in range(eng.op.I):
                     eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
-        self.last_reply: Optional[dict] = None
+            first = 0
+        self.checkpoint = start
+        self.replay = [] if resume is None else list(range(first, resume + 1))
+        self._stepper: Optional[ThreadPoolExecutor] = None  # submit(): steps off the request
+        self._inflight: dict = {}
 
         self.switches = []
 
     def describe(self) -> dict:
         return {"query": self.qid, "parallelism": self.spec["parallelism"],
-                "max_parallelism": self.spec["max_parallelism"]}
+                "max_parallelism": self.spec["max_parallelism"], "replay": self.replay,
+                "checkpoint": self.checkpoint}
+
+    def warm_up(self) -> None:
+        """Load what the first batch would load, in the background while Spark starts the query:
+        the numba kernels of the step and of checkpoints (from numba's cache; half a second in
+        all) and deltalake, by running a throwaway copy of the query on two made-up rows of its
+        input schema. Best effort: anything it cannot make up, it skips."""
+        try:
+            schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.spec["input_schema"])))
+            rows = pa.table({f.name: _sample(f.type) for f in schema}, schema=schema)
+            rt = type(self)(f"{self.qid}:warm-up", dict(
+                self.spec, state_dir=None, resume_batch=None, parallelism=1, max_parallelism=1,
+                buckets=64, warm_up=True), _Nowhere())
+            try:
+                rt.ingest("in:0", "warm-up", rows)
+                rt.step(0)
+                rt.flush()
+                for eng in rt.engines:
+                    eng.snapshot(delta=False)
+                    eng.snapshot(delta=True)
+            finally:
+                rt.close()
+            import deltalake  # noqa: F401  (the engine's own Delta appends)
+            import pandas  # noqa: F401  (deltalake's first write imports it)
+        except Exception:
+            pass
+
+    # -- pipelined micro-batches -----------------------------------------------------------------
+    def submit(self, batch: int) -> dict:
+        """Log the input of ``batch`` (after which Spark may commit it) and step it in the
+        background; :meth:`result` waits for the step's reply."""
+        self.log_input(batch)
+        if self._stepper is None:
+            self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"stretch-step-{self.qid}")
+        self._inflight[batch] = self._stepper.submit(self.step, batch)
+        return {"batch": batch}
+
+    def result(self, batch: int) -> dict:
+        """The reply of the submitted step of ``batch`` (its error, raised)."""
+        fut = self._inflight.pop(batch, None)
+        if fut is None:
+            raise RuntimeError(f"batch {batch} of query {self.qid} was not submitted")
+        return fut.result()
 
     # -- data --------------------------------------------------------------------------------------
     def step(self, batch: int) -> dict:
         with self.lock:
             self._join_saver()  # the previous checkpoint reads the engines: let it finish
-            table = self.pending.pop(batch, None)
+            if batch in self.pending:
+                table = self.pending.pop(batch)
+            elif batch > self.last_batch and batch in self.replay:
+                table = self._logged_input(batch)  # after a restart: the batch again, from the log
+            else:
+                table = None  # a batch with no rows (or a replay, answered below)
             if batch <= self.last_batch:
                 if batch == self.last_batch and self.last_reply is not None:
                     return dict(self.last_reply, replayed=True)
@@ -112,14 +173,15 @@ class QueryRuntime(CheckpointedRuntime):
                     seen = self.stream_max_ms[s]
                     self.stream_max_ms[s] = top if seen is None else max(seen, top)
                 self.counters["input_rows"] += table.num_rows
-            faults.inject("step", batch)
+            if not self.spec.get("warm_up"):  # a test's fault is for the query itself
+                faults.inject("step", batch)
             out = self._advance(self.next_watermark_ms)  # evict with W_N
             self.next_watermark_ms = self._next_watermark()  # W_{N+1}, used from the next batch
             late = lead.esg_in.late_dropped - late_before
             self.counters["late_rows"] += late
             self.counters["batches"] += 1
             self.last_batch = batch
-            self._save(batch)
+            self._save(batch, out=out)
             self.last_reply = self._offer(f"{self.qid}:out:{batch}", out, {
                 "watermark_ms": self.watermark_ms, "late_rows": late,
                 "engine_ms": (time.perf_counter() - t0) * 1e3})
@@ -144,16 +206,17 @@ class QueryRuntime(CheckpointedRuntime):
             return {"batch": self.last_batch}
 
     # -- engine state per batch (restart from a checkpoint) ----------------------------------------
-    def _save(self, batch: int, full: bool = False) -> None:
+    def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
         """Checkpoint every engine and the bridge's own variables as the state after ``batch``.
 
         Incremental where that pays: a *delta* holds only the buckets changed since the previous
         checkpoint (its ``parent``); a *full* one is written first, every ``min_deltas`` batches
         (Spark's ``stateStore.minDeltasForSnapshot``), and whenever most buckets changed anyway.
-        A background thread takes the snapshot and writes it while Spark writes the batch's
-        output: the engines are idle until :meth:`wait_saved` (the driver calls it before the
-        batch commits; the next step, flush or reconfiguration also waits for it). See
-        docs/architecture.md, "Checkpoint format".
+        A background thread takes the snapshot and writes it while the batch's output is
+        written; the next step, flush or reconfiguration waits for it (and :meth:`wait_saved`).
+        ``out``, the batch's output, is kept with it: a restart from this checkpoint offers it
+        again, as a pipelined query's sink may not have it yet. See docs/architecture.md,
+        "Checkpoint format".
         """
         if self.state_dir is None:
             return
@@ -175,17 +238,22 @@ class QueryRuntime(CheckpointedRuntime):
                        "strings": len(strings)}
         stats = {"batch": batch, "kind": meta["kind"], "buckets": buckets}
         self._saver = threading.Thread(
-            target=self._write_state, args=(batch, delta, strings[since:], meta, stats),
+            target=self._write_state, args=(batch, delta, strings[since:], meta, stats, out),
             name=f"stretch-save-{batch}", daemon=True)
         self._saver.start()
 
     def _write_state(self, batch: int, delta: bool, strings: list, meta: dict,
-                     stats: dict) -> None:
+                     stats: dict, out: Optional[pa.Table]) -> None:
         try:
             t0 = time.perf_counter()
             blobs = {f"engine{i}.snap": eng.snapshot(delta=delta)
                      for i, eng in enumerate(self.engines)}
             blobs["interner.pkl"] = pickle.dumps(strings, protocol=5)
+            if out is not None:
+                sink = pa.BufferOutputStream()
+                with pa.ipc.new_file(sink, out.schema) as w:
+                    w.write_table(out)
+                blobs["output.arrow"] = sink.getvalue().to_pybytes()
             blobs["bridge.json"] = json.dumps(meta).encode()  # last: marks a whole directory
             t1 = time.perf_counter()
             self._write_dir(batch, blobs)
@@ -214,6 +282,14 @@ class QueryRuntime(CheckpointedRuntime):
             strings += pickle.loads((d / "interner.pkl").read_bytes())
         self.interner = Interner(strings)
         self._chain = {"parent": batch, "deltas": len(chain) - 1, "strings": len(strings)}
+        if (dirs[-1] / "output.arrow").exists():  # offered again, as after the batch's step
+            with pa.memory_map(str(dirs[-1] / "output.arrow")) as src:
+                out = pa.ipc.open_file(src).read_all()
+            stream = f"{self.qid}:out:{batch}"
+            self.receiver.offer(stream, out)
+            self._offered = stream
+            self.last_reply = {"rows": out.num_rows, "stream": stream,
+                               "metrics": {"watermark_ms": self.watermark_ms}}
         return [engine_class(op).restore(
                     op, (dirs[0] / f"engine{i}.snap").read_bytes(),
                     deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
@@ -255,39 +331,40 @@ class QueryRuntime(CheckpointedRuntime):
             eng.drain()
         return self._output()
 
-    def _columns(self, table: pa.Table, batch: int) -> dict:
+    def _validate(self, table: pa.Table, batch: int) -> None:
         s = self.spec
         ts = table.column(s["ts_column"])
         if ts.null_count:
             raise ValueError(f"event-time column '{s['ts_column']}' has {ts.null_count} nulls in "
                              f"batch {batch}")
-        ts = pc.cast(ts, pa.int64()).to_numpy()
-        cols = {"ts": ts}
-        key = table.column(s["key_column"]).combine_chunks()
-        if s["key_kind"] == "scalar":
-            self._no_nulls(key, batch)
-            cols["key"] = self._ids(key)
-        else:
-            offsets, values = list_parts(key)  # a null element would be a null key
-            self._no_nulls(values, batch)
-            cols["key"] = ListColumn(offsets, self._ids(values, force_intern=s["key_kind"] == "pairs"))
-        for c in s["value_types"]:
-            v = table.column(c)
-            vt = s["value_types"][c]
-            # Spark's sum/min/max/avg skip nulls; the engine gets a validity mask via NaN/flags.
-            if v.null_count:
-                raise ValueError(f"agg column '{c}' has {v.null_count} nulls in batch {batch}; "
-                                 "stretchAggregate needs non-null values (fill or filter them)")
-            cols[c] = pc.cast(v, pa.int64() if vt == "long" else pa.float64()).to_numpy()
-        return cols
-
-    def _no_nulls(self, arr, batch: int) -> None:
-        if arr.null_count:
-            col = self.spec["key_column"]
+        key = table.column(s["key_column"])
+        # a null list is no key (as explode); a null element of one would be a null key
+        nulls = key.null_count if s["key_kind"] == "scalar" else pc.list_flatten(key).null_count
+        if nulls:
+            col = s["key_column"]
             raise ValueError(
-                f"keys column '{col}' has {arr.null_count} null keys in batch {batch}; "
+                f"keys column '{col}' has {nulls} null keys in batch {batch}; "
                 "stretchAggregate does not group nulls (Spark would make a null group): filter "
                 f"them first, e.g. df.where(F.col('{col}').isNotNull())")
+        for c in s["value_types"]:
+            if table.column(c).null_count:
+                raise ValueError(f"agg column '{c}' has {table.column(c).null_count} nulls in "
+                                 f"batch {batch}; stretchAggregate needs non-null values (fill or "
+                                 "filter them)")
+
+    def _columns(self, table: pa.Table, batch: int) -> dict:
+        """The engine's columns of a batch (checked by :meth:`_validate` when it arrived)."""
+        s = self.spec
+        cols = {"ts": pc.cast(table.column(s["ts_column"]), pa.int64()).to_numpy()}
+        key = table.column(s["key_column"]).combine_chunks()
+        if s["key_kind"] == "scalar":
+            cols["key"] = self._ids(key)
+        else:
+            offsets, values = list_parts(key)
+            cols["key"] = ListColumn(offsets, self._ids(values, force_intern=s["key_kind"] == "pairs"))
+        for c, vt in s["value_types"].items():
+            cols[c] = pc.cast(table.column(c), pa.int64() if vt == "long" else pa.float64()).to_numpy()
+        return cols
 
     def _ids(self, arr: pa.Array, force_intern: bool = False) -> np.ndarray:
         """Exact int64 ids: strings interned (each distinct string once per batch), longs as is."""
@@ -373,6 +450,8 @@ class QueryRuntime(CheckpointedRuntime):
                                if isinstance(v, (int, float, str))}}
 
     def close(self) -> None:
+        if self._stepper is not None:  # a step in flight finishes first
+            self._stepper.shutdown(wait=True, cancel_futures=True)
         with self.lock:
             try:
                 self._join_saver()
@@ -396,6 +475,27 @@ def window_array(start, window_us: int) -> pa.StructArray:
     start = np.asarray(start, np.int64)
     return pa.StructArray.from_arrays(
         [pa.array(start).cast(_TS), pa.array(start + window_us).cast(_TS)], names=["start", "end"])
+
+
+class _Nowhere:
+    """The receiver of a warm-up's throwaway query: its outputs go nowhere."""
+
+    def offer(self, stream, data) -> None:
+        pass
+
+
+def _sample(t: pa.DataType) -> pa.Array:
+    """Two made-up values of type ``t`` (no nulls) for :meth:`QueryRuntime.warm_up`."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        a, b = _sample(t.value_type).to_pylist()
+        return pa.array([[a, b], [b]], t)
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.array(["a", "b"], t)
+    if pa.types.is_integer(t) or pa.types.is_timestamp(t):
+        return pa.array([0, 1], t)  # (a stream tag: one row of each stream)
+    if pa.types.is_floating(t):
+        return pa.array([0.5, 1.5], t)
+    raise TypeError(f"no sample values of {t}")
 
 
 def _make_operators(spec: dict):

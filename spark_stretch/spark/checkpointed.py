@@ -1,12 +1,16 @@
-"""What the engine-side query runtimes share: outputs offered to the executors, and per-batch
+"""What the engine-side query runtimes share: outputs offered to the executors, per-batch
 checkpoint directories (a full checkpoint, then deltas naming their ``parent``) written by a
-background thread and cleaned like Spark's ``minBatchesToRetain``. No Spark import here."""
+background thread and cleaned like Spark's ``minBatchesToRetain``, and the input log of the
+pipelined kinds. No Spark import here."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from pathlib import Path
+from typing import Optional
+
 import pyarrow as pa
 
 from . import faults
@@ -27,13 +31,70 @@ class CheckpointedRuntime:
     state_dir = None
 
     def ingest(self, rest: str, job: str, table: pa.Table) -> None:
-        """The committed input of a batch (stream ``in:<N>``), kept until its step."""
+        """The committed input of a batch (stream ``in:<N>``), kept until its step.
+
+        Not under ``lock``: a pipelined query ingests batch N+1 while batch N is stepped. Rows
+        the engine cannot take fail here (:meth:`_validate`), so they fail the batch's own
+        Spark job and the query names the batch and column.
+        """
         kind, _, batch = rest.partition(":")
         if kind != "in":
             raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
-        with self.lock:
-            # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
-            self.pending[int(batch)] = table
+        self._validate(table, int(batch))
+        # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
+        # (A dict store is atomic: the step thread only pops other batches.)
+        self.pending[int(batch)] = table
+
+    def _validate(self, table: pa.Table, batch: int) -> None:
+        """Raise a ValueError naming the column if the engine cannot take ``table``'s rows."""
+
+    # -- the input log ---------------------------------------------------------------------------
+    # A pipelined query lets Spark commit batch N before the engine has stepped it (the step runs
+    # while Spark plans and ingests batch N+1). What makes that safe: the input of batch N is in
+    # this log before Spark commits it, and stays until a checkpoint at or after N is on disk; a
+    # restart loads the latest checkpoint at or before Spark's last committed batch and steps the
+    # logged batches after it again (their outputs are rewritten idempotently).
+    def _log_dir(self) -> Path:
+        return self.state_dir.parent / "input"
+
+    def log_input(self, batch: int) -> None:
+        """Write the pending input of ``batch`` to the input log: an Arrow IPC file (or an
+        ``.empty`` marker), written and renamed like Spark's own offset and commit logs."""
+        if self.state_dir is None:
+            return
+        d = self._log_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        table = self.pending.get(batch)
+        tmp = d / f".{batch}.tmp"
+        if table is None:  # no rows (Spark ran the batch, nothing reached the engine)
+            tmp.write_bytes(b"")
+            final = d / f"{batch}.empty"
+        else:
+            with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+                w.write_table(table)
+            final = d / f"{batch}.arrow"
+        os.replace(tmp, final)
+        faults.inject("logged", batch)
+
+    def _logged_input(self, batch: int) -> Optional[pa.Table]:
+        """The logged input of ``batch`` (None: it had no rows)."""
+        d = self._log_dir() if self.state_dir is not None else None
+        if d is not None and (d / f"{batch}.arrow").exists():
+            with pa.memory_map(str(d / f"{batch}.arrow")) as src:
+                return pa.ipc.open_file(src).read_all()
+        if d is not None and (d / f"{batch}.empty").exists():
+            return None
+        raise RuntimeError(f"the input of batch {batch} is neither pending nor in the input log "
+                           f"{d}: the engine cannot redo the batch (restart the query from its "
+                           "checkpoint)")
+
+    def _latest_checkpoint(self, batch: int) -> Optional[int]:
+        """The latest whole checkpoint at or before ``batch`` (None: there is none)."""
+        if self.state_dir is None or not self.state_dir.is_dir():
+            return None
+        have = [int(d.name) for d in self.state_dir.iterdir()
+                if d.name.isdigit() and int(d.name) <= batch and (d / self.META).exists()]
+        return max(have) if have else None
 
     def _offer(self, stream: str, out: pa.Table, metrics: dict) -> dict:
         # Keep the previous output offered until the next one replaces it (a retried read task,
@@ -56,10 +117,16 @@ class CheckpointedRuntime:
             with open(tmp / name, "wb") as f:
                 f.write(blob)
                 os.fsync(f.fileno())
+        faults.inject("checkpoint", batch)
         final = self.state_dir / str(batch)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._clean(batch)
+        log = self._log_dir()
+        if log.is_dir():  # logged inputs up to this batch are in the state now
+            for f in log.iterdir():
+                if f.stem.isdigit() and int(f.stem) <= batch:
+                    f.unlink(missing_ok=True)
 
     def _clean(self, batch: int) -> None:
         """Keep the states of the last ``min_batches_to_retain`` batches (Spark's

@@ -8,9 +8,11 @@ A test arms a fault later by creating ``marker`` first and removing it when the 
 - actions: ``kill`` (the engine process SIGKILLs itself) or ``fail`` (the request fails, so the
   Spark task doing it fails and Spark retries it).
 - points: ``write`` (an executor's ingest write of the batch), ``commit`` (the ingest commit),
-  ``step`` (inside the engine step, after the input was added, before windows are emitted),
-  ``read`` (an executor reading the batch's output), ``saved`` (before the checkpoint wait
-  returns), ``reconfigure``.
+  ``logged`` (the batch's input just written to the input log), ``step`` (inside the engine
+  step, after the input was added, before windows are emitted), ``read`` (an executor reading
+  the batch's output), ``direct`` (the engine's own Delta append), ``checkpoint`` (the batch's
+  checkpoint written, not yet renamed into place), ``saved`` (before the driver's wait
+  for the batch's checkpoint returns), ``reconfigure``.
 """
 
 from __future__ import annotations

@@ -509,6 +509,7 @@ class _InstanceHandle:
         self.log = shm / f"instance-{index}.log"
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
+        env.pop("SPARK_STRETCH_HOSTD", None)  # user functions may use the whole spark_stretch API
         with open(self.log, "wb") as log:
             self.proc = spawn_child(
                 [sys.executable, "-m", "spark_stretch.spark.grouped_runtime", "--instance",

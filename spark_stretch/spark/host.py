@@ -64,6 +64,7 @@ class HostEngine:
         self._refs = 0
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
+        env["SPARK_STRETCH_HOSTD"] = "1"  # the engine process does not import PySpark
         self.proc = spawn_child(
             [sys.executable, "-m", "spark_stretch.spark.hostd", "--socket", self.socket_path,
              "--parent", str(os.getpid())],

@@ -1,12 +1,13 @@
 """The host engine process: one per host, shared by every executor and task on it.
 
 Started by :class:`spark_stretch.spark.host.HostEngine` as ``python -m spark_stretch.spark.hostd``.
-It serves the ``stretch`` data source on a Unix socket (executors write input and read results) and
-the driver's control requests (``open``, ``step``, ``reconfigure``, ``metrics``, ``close``) for
-every query kind: ``stretchAggregate`` with built-in aggregations (:mod:`.bridge`) or an engine
-operator (:mod:`.operator_runtime`), and the ``applyInPandasWithState`` drop-in
-(:mod:`.grouped_runtime`), chosen by the ``kind`` of the ``open`` spec. It
-exits on ``shutdown``, on SIGTERM, or when its parent (the driver) is gone, removing its socket.
+It serves the ``stretch`` data source on a Unix socket (executors write input and read results)
+and the driver's control requests (``open``, ``step`` or ``submit``/``result``, ``reconfigure``,
+``metrics``, ``close``) for every query kind: ``stretchAggregate`` with built-in aggregations
+(:mod:`.bridge`) or an engine operator (:mod:`.operator_runtime`), and the
+``applyInPandasWithState`` drop-in (:mod:`.grouped_runtime`), chosen by the ``kind`` of the
+``open`` spec. It exits on ``shutdown``, on SIGTERM, or when its parent (the driver) is gone,
+removing its socket.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 import traceback
 
 from .receiver import Receiver
@@ -34,8 +34,8 @@ class HostDaemon:
         self.stop_event = threading.Event()
         self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
-        for op in ("open", "step", "saved", "flush", "flushed", "write_delta", "reconfigure",
-                   "metrics", "close", "shutdown"):
+        for op in ("open", "step", "submit", "result", "saved", "flush", "flushed",
+                   "write_delta", "reconfigure", "metrics", "close", "shutdown"):
             self.receiver.register(op, getattr(self, f"_op_{op}"))
 
     def _query(self, header):
@@ -60,12 +60,21 @@ class HostDaemon:
                 from .operator_runtime import OperatorRuntime as runtime
             else:
                 raise ValueError(f"unknown query kind {kind!r}")
-            self.queries[qid] = runtime(qid, h["spec"], self.receiver)
+            rt = self.queries[qid] = runtime(qid, h["spec"], self.receiver)
+            if "input_schema" in h["spec"] and hasattr(rt, "warm_up"):
+                threading.Thread(target=rt.warm_up, name="stretch-warm-up", daemon=True).start()
         return self.queries[qid].describe()
 
     def _op_step(self, h):
         # args: what the query kind adds (the grouped runtime: the batch's processing time)
         return self._query(h).step(int(h["batch"]), **h.get("args", {}))
+
+    def _op_submit(self, h):
+        # pipelined kinds: log the batch's input, step it in the background
+        return self._query(h).submit(int(h["batch"]))
+
+    def _op_result(self, h):
+        return self._query(h).result(int(h["batch"]))
 
     def _op_saved(self, h):
         return self._query(h).wait_saved()
@@ -106,7 +115,7 @@ class HostDaemon:
         while not (self.stop_event.is_set() or self.signalled):
             if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
                 break
-            time.sleep(0.2)
+            self.stop_event.wait(0.2)  # a shutdown request ends the wait at once
         for rt in list(self.queries.values()):
             rt.close()
         self.receiver.close()
@@ -136,4 +145,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # main() has closed every query and removed the socket: skip the interpreter's teardown
+    # (unloading numba and LLVM adds a tenth of a second to every engine stop).
+    os._exit(code)

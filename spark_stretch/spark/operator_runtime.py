@@ -50,51 +50,58 @@ class OperatorRuntime(QueryRuntime):
     def _delays(self) -> list:
         return [s["delay_ms"] for s in self.spec["streams"]]
 
-    def _stream_columns(self, table: pa.Table, batch: int) -> list:
-        streams = self.spec["streams"]
-        if len(streams) == 1:
-            parts = [table]
-        else:
-            tag = table.column("__stream")
-            parts = [table.filter(pc.equal(tag, s)) for s in range(len(streams))]
-        join = isinstance(self.engines[0].op, JoinOperator)
-        out = []
-        for s, (part, st) in enumerate(zip(parts, streams)):
-            if not part.num_rows:
-                out.append(None)
-                continue
+    def _parts(self, table: pa.Table) -> list:
+        """The batch's rows of each input stream (tagged ``__stream`` when there are two)."""
+        if len(self.spec["streams"]) == 1:
+            return [table]
+        tag = table.column("__stream")
+        return [table.filter(pc.equal(tag, s)) for s in range(len(self.spec["streams"]))]
+
+    def _validate(self, table: pa.Table, batch: int) -> None:
+        for s, (part, st) in enumerate(zip(self._parts(table), self.spec["streams"])):
             ts = part.column("__ts")
             if ts.null_count:
                 raise ValueError(f"event-time column '{st['ts_column']}' of input {st['name']} has "
                                  f"{ts.null_count} nulls in batch {batch}")
-            cols = {"ts": pc.cast(ts, pa.int64()).to_numpy()}
+            for name, kind, spark_name in st["columns"]:
+                if name == "ts":
+                    continue  # the event time itself, checked above
+                arr = part.column(f"__s{s}_{spark_name}")
+                what = f"column '{spark_name}'"
+                if kind == "list":
+                    arr, what = pc.list_flatten(arr), f"elements of column '{spark_name}'"
+                if arr.null_count:
+                    raise ValueError(f"{what} of input {st['name']} has {arr.null_count} nulls in "
+                                     f"batch {batch}; the operator needs values (fill or filter "
+                                     "them first)")
+
+    def _stream_columns(self, table: pa.Table, batch: int) -> list:
+        join = isinstance(self.engines[0].op, JoinOperator)
+        out = []
+        for s, (part, st) in enumerate(zip(self._parts(table), self.spec["streams"])):
+            if not part.num_rows:
+                out.append(None)
+                continue
+            cols = {"ts": pc.cast(part.column("__ts"), pa.int64()).to_numpy()}
             for name, kind, spark_name in st["columns"]:
                 if name == "ts":
                     continue  # the event time itself (checked when the query was built)
                 cols[name] = self._convert(part.column(f"__s{s}_{spark_name}").combine_chunks(),
-                                           kind, spark_name, st["name"], batch)
+                                           kind)
             if join:
                 cols[TS_PAYLOAD] = cols["ts"]
             out.append(cols)
         return out
 
-    def _convert(self, arr: pa.Array, kind: str, col: str, stream: str, batch: int):
+    def _convert(self, arr: pa.Array, kind: str):
         if kind == "list":
             offsets, values = list_parts(arr)
-            self._check_nulls(values, f"elements of column '{col}'", stream, batch)
             return ListColumn(offsets, self._ids(values, force_intern=pa.types.is_string(values.type)))
-        self._check_nulls(arr, f"column '{col}'", stream, batch)
         if kind == "string":
             return self._ids(arr, force_intern=True)
         if kind == "double":
             return pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
         return pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)  # long, timestamp (us)
-
-    @staticmethod
-    def _check_nulls(arr, what: str, stream: str, batch: int) -> None:
-        if arr.null_count:
-            raise ValueError(f"{what} of input {stream} has {arr.null_count} nulls in batch "
-                             f"{batch}; the operator needs values (fill or filter them first)")
 
     def _output(self) -> pa.Table:
         out = self.engines[0].esg_out.get_batch("driver")[0]

@@ -210,8 +210,10 @@ class Receiver:
         self.writer_pids: set = set()
         self._server = _Server(self.socket_path, _Handler)
         self._server.receiver = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="stretch-receiver",
-                                        daemon=True)
+        # serve_forever polls for shutdown() every poll_interval (default 0.5 s, paid by every
+        # engine stop)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name="stretch-receiver", daemon=True)
         self._thread.start()
 
     # -- public ---------------------------------------------------------------------------------
