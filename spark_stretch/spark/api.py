@@ -271,6 +271,8 @@ class StretchQuery:
         self._inflight_batch: Optional[int] = None
         self._inflight_error: Optional[BaseException] = None
         self._table_ready: Optional[threading.Thread] = None  # creating the Delta table
+        self._opening: Optional[threading.Thread] = None
+        self._open_error: Optional[BaseException] = None
         self._check_one_host()
         conf = self._spark.conf
         policy = conf.get("spark.stretch.onEngineFailure", "restart").lower()
@@ -300,11 +302,11 @@ class StretchQuery:
         schema = _arrow_schema(agg._input_df().schema) if self._pipelined else None
         if schema is not None:  # the engine warms up on made-up rows of it (QueryRuntime.warm_up)
             self._spec["input_schema"] = schema
-        try:
-            self._open(resume)
-        except Exception:
-            self._release()
-            raise
+        # Opened while Spark starts the query (the engine process is still importing numba):
+        # the first batch, or anything else that needs the engine, waits for it (_opened).
+        self._opening = threading.Thread(target=self._open_in_background, args=(resume,),
+                                         name="stretch-open", daemon=True)
+        self._opening.start()
 
     # -- start -------------------------------------------------------------------------------------
     @classmethod
@@ -387,6 +389,21 @@ class StretchQuery:
             self._engine.request({"op": "flushed", "query": self.stretch_id})
         return start
 
+    def _open_in_background(self, resume: Optional[int]) -> None:
+        try:
+            self._open(resume)
+        except BaseException as e:  # raised by _opened, on the thread that needs the engine
+            self._open_error = e
+
+    def _opened(self) -> None:
+        """Wait until the query is open on the engine; raise (once) what opening it raised."""
+        t = self._opening
+        if t is not None:
+            t.join()
+        e, self._open_error = self._open_error, None
+        if e is not None:
+            raise e
+
     def _discard_inflight(self) -> None:
         """Forget the batch in flight (its engine died; the restart redoes it from the log)."""
         t, self._inflight = self._inflight, None
@@ -409,6 +426,7 @@ class StretchQuery:
         attempt = 0
         while True:
             try:
+                self._opened()
                 return fn()
             except Exception as e:
                 if not self._engine_failed():
@@ -697,6 +715,7 @@ class StretchQuery:
             out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._metrics.items()}
         if not self._released and self._engine.alive():
             try:
+                self._opened()
                 self._engine_metrics = self._engine.request(
                     {"op": "metrics", "query": self.stretch_id})
             except Exception as e:  # metrics must not throw on a dying query
@@ -755,7 +774,7 @@ class StretchQuery:
             if self._released:
                 return
             self._released = True
-        for t in (self._inflight, self._table_ready):  # normally done by now
+        for t in (self._opening, self._inflight, self._table_ready):  # normally done by now
             if t is not None:
                 t.join(timeout=60)
         try:

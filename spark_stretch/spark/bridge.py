@@ -67,6 +67,7 @@ class QueryRuntime(CheckpointedRuntime):
         self.pending = {}
         self.last_batch = -1
         self.state_dir = Path(spec["state_dir"]) if spec.get("state_dir") else None
+        self._hold_checkpoint()
         self._saver: Optional[threading.Thread] = None
         self._chain: Optional[dict] = None  # the last checkpoint: {"parent", "deltas", "strings"}
         self._save_error: Optional[BaseException] = None
@@ -76,20 +77,24 @@ class QueryRuntime(CheckpointedRuntime):
         # at or before it, then the batches after that checkpoint again, from the input log
         # (``replay``, stepped by the driver, which rewrites their outputs idempotently).
         resume = spec.get("resume_batch")
-        start = self._latest_checkpoint(resume) if resume is not None else None
-        if start is not None:
-            self.engines = self._load(start, ops)
-            # the checkpoint's own output too, if it kept one: the sink may not have it yet
-            first = start if self.last_reply is not None else start + 1
-        else:
-            self.engines = [
-                engine_class(op)(op, m=spec["parallelism"], n=spec["max_parallelism"],
-                                 n_buckets=spec["buckets"], lateness=self._lateness(op))
-                for op in ops]
-            for eng in self.engines:  # source s feeds stream s
-                for s in range(eng.op.I):
-                    eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
-            first = 0
+        try:
+            start = self._latest_checkpoint(resume) if resume is not None else None
+            if start is not None:
+                self.engines = self._load(start, ops)
+                # the checkpoint's own output too, if it kept one: the sink may not have it yet
+                first = start if self.last_reply is not None else start + 1
+            else:
+                self.engines = [
+                    engine_class(op)(op, m=spec["parallelism"], n=spec["max_parallelism"],
+                                     n_buckets=spec["buckets"], lateness=self._lateness(op))
+                    for op in ops]
+                for eng in self.engines:  # source s feeds stream s
+                    for s in range(eng.op.I):
+                        eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
+                first = 0
+        except BaseException:
+            self._release_checkpoint()
+            raise
         self.checkpoint = start
         self.replay = [] if resume is None else list(range(first, resume + 1))
         self._stepper: Optional[ThreadPoolExecutor] = None  # submit(): steps off the request
@@ -461,6 +466,7 @@ class QueryRuntime(CheckpointedRuntime):
                 self.receiver.offer(self._offered, None)
             for eng in self.engines:
                 eng.close()
+            self._release_checkpoint()
 
 
 def list_parts(arr: pa.Array):

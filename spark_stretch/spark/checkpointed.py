@@ -5,9 +5,11 @@ pipelined kinds. No Spark import here."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +31,36 @@ class CheckpointedRuntime:
 
     META = "bridge.json"
     state_dir = None
+    _checkpoint_lock = None
+
+    def _hold_checkpoint(self, timeout: float = 60.0) -> None:
+        """Be the only engine writing this query's checkpoint: an ``flock`` on
+        ``<checkpoint>/stretch/engine.lock``, held until :meth:`_release_checkpoint` or the
+        process ends. An engine whose driver was killed may finish a step for a few seconds
+        more; a restart of the query waits for it instead of writing beside it."""
+        if self.state_dir is None:
+            return
+        self.state_dir.parent.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir.parent / "engine.lock"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise RuntimeError(
+                        f"another stretch engine still holds {path} after {timeout:.0f} s: is the "
+                        "same checkpointLocation used by two running queries?") from None
+                time.sleep(0.05)
+        self._checkpoint_lock = fd
+
+    def _release_checkpoint(self) -> None:
+        if self._checkpoint_lock is not None:
+            os.close(self._checkpoint_lock)  # (closing the file drops its flock)
+            self._checkpoint_lock = None
 
     def ingest(self, rest: str, job: str, table: pa.Table) -> None:
         """The committed input of a batch (stream ``in:<N>``), kept until its step.

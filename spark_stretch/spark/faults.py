@@ -5,8 +5,9 @@ host engine process. At ``point`` of micro-batch ``batch`` (``*``: any), ``actio
 the first process to create the file ``marker`` fires it, later ones (a restarted engine) do not.
 A test arms a fault later by creating ``marker`` first and removing it when the time comes.
 
-- actions: ``kill`` (the engine process SIGKILLs itself) or ``fail`` (the request fails, so the
-  Spark task doing it fails and Spark retries it).
+- actions: ``kill`` (the engine process SIGKILLs itself), ``fail`` (the request fails, so the
+  Spark task doing it fails and Spark retries it) or ``stall`` (it waits 60 s, so a test can
+  kill something while the engine is at that point).
 - points: ``write`` (an executor's ingest write of the batch), ``commit`` (the ingest commit),
   ``logged`` (the batch's input just written to the input log), ``step`` (inside the engine
   step, after the input was added, before windows are emitted), ``read`` (an executor reading
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "SPARK_STRETCH_TEST_FAULT"
 
@@ -48,4 +50,7 @@ def inject(point: str, batch: int) -> None:
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "stall":
+            time.sleep(60)
+            return
         raise InjectedFault(f"injected fault at {point} of batch {batch}")

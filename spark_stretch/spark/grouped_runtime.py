@@ -114,6 +114,7 @@ class GroupedRuntime(CheckpointedRuntime):
         self._offered: Optional[str] = None
         self._seq = 0
         self.state_dir = Path(spec["state_dir"]) if spec.get("state_dir") else None
+        self._hold_checkpoint()
         self._saver: Optional[threading.Thread] = None
         self._save_error: Optional[BaseException] = None
         self._chain: Optional[dict] = None
@@ -476,6 +477,7 @@ class GroupedRuntime(CheckpointedRuntime):
                 inst.stop()
             self.instances = []
             shutil.rmtree(self.shm, ignore_errors=True)
+            self._release_checkpoint()
 
 
 def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:

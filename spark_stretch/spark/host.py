@@ -69,12 +69,24 @@ class HostEngine:
             [sys.executable, "-m", "spark_stretch.spark.hostd", "--socket", self.socket_path,
              "--parent", str(os.getpid())],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        line = self._readline(start_timeout)
-        if line.strip() != "READY":
-            err = self._drain_stderr()
-            self.stop()
-            raise EngineDiedError(f"the stretch host engine did not start: {line!r} {err}")
+        # Not waited for here: the caller goes on (Spark starts its query) while the engine
+        # imports numpy, pyarrow and numba; the first request waits (wait_ready).
+        self._start_timeout = start_timeout
+        self._ready = False
+        self._ready_lock = threading.Lock()
         atexit.register(self.stop)
+
+    def wait_ready(self) -> None:
+        """Wait until the engine serves requests (raise :class:`EngineDiedError` if it cannot)."""
+        with self._ready_lock:
+            if self._ready:
+                return
+            line = self._readline(self._start_timeout)
+            if line.strip() != "READY":
+                err = self._drain_stderr()
+                self.stop()
+                raise EngineDiedError(f"the stretch host engine did not start: {line!r} {err}")
+            self._ready = True
 
     def _readline(self, timeout: float) -> str:
         out = []
@@ -123,6 +135,7 @@ class HostEngine:
 
     def request(self, header: dict, timeout: float = 600.0) -> dict:
         """A control request; a dead engine raises :class:`EngineDiedError` with its exit status."""
+        self.wait_ready()
         try:
             return request(self.socket_path, header, timeout=timeout)
         except ConnectionError as e:
@@ -141,6 +154,8 @@ class HostEngine:
         """Stop the process (politely, then by force) and remove its socket directory."""
         if self.proc.poll() is None:
             try:
+                if not self._ready:  # never asked anything: SIGTERM it (below)
+                    raise EngineDiedError("not started")
                 request(self.socket_path, {"op": "shutdown"}, timeout=10)
                 self.proc.wait(timeout=15)
             except Exception:

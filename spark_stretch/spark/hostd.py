@@ -116,9 +116,16 @@ class HostDaemon:
             if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
                 break
             self.stop_event.wait(0.2)  # a shutdown request ends the wait at once
+        closing = threading.Thread(target=self._close_all, name="stretch-close", daemon=True)
+        closing.start()
+        # Its driver gone (SIGTERM, or no parent), the engine does not wait long for a step in
+        # flight: what is on disk is whole checkpoints and logged inputs, and a restart redoes it.
+        closing.join(None if self.stop_event.is_set() else 5.0)
+        self.receiver.close()
+
+    def _close_all(self) -> None:
         for rt in list(self.queries.values()):
             rt.close()
-        self.receiver.close()
 
 
 def main(argv=None) -> int:

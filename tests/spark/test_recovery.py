@@ -245,3 +245,34 @@ def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
     assert committed and committed[-1] < FILES - 1, "the run ended before the kill"
     got = run_stretch(spark, _agg(spark, src), tmp_path / "o", checkpoint=tmp_path / "c")
     _equal(got, want)
+
+
+def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
+        spark, stream, tmp_path):
+    # Pipelined batches: Spark commits batch 2 once its input is in the engine's input log,
+    # while the engine still steps it (stalled here). The driver dies then; the restart loads
+    # the checkpoint of batch 1, steps batch 2 again from the log, and the table is exact.
+    src, want = stream
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    env[ENV] = f"stall@step:2:{tmp_path / 'stalled'}"
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver_job.py")),
+                             str(src), str(tmp_path / "o"), str(tmp_path / "c")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ckpt = tmp_path / "c"
+    deadline = time.time() + 300
+    while not ((ckpt / "commits" / "2").exists() and (tmp_path / "stalled").exists()):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "batch 2 was never committed"
+        time.sleep(0.05)
+    assert (ckpt / "stretch" / "input" / "2.arrow").exists()
+    assert not (ckpt / "stretch" / "state" / "2").exists()
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    # Its engine exits within seconds (it does not wait for the stalled step).
+    _wait(lambda: subprocess.run(["pgrep", "-f", "spark_stretch.spark.hostd"],
+                                 capture_output=True).returncode != 0, "the engine's exit", 30)
+    assert not (ckpt / "stretch" / "state" / "2").exists()
+    got = run_stretch(spark, _agg(spark, src), tmp_path / "o", checkpoint=ckpt)
+    _equal(got, want)
+    assert not any((ckpt / "stretch" / "input").glob("*.arrow")), "inputs left in the log"
