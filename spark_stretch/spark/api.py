@@ -700,7 +700,7 @@ class StretchQuery:
         req = {"op": "reconfigure", "query": self.stretch_id, "parallelism": parallelism,
                "owner_map": None if owner_map is None else [int(x) for x in owner_map]}
         with self._step_lock:  # between two micro-batches, none in flight
-            self._with_engine("the last batch", self._last_done, self._drain)
+            self._settle_locked()
             reply = self._engine.request(req)
         reply["request_ms"] = (time.perf_counter() - t0) * 1e3
         with self._lock:
@@ -767,7 +767,10 @@ class StretchQuery:
         """Wait until the batch in flight, if any, is stepped and written (restarting a dead
         engine as a micro-batch would)."""
         with self._step_lock:
-            self._with_engine("the last batch", self._last_done, self._drain)
+            self._settle_locked()
+
+    def _settle_locked(self) -> None:
+        self._with_engine("the last batch", self._last_done, self._drain)
 
     def _release(self) -> None:
         with self._lock:

@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 
 from ..engine import Interner, ListColumn, engine_class
 from . import faults
-from .checkpointed import CheckpointedRuntime
+from .checkpointed import CheckpointedRuntime, read_arrow
 from ..ops.aggregate import aggregate
 
 __all__ = ["QueryRuntime"]
@@ -169,7 +169,7 @@ class QueryRuntime(CheckpointedRuntime):
             lead = self.engines[0]
             late_before = lead.esg_in.late_dropped
             if table is not None and table.num_rows:
-                for s, cols in enumerate(self._stream_columns(table, batch)):
+                for s, cols in enumerate(self._stream_columns(table)):
                     if cols is None or not len(cols["ts"]):
                         continue
                     for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
@@ -288,8 +288,7 @@ class QueryRuntime(CheckpointedRuntime):
         self.interner = Interner(strings)
         self._chain = {"parent": batch, "deltas": len(chain) - 1, "strings": len(strings)}
         if (dirs[-1] / "output.arrow").exists():  # offered again, as after the batch's step
-            with pa.memory_map(str(dirs[-1] / "output.arrow")) as src:
-                out = pa.ipc.open_file(src).read_all()
+            out = read_arrow(dirs[-1] / "output.arrow")
             stream = f"{self.qid}:out:{batch}"
             self.receiver.offer(stream, out)
             self._offered = stream
@@ -315,9 +314,9 @@ class QueryRuntime(CheckpointedRuntime):
         """The watermark delay (ms) of each input stream."""
         return [self.spec["delay_ms"]]
 
-    def _stream_columns(self, table: pa.Table, batch: int) -> list:
+    def _stream_columns(self, table: pa.Table) -> list:
         """The batch's rows as engine columns, one dict (or None: no rows) per input stream."""
-        return [self._columns(table, batch)]
+        return [self._columns(table)]
 
     def _next_watermark(self) -> int:
         """Spark's global watermark after this batch (``WatermarkTracker``): each stream's is
@@ -357,7 +356,7 @@ class QueryRuntime(CheckpointedRuntime):
                                  f"batch {batch}; stretchAggregate needs non-null values (fill or "
                                  "filter them)")
 
-    def _columns(self, table: pa.Table, batch: int) -> dict:
+    def _columns(self, table: pa.Table) -> dict:
         """The engine's columns of a batch (checked by :meth:`_validate` when it arrived)."""
         s = self.spec
         cols = {"ts": pc.cast(table.column(s["ts_column"]), pa.int64()).to_numpy()}

@@ -17,7 +17,13 @@ import pyarrow as pa
 
 from . import faults
 
-__all__ = ["CheckpointedRuntime"]
+__all__ = ["CheckpointedRuntime", "read_arrow"]
+
+
+def read_arrow(path: Path) -> pa.Table:
+    """The table in an Arrow IPC file (memory-mapped: its buffers are the file's pages)."""
+    with pa.memory_map(str(path)) as src:
+        return pa.ipc.open_file(src).read_all()
 
 
 class CheckpointedRuntime:
@@ -112,8 +118,7 @@ class CheckpointedRuntime:
         """The logged input of ``batch`` (None: it had no rows)."""
         d = self._log_dir() if self.state_dir is not None else None
         if d is not None and (d / f"{batch}.arrow").exists():
-            with pa.memory_map(str(d / f"{batch}.arrow")) as src:
-                return pa.ipc.open_file(src).read_all()
+            return read_arrow(d / f"{batch}.arrow")
         if d is not None and (d / f"{batch}.empty").exists():
             return None
         raise RuntimeError(f"the input of batch {batch} is neither pending nor in the input log "

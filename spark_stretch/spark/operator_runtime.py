@@ -75,7 +75,7 @@ class OperatorRuntime(QueryRuntime):
                                      f"batch {batch}; the operator needs values (fill or filter "
                                      "them first)")
 
-    def _stream_columns(self, table: pa.Table, batch: int) -> list:
+    def _stream_columns(self, table: pa.Table) -> list:
         join = isinstance(self.engines[0].op, JoinOperator)
         out = []
         for s, (part, st) in enumerate(zip(self._parts(table), self.spec["streams"])):
