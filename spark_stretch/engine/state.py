@@ -14,13 +14,19 @@ import numpy as np
 import pyarrow as pa
 
 from . import kernels as K
+from . import strings as S
 from .errors import EngineError
 
 
 class Interner:
-    """Exact string -> int64 id dictionary (ids 0, 1, 2, ... in order of first appearance).
+    """Exact value -> int64 id dictionary (ids 0, 1, 2, ... in order of first appearance).
 
-    Ids are stable for the life of the engine (and across snapshot/restore). Thread-safe.
+    Strings, the common case, live in a jitted table of their UTF-8 bytes
+    (:mod:`~spark_stretch.engine.strings`): interning an Arrow string array reads its buffers
+    in one pass, and only strings never seen before become Python strings (kept for
+    :meth:`lookup` and checkpoints). Other values (the long keys of word pairs) go through a
+    dictionary. Ids are stable for the life of the engine (and across snapshot/restore).
+    Thread-safe.
 
     Examples
     --------
@@ -32,25 +38,40 @@ class Interner:
     """
 
     def __init__(self, strings=()):
-        self._ids: dict[str, int] = {}
-        self._strings: list[str] = []
+        self._ids: dict = {}        # values other than strings -> id
+        self._strings: list = []    # id -> value
         self._lock = threading.Lock()
-        for s in strings:
-            self._add(s)
+        # the string table (engine/strings.py) and, per table entry, its id here
+        self._slots = np.full(1 << 12, -1, np.int64)
+        self._hashes = np.empty(1 << 11, np.uint64)
+        self._offs = np.zeros((1 << 11) + 1, np.int64)
+        self._store = np.empty(1 << 16, np.uint8)
+        self._n = 0
+        self._gid = np.empty(1 << 11, np.int64)
+        self._dense = True          # table entry i has id i (no other values interned yet)
+        values = list(strings)
+        if values and all(isinstance(s, str) for s in values):
+            self._intern_strings(pa.array(values, pa.string()))
+        else:
+            for s in values:
+                self._add(s)
 
     def _add(self, s):
+        if isinstance(s, str):
+            return int(self._intern_strings(pa.array([s], pa.string()))[0])
         i = self._ids.get(s)
         if i is None:
             i = len(self._strings)
             self._ids[s] = i
             self._strings.append(s)
+            self._dense = False
         return i
 
     def __len__(self):
         return len(self._strings)
 
     def intern(self, values) -> np.ndarray:
-        """Ids of ``values`` (a pyarrow string array, or any iterable of str); new strings get new ids."""
+        """Ids of ``values`` (a pyarrow array, or any iterable of str); new values get new ids."""
         arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(list(values), pa.string())
         if isinstance(arr, pa.ChunkedArray):
             arr = arr.combine_chunks()
@@ -58,16 +79,66 @@ class Interner:
             raise EngineError(f"string column has {arr.null_count} null values; keys must not be null")
         if len(arr) == 0:
             return np.empty(0, np.int64)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            with self._lock:
+                return self._intern_strings(arr)
         enc = arr.dictionary_encode()
         with self._lock:
             ids = np.fromiter((self._add(s) for s in enc.dictionary.to_pylist()), np.int64, len(enc.dictionary))
         return ids[enc.indices.to_numpy(zero_copy_only=False)]
 
-    def lookup(self, ids) -> list[str]:
-        """Strings of ``ids`` (inverse of :meth:`intern`)."""
+    def _intern_strings(self, arr) -> np.ndarray:
+        n = len(arr)
+        _, offsets, data = arr.buffers()
+        offsets = np.frombuffer(offsets, np.int64 if pa.types.is_large_string(arr.type) else np.int32)
+        offsets = offsets[arr.offset:arr.offset + n + 1]
+        data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
+        local = np.empty(n, np.int64)
+        n0, j = self._n, 0
+        while True:
+            j, self._n = S.intern_run(offsets, data, j, n, local, self._slots, self._hashes,
+                                      self._offs, self._store, self._n)
+            if j == n:
+                break
+            self._grow(int(offsets[j + 1] - offsets[j]))
+        if self._n > n0:  # new strings: their ids, and the strings themselves for lookup
+            base = len(self._strings)
+            self._strings.extend(self._decode(n0, self._n))
+            if len(self._gid) < self._n:
+                self._gid = np.concatenate([self._gid, np.empty(len(self._gid) + self._n, np.int64)])
+            self._gid[n0:self._n] = np.arange(base, base + self._n - n0)
+            self._dense = self._dense and base == n0
+        return local if self._dense else self._gid[local]
+
+    def _grow(self, need: int) -> None:
+        """Room for one more string of ``need`` bytes (what :func:`strings.intern_run` ran out of)."""
+        n = self._n
+        if n >= len(self._slots) // 2:
+            self._slots = S.rehash(self._hashes, n, 2 * len(self._slots))
+        if n >= len(self._hashes):
+            size = 2 * len(self._hashes)
+            self._hashes = np.concatenate([self._hashes, np.empty(size - len(self._hashes), np.uint64)])
+            offs = np.zeros(size + 1, np.int64)
+            offs[:n + 1] = self._offs[:n + 1]
+            self._offs = offs
+        used = int(self._offs[n])
+        if used + need > len(self._store):
+            store = np.empty(max(2 * len(self._store), used + need), np.uint8)
+            store[:used] = self._store[:used]
+            self._store = store
+
+    def _decode(self, a: int, b: int) -> list:
+        """Table entries ``a .. b-1`` as Python strings."""
+        offs = self._offs[a:b + 1]
+        rel = (offs - offs[0]).astype(np.int32)
+        data = self._store[offs[0]:offs[-1]]
+        return pa.StringArray.from_buffers(b - a, pa.py_buffer(rel), pa.py_buffer(data)).to_pylist()
+
+    def lookup(self, ids) -> list:
+        """Values of ``ids`` (inverse of :meth:`intern`)."""
         return [self._strings[int(i)] for i in ids]
 
-    def strings(self) -> list[str]:
+    def strings(self) -> list:
         return list(self._strings)
 
 

@@ -259,6 +259,7 @@ class StretchQuery:
         self._metrics = {"batches": 0, "output_rows": 0, "plans": [], "reconfigurations": []}
         self._released = False
         self._query: Optional[StreamingQuery] = None
+        self._started = threading.Event()    # set once writer.start() returned (or failed)
         self._step_lock = threading.Lock()   # one micro-batch or flush at a time
         self._done = threading.Event()       # set once the final flush (if any) and release ran
         self._finish_error: Optional[BaseException] = None
@@ -290,6 +291,13 @@ class StretchQuery:
         # Writer options (mergeSchema, partitionBy, ...) are Spark's to apply: Spark writes then.
         self._direct = (direct == "true" and fmt == "delta" and bool(path) and not table
                         and not set(self._sink_options) - {"path"})
+        columnar = conf.get("spark.stretch.ingest.columnar", "true").lower()
+        if columnar not in ("true", "false"):
+            self._release()
+            raise ValueError(f"spark.stretch.ingest.columnar='{columnar}': must be 'true' (a "
+                             "batch read by a columnar scan goes to the engine as its columns) "
+                             "or 'false' (always as the rows foreachBatch hands over)")
+        self._columnar = columnar == "true"
         self._max_restarts = int(conf.get("spark.stretch.maxEngineRestarts", "3"))
         self._restarts: list = []
         self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
@@ -336,6 +344,8 @@ class StretchQuery:
         except Exception:
             query._release()
             raise
+        finally:
+            query._started.set()
         threading.Thread(target=query._watch, name="stretch-query-watch", daemon=True).start()
         return query
 
@@ -478,12 +488,24 @@ class StretchQuery:
             self._last_done = batch_id
             self._last_step = time.monotonic()
 
-    def _ingest(self, batch_df: DataFrame, batch_id: int) -> None:
-        """The Spark job that writes the batch's partitions to the engine (no Exchange)."""
+    def _ingest(self, batch_df: DataFrame, batch_id: int):
+        """The Spark job that writes the batch's partitions to the engine (no Exchange).
+
+        Straight from the scan's columnar batches when the batch's plan is a columnar scan
+        (Parquet, Delta) under only column pruning and the watermark (``StretchIngest`` in the
+        shim; ``spark.stretch.ingest.columnar=false`` turns it off), else the rows
+        ``foreachBatch`` hands over, through ``format("stretch")``. Returns what ran (a physical
+        plan, or the DataFrame written), for the plans kept in :meth:`metrics`.
+        """
         eng, qid = self._engine, self.stretch_id
+        stream = f"{qid}:in:{batch_id}"
         try:
+            plan = self._batch_plan(batch_id) if self._columnar else None
+            if plan is not None and self._jvm_ingest().ingest(plan, eng.endpoint, stream) >= 0:
+                return plan
             batch_df.write.format("stretch").mode("append") \
-                .option("endpoints", eng.endpoint).option("stream", f"{qid}:in:{batch_id}").save()
+                .option("endpoints", eng.endpoint).option("stream", stream).save()
+            return batch_df
         except Exception as e:
             if not eng.alive():  # say what really happened, not just "socket refused"
                 raise EngineDiedError(
@@ -491,11 +513,25 @@ class StretchQuery:
                     f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
             raise
 
+    def _batch_plan(self, batch_id: int):
+        """The executed plan of micro-batch ``batch_id`` (Spark's ``IncrementalExecution`` of
+        it, which ``foreachBatch`` wraps as rows), or None."""
+        self._started.wait()  # foreachBatch may run before start() has returned the query
+        if self._query is None:
+            return None
+        ex = self._query._jsq.streamingQuery().lastExecution()
+        if ex is None or ex.currentBatchId() != batch_id:
+            return None
+        return ex.executedPlan()
+
+    def _jvm_ingest(self):
+        return self._spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchIngest
+
     def _submit_locked(self, batch_df: DataFrame, batch_id: int) -> None:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
-        self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         self._drain()
         t2 = time.perf_counter()
@@ -505,11 +541,11 @@ class StretchQuery:
                  "submit_s": t3 - t2}
         self._inflight_batch = batch_id
         self._inflight = threading.Thread(target=self._finish,
-                                          args=(self._engine, batch_df, batch_id, times),
+                                          args=(self._engine, ran, batch_id, times),
                                           name=f"stretch-finish-{batch_id}", daemon=True)
         self._inflight.start()
 
-    def _finish(self, eng, batch_df: DataFrame, batch_id: int, times: dict) -> None:
+    def _finish(self, eng, ran, batch_id: int, times: dict) -> None:
         """Wait for the engine's step of a submitted batch and write its output (a thread)."""
         try:
             t0 = time.perf_counter()
@@ -522,7 +558,7 @@ class StretchQuery:
             saved = eng.request({"op": "saved", "query": self.stretch_id})
             self._record(dict(times, engine_s=t1 - t0, output_s=t2 - t1,
                               checkpoint_wait_s=time.perf_counter() - t2, checkpoint=saved,
-                              rows_out=rows, **reply.get("metrics", {})), rows, [batch_df, out])
+                              rows_out=rows, **reply.get("metrics", {})), rows, [ran, out])
         except BaseException as e:  # raised by _drain, on the thread of the next batch
             e.stretch_batch = batch_id
             self._inflight_error = e
@@ -539,9 +575,11 @@ class StretchQuery:
 
     def _record(self, times: dict, rows: int, jobs: list) -> None:
         """Count a finished batch; keep its figures, and the physical plans of its Spark jobs
-        (``jobs``: DataFrames or None) for the first few batches (tests assert no Exchange)."""
-        plans = [] if len(self._metrics["plans"]) >= 6 else \
-            [df._jdf.queryExecution().executedPlan().toString() for df in jobs if df is not None]
+        (``jobs``: DataFrames, physical plans or None) for the first few batches (tests assert
+        no Exchange)."""
+        plans = [] if len(self._metrics["plans"]) >= 6 else [
+            (j._jdf.queryExecution().executedPlan() if isinstance(j, DataFrame) else j).toString()
+            for j in jobs if j is not None]
         with self._lock:
             m = self._metrics
             m["batches"] += 1
@@ -554,7 +592,7 @@ class StretchQuery:
     def _step_locked(self, batch_df: DataFrame, batch_id: int) -> None:
         eng, qid = self._engine, self.stretch_id
         t0 = time.perf_counter()
-        self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         reply = eng.request({"op": "step", "query": qid, "batch": batch_id,
                              "args": self._agg._step_args(self, batch_id)})
@@ -568,7 +606,7 @@ class StretchQuery:
         t4 = time.perf_counter()
         self._record({"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
                       "output_s": t3 - t2, "checkpoint_wait_s": t4 - t3, "checkpoint": saved,
-                      "rows_out": rows, **reply.get("metrics", {})}, rows, [batch_df, out])
+                      "rows_out": rows, **reply.get("metrics", {})}, rows, [ran, out])
 
     def _flush(self) -> int:
         """Spark's no-data batch: emit and write the windows the next watermark closes.
@@ -644,8 +682,18 @@ class StretchQuery:
             pass  # the first append then finds no table and makes it itself, raising the error
 
     def _create_table(self) -> None:
-        """Create the sink's Delta table, empty, with the output schema and the session's Delta
-        defaults (table properties, protocol), as Spark's writer would for the first batch."""
+        """Create the sink's Delta table, empty, with the output schema, as Spark's writer would
+        for the first batch: by the engine (``delta_direct.create``: no Spark job, which costs
+        about a core-second at the start of every query) unless the session sets defaults for
+        new tables (``spark.databricks.delta.properties.defaults.*``: properties, protocol,
+        features) or the schema has types deltalake makes differently; then by Spark."""
+        if not any(k.startswith(_DELTA_TABLE_DEFAULTS) for k in self._spark.conf.getAll):
+            schema = _arrow_schema(self._agg.schema)
+            if schema is not None:
+                reply = self._engine.request({"op": "create_delta", "path": self._path,
+                                              "schema": schema})
+                if "unsupported" not in reply:
+                    return
         empty = self._spark.createDataFrame(self._spark.sparkContext.emptyRDD(), self._agg.schema)
         empty.write.format("delta").mode("append").save(self._path)
 
@@ -826,6 +874,11 @@ class StretchQuery:
 
     def __repr__(self) -> str:
         return f"StretchQuery(id={self._query.id if self._query else None}, format={self._format})"
+
+
+# Session settings that shape a new Delta table (Delta's DeltaConfigs and protocol defaults).
+_DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
+                         "spark.databricks.delta.protocol.")
 
 
 def _arrow_schema(schema) -> Optional[str]:

@@ -36,7 +36,80 @@ import pyarrow as pa
 
 from . import faults
 
-__all__ = ["append"]
+__all__ = ["append", "create"]
+
+# Column types a new table gets the same way from Spark and from deltalake (protocol 1/2, no
+# table features); anything else (timestamp_ntz, decimals, maps, ...) Spark creates.
+_PLAIN_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_int64,
+                pa.types.is_int32, pa.types.is_float64, pa.types.is_float32,
+                pa.types.is_boolean, pa.types.is_date32, pa.types.is_binary)
+
+
+def create(path: str, schema: pa.Schema) -> dict:
+    """Create an empty Delta table at ``path`` with ``schema`` (every column nullable, as Spark
+    makes a sink table), as Spark would for a first write without table defaults: protocol
+    1/2, no partitions, no properties. A table already there is left as it is.
+
+    Returns ``{"created": bool, "ms": float}``, or ``{"created": False, "unsupported": why}``
+    when Spark must create it (no ``deltalake``, or a column type outside the plain ones).
+    """
+    try:
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+    except ImportError as e:
+        return {"created": False, "unsupported": f"deltalake is not installed ({e})"}
+    bad = [f.name for f in schema if not _plain(f.type)]
+    if bad:
+        return {"created": False, "unsupported": f"column types of {bad}"}
+    odd = [n for n in _names(schema) if set(n) & _ODD_NAME_CHARS]
+    if odd:  # Spark takes these only with column mapping, which it sets up (or refuses)
+        return {"created": False, "unsupported": f"column names {odd}"}
+    t0 = time.perf_counter()
+    schema = pa.schema([_nullable(f) for f in schema])
+    try:
+        DeltaTable(path)
+        return {"created": False, "ms": (time.perf_counter() - t0) * 1e3}
+    except TableNotFoundError:
+        pass
+    try:
+        DeltaTable.create(path, schema=schema, mode="error")
+    except Exception:
+        DeltaTable(path)  # someone else made it meanwhile (else: this one's error)
+        return {"created": False, "ms": (time.perf_counter() - t0) * 1e3}
+    return {"created": True, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+# Characters Delta allows in column names only with column mapping (Spark's check).
+_ODD_NAME_CHARS = set(" ,;{}()\n\t=")
+
+
+def _names(fields) -> list:
+    out = []
+    for f in fields:
+        out.append(f.name)
+        t = f.type.value_type if pa.types.is_list(f.type) else f.type
+        if pa.types.is_struct(t):
+            out += _names(t)
+    return out
+
+
+def _plain(t: pa.DataType) -> bool:
+    if pa.types.is_struct(t):
+        return all(_plain(f.type) for f in t)
+    if pa.types.is_list(t):
+        return _plain(t.value_type)
+    if pa.types.is_timestamp(t):
+        return t.tz is not None and t.unit == "us"
+    return any(f(t) for f in _PLAIN_TYPES)
+
+
+def _nullable(f: pa.Field) -> pa.Field:
+    t = f.type
+    if pa.types.is_struct(t):
+        t = pa.struct([_nullable(c) for c in t])
+    elif pa.types.is_list(t):
+        t = pa.list_(_nullable(t.value_field))
+    return pa.field(f.name, t, nullable=True)
 
 
 def append(path: str, table: pa.Table, app_id: str, version: int) -> dict:

@@ -13,12 +13,15 @@ removing its socket.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import shutil
 import signal
 import sys
 import threading
 import traceback
+
+import pyarrow as pa
 
 from .receiver import Receiver
 
@@ -35,7 +38,7 @@ class HostDaemon:
         self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
         for op in ("open", "step", "submit", "result", "saved", "flush", "flushed",
-                   "write_delta", "reconfigure", "metrics", "close", "shutdown"):
+                   "write_delta", "create_delta", "reconfigure", "metrics", "close", "shutdown"):
             self.receiver.register(op, getattr(self, f"_op_{op}"))
 
     def _query(self, header):
@@ -91,6 +94,13 @@ class HostDaemon:
 
         self._query(h)
         return append(h["path"], self.receiver.offered(h["stream"]), h["app_id"], int(h["version"]))
+
+    def _op_create_delta(self, h):
+        # The sink's table, empty (delta_direct.create), instead of a Spark job making it.
+        from .delta_direct import create
+
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(h["schema"])))
+        return create(h["path"], schema)
 
     def _op_reconfigure(self, h):
         return self._query(h).reconfigure(h.get("parallelism"), h.get("owner_map"))

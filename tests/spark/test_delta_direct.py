@@ -105,7 +105,7 @@ def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, twee
     m = q.metrics()
     assert m.get("direct_writes", 0) >= 1 and "direct_write_off" not in m, m
     txns = _txns(tmp_path / "direct")
-    # Spark made the table empty (its first commit, no txn, no files); the engine appended
+    # The table was made empty (its first commit, no txn, no files); the engine appended
     # every output batch.
     assert {w for _, _, w in txns} == {"engine"}, txns
     first = [json.loads(line) for line in
@@ -127,6 +127,44 @@ def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, twee
     assert "direct_writes" not in q.metrics()
     assert {w for _, _, w in _txns(tmp_path / "options")} == {"spark"}
     _equal(spark, tmp_path / "options", want)
+
+
+def _creator(path: Path) -> str:
+    first = (path / "_delta_log" / f"{0:020d}.json").read_text()
+    return "spark" if "Apache-Spark" in first else "engine"
+
+
+def test_sink_table_made_by_the_engine_is_the_table_spark_makes(spark, tweets, tmp_path):
+    def agg():
+        return source(spark, tweets).stretchAggregate(keys="words", window="60 seconds")
+
+    _start(agg(), tmp_path / "engine")
+    empty = spark.createDataFrame(spark.sparkContext.emptyRDD(), agg().schema)
+    empty.write.format("delta").save(str(tmp_path / "spark"))
+    assert (_creator(tmp_path / "engine"), _creator(tmp_path / "spark")) == ("engine", "spark")
+
+    def table(path):
+        from delta.tables import DeltaTable as SparkDeltaTable
+        d = SparkDeltaTable.forPath(spark, str(path)).detail().first()
+        return (d.minReaderVersion, d.minWriterVersion, d.partitionColumns, d.properties,
+                spark.read.format("delta").load(str(path)).schema)
+
+    assert table(tmp_path / "engine") == table(tmp_path / "spark")
+
+    # Session defaults for new tables are Spark's to apply: then Spark makes it.
+    key = "spark.databricks.delta.properties.defaults.appendOnly"
+    spark.conf.set(key, "true")
+    try:
+        _start(agg(), tmp_path / "defaults")
+    finally:
+        spark.conf.unset(key)
+    assert _creator(tmp_path / "defaults") == "spark"
+    assert table(tmp_path / "defaults")[3] == {"delta.appendOnly": "true"}
+
+    # Names Delta takes only with column mapping ('max(len)'): Spark makes it, or says why not.
+    with pytest.raises(Exception, match="Invalid column names: max\\(len\\)"):
+        _start(source(spark, tweets).stretchAggregate(keys="words", window="60 seconds",
+                                                      agg="max(len)"), tmp_path / "odd")
 
 
 def test_bad_direct_write_setting_is_named(spark, tweets, tmp_path):

@@ -2,6 +2,8 @@ package org.apache.spark.sql.stretch
 
 import java.io.IOException
 
+import scala.jdk.CollectionConverters._
+
 import org.apache.arrow.vector.ipc.ArrowStreamWriter
 
 import org.apache.spark.TaskContext
@@ -10,6 +12,7 @@ import org.apache.spark.sql.connector.write.{BatchWrite, DataWriter, DataWriterF
 import org.apache.spark.sql.execution.arrow.ArrowWriter
 import org.apache.spark.sql.internal.SQLConf
 import org.apache.spark.sql.types.StructType
+import org.apache.spark.sql.vectorized.{ColumnVector, ColumnarArray, ColumnarBatch}
 
 class StretchWriteBuilder(schema: StructType, opts: StretchOptions, queryId: String)
   extends WriteBuilder {
@@ -36,8 +39,15 @@ class StretchBatchWrite(schema: StructType, opts: StretchOptions, queryId: Strin
 
   override def useCommitCoordinator(): Boolean = true
 
-  override def commit(messages: Array[WriterCommitMessage]): Unit = {
-    val msgs = messages.collect { case m: StretchCommitMessage => m }
+  override def commit(messages: Array[WriterCommitMessage]): Unit =
+    StretchBatchWrite.commit(opts, job, messages.collect { case m: StretchCommitMessage => m })
+
+  override def abort(messages: Array[WriterCommitMessage]): Unit = StretchBatchWrite.abort(opts, job)
+}
+
+object StretchBatchWrite {
+  /** Publishes exactly the attempts in `msgs` (one per partition) at every endpoint. */
+  def commit(opts: StretchOptions, job: String, msgs: Seq[StretchCommitMessage]): Unit = {
     // Every endpoint hears the commit, also those that got no rows, so each sees every job end.
     val byEndpoint = msgs.groupBy(_.endpoint)
     (opts.endpoints.map(_._2).toSet ++ byEndpoint.keySet).foreach { endpoint =>
@@ -46,14 +56,15 @@ class StretchBatchWrite(schema: StructType, opts: StretchOptions, queryId: Strin
         val h = ReceiverClient.header("commit", opts.stream)
         h.put("job", job)
         val arr = h.putArray("attempts")
-        byEndpoint.getOrElse(endpoint, Array.empty[StretchCommitMessage]).sortBy(_.partition)
+        byEndpoint.getOrElse(endpoint, Seq.empty[StretchCommitMessage]).sortBy(_.partition)
           .foreach { m => arr.addArray().add(m.partition).add(m.taskId) }
         client.request(h)
       } finally client.close()
     }
   }
 
-  override def abort(messages: Array[WriterCommitMessage]): Unit = {
+  /** Drops whatever the job staged at every endpoint (best effort). */
+  def abort(opts: StretchOptions, job: String): Unit = {
     opts.endpoints.map(_._2).distinct.foreach { endpoint =>
       try {
         val client = new ReceiverClient(endpoint, opts.timeoutMs)
@@ -79,6 +90,26 @@ class StretchDataWriter(
     schema: StructType, opts: StretchOptions, job: String, timeZoneId: String,
     partitionId: Int, taskId: Long) extends DataWriter[InternalRow] {
 
+  private val out = new TaskStream(schema, opts, job, timeZoneId, partitionId, taskId)
+
+  override def write(row: InternalRow): Unit = out.write(row)
+
+  override def commit(): WriterCommitMessage = out.commit()
+
+  override def abort(): Unit = close()
+
+  override def close(): Unit = out.close()
+}
+
+/**
+ * One task attempt's rows on their way to the receiver of its host: converted to Arrow by Spark's
+ * own `ArrowWriter` and streamed as IPC batches of `batchRows` rows; staged there under
+ * (job, partition, task) until the driver commits the job.
+ */
+class TaskStream(
+    schema: StructType, opts: StretchOptions, job: String, timeZoneId: String,
+    partitionId: Int, taskId: Long) {
+
   private val endpoint = opts.endpointFor(StretchOptions.hostOf())
   private val client = new ReceiverClient(endpoint, opts.timeoutMs)
   private val arrow = ArrowWriter.create(schema, timeZoneId, true, false)
@@ -98,21 +129,58 @@ class StretchDataWriter(
     stream.start()
   }
 
+  // Column by column into the same vectors, when every column's type has a copier.
+  private lazy val copiers: Option[Array[ColumnCopier]] = {
+    val cs = arrow.root.getFieldVectors.asScala.map(ColumnCopier(_))
+    if (cs.forall(_.isDefined)) Some(cs.map(_.get).toArray) else None
+  }
+  private var columnar = false
+
   private def flushBatch(): Unit = if (inBatch > 0) {
-    arrow.finish()
-    stream.writeBatch()
-    arrow.reset()
+    if (columnar) {
+      copiers.get.foreach(_.finish())
+      arrow.root.setRowCount(inBatch)
+      stream.writeBatch()
+      copiers.get.foreach(_.reset())
+    } else {
+      arrow.finish()
+      stream.writeBatch()
+      arrow.reset()
+    }
     inBatch = 0
   }
 
-  override def write(row: InternalRow): Unit = {
+  /** Appends `n` rows given as columns (one per field of the schema, in order). */
+  def writeColumns(cols: Array[ColumnVector], n: Int): Unit = copiers match {
+    case Some(cs) if columnar || rows == 0 =>
+      columnar = true
+      var i = 0
+      while (i < cs.length) {
+        cs(i).append(new ColumnarArray(cols(i), 0, n), n)
+        i += 1
+      }
+      inBatch += n
+      rows += n
+      if (inBatch >= opts.batchRows) flushBatch()
+    case _ =>
+      val view = new ColumnarBatch(cols, n)
+      var r = 0
+      while (r < n) {
+        write(view.getRow(r))
+        r += 1
+      }
+  }
+
+  def write(row: InternalRow): Unit = {
+    if (columnar) throw new IllegalStateException("rows after columns in one stretch write")
     arrow.write(row)
     inBatch += 1
     rows += 1
     if (inBatch >= opts.batchRows) flushBatch()
   }
 
-  override def commit(): WriterCommitMessage = {
+  /** Ends the stream; the receiver's reply says it staged every row. */
+  def commit(): StretchCommitMessage = {
     flushBatch()
     stream.end()
     client.out.flush()
@@ -124,9 +192,7 @@ class StretchDataWriter(
     StretchCommitMessage(endpoint, partitionId, taskId, rows)
   }
 
-  override def abort(): Unit = close()
-
-  override def close(): Unit = if (open) {
+  def close(): Unit = if (open) {
     open = false
     try arrow.root.close() finally client.close()
   }
