@@ -267,6 +267,7 @@ class StretchQuery:
         self._one_shot = False               # availableNow / once: flush when the run ends
         # the last batch the engine holds: its state on disk, or (pipelined) its input logged
         self._last_done = resume
+        self._aligned = False  # the engine's resume point checked against Spark's (_realign)
         self._pipelined = bool(getattr(agg, "pipelined", False))
         self._inflight: Optional[threading.Thread] = None  # finishing the last submitted batch
         self._inflight_batch: Optional[int] = None
@@ -283,21 +284,16 @@ class StretchQuery:
                              "(restart the engine from the last checkpoint and retry the batch) "
                              "or 'fail' (fail the query)")
         self._on_failure = policy
-        direct = conf.get("spark.stretch.delta.directWrite", "true").lower()
-        if direct not in ("true", "false"):
-            self._release()
-            raise ValueError(f"spark.stretch.delta.directWrite='{direct}': must be 'true' (the "
-                             "engine appends to a path-based Delta sink itself) or 'false'")
+        direct = self._bool_conf("spark.stretch.delta.directWrite", "true",
+                                 "the engine appends to a path-based Delta sink itself",
+                                 "Spark writes every batch")
         # Writer options (mergeSchema, partitionBy, ...) are Spark's to apply: Spark writes then.
-        self._direct = (direct == "true" and fmt == "delta" and bool(path) and not table
+        self._direct = (direct and fmt == "delta" and bool(path) and not table
                         and not set(self._sink_options) - {"path"})
-        columnar = conf.get("spark.stretch.ingest.columnar", "true").lower()
-        if columnar not in ("true", "false"):
-            self._release()
-            raise ValueError(f"spark.stretch.ingest.columnar='{columnar}': must be 'true' (a "
-                             "batch read by a columnar scan goes to the engine as its columns) "
-                             "or 'false' (always as the rows foreachBatch hands over)")
-        self._columnar = columnar == "true"
+        self._columnar = self._bool_conf(
+            "spark.stretch.ingest.columnar", "true",
+            "a batch read by a columnar scan goes to the engine as its columns",
+            "always as the rows foreachBatch hands over")
         self._max_restarts = int(conf.get("spark.stretch.maxEngineRestarts", "3"))
         self._restarts: list = []
         self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
@@ -306,7 +302,10 @@ class StretchQuery:
             "state_dir": str(Path(checkpoint) / "stretch" / "state"),
             # Checkpoint cadence and retention follow Spark's own state store settings.
             "min_deltas": int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
-            "min_batches_to_retain": int(conf.get("spark.sql.streaming.minBatchesToRetain", "100"))}
+            "min_batches_to_retain": int(conf.get("spark.sql.streaming.minBatchesToRetain", "100")),
+            "fsync": self._bool_conf("spark.stretch.checkpoint.fsync", "false",
+                                     "fsync each engine checkpoint (survives a power cut)",
+                                     "write and rename it, as Spark writes its own checkpoint")}
         schema = _arrow_schema(agg._input_df().schema) if self._pipelined else None
         if schema is not None:  # the engine warms up on made-up rows of it (QueryRuntime.warm_up)
             self._spec["input_schema"] = schema
@@ -316,14 +315,19 @@ class StretchQuery:
                                          name="stretch-open", daemon=True)
         self._opening.start()
 
+    def _bool_conf(self, key: str, default: str, if_true: str, if_false: str) -> bool:
+        value = self._spark.conf.get(key, default).lower()
+        if value not in ("true", "false"):
+            self._release()
+            raise ValueError(f"{key}='{value}': must be 'true' ({if_true}) or 'false' ({if_false})")
+        return value == "true"
+
     # -- start -------------------------------------------------------------------------------------
     @classmethod
     def _start(cls, agg, fmt, options, path, table, trigger, name) -> "StretchQuery":
         own = "checkpointLocation" not in options
         checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
-        commits = Path(checkpoint) / "commits"
-        done = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
-        resume = max(done) if done else None  # Spark resumes after its last committed batch
+        resume = _last_committed(checkpoint)  # Spark resumes after its last committed batch
         meta = cls._meta(checkpoint)
         query = cls(agg, fmt, options, path, table, checkpoint, own, meta, resume)
         writer = (agg._input_df().writeStream.foreachBatch(query._step)
@@ -399,6 +403,47 @@ class StretchQuery:
             self._engine.request({"op": "flushed", "query": self.stretch_id})
         return start
 
+    def _reopen(self) -> Optional[int]:
+        """Open the query on the (new or emptied) engine to hold what it held after batch
+        ``_last_done``, with the reconfigurations made since its checkpoint applied again (they
+        are not in it). Returns the batch of the checkpoint it continued from."""
+        start = self._open(self._last_done)
+        for r in self._reconfig_log:
+            if start is None or r["after_batch"] >= start:
+                self._engine.request({"op": "reconfigure", "query": self.stretch_id,
+                                      "parallelism": r["parallelism"],
+                                      "owner_map": r["owner_map"]})
+        return start
+
+    def _realign(self, committed: Optional[int]) -> None:
+        """Make the engine continue after ``committed``, the batch Spark's commit log ends at
+        as the run's first batch (or its end) shows it, if that is not the batch it was opened
+        after.
+
+        The engine is opened while Spark starts the query, after the commit log read when the
+        query started. A driver that died a moment ago may leave its JVM running long enough to
+        commit one more batch after that read (its input is in the input log, or its state on
+        disk): Spark then continues after it, and so must the engine, or that batch would be
+        missing from the state. Called once, under the step lock, before anything is ingested.
+        """
+        if self._aligned:
+            return
+        self._aligned = True
+        if committed == self._last_done:
+            return
+        if self._last_done is not None and (committed is None or committed < self._last_done):
+            raise RuntimeError(
+                f"Spark continues after batch {committed} but the commit log under "
+                f"{self._checkpoint} named batch {self._last_done} when the query started: was "
+                "the checkpoint changed by another query meanwhile?")
+        self._opened()
+        self._engine.request({"op": "close", "query": self.stretch_id})
+        was, self._last_done = self._last_done, committed
+        start = self._reopen()
+        with self._lock:
+            self._metrics["realigned"] = {"opened_after": was, "continued_after": committed,
+                                          "checkpoint": start}
+
     def _open_in_background(self, resume: Optional[int]) -> None:
         try:
             self._open(resume)
@@ -428,15 +473,17 @@ class StretchQuery:
             return False
         return True
 
-    def _with_engine(self, what: str, resume: Optional[int], fn):
+    def _with_engine(self, what: str, fn, opened: bool = True):
         """Run ``fn``; if the host engine died meanwhile, restart it to hold what it held after
-        batch ``resume`` (see :meth:`_open`) and run ``fn`` again
+        the last batch done (see :meth:`_open`) and run ``fn`` again
         (``spark.stretch.onEngineFailure=restart``, at most ``spark.stretch.maxEngineRestarts``
-        times in a row), or fail naming the cause."""
+        times in a row), or fail naming the cause. ``opened=False``: ``fn`` waits for the
+        query's open itself (a micro-batch ingests meanwhile)."""
         attempt = 0
         while True:
             try:
-                self._opened()
+                if opened:
+                    self._opened()
                 return fn()
             except Exception as e:
                 if not self._engine_failed():
@@ -464,13 +511,7 @@ class StretchQuery:
                         fresh.release()
                         raise EngineDiedError(cause + "; the query ended before the restart") from e
                     self._engine = fresh
-                start = self._open(resume)
-                # Reconfigurations made after that checkpoint are not in it: apply them again.
-                for r in self._reconfig_log:
-                    if start is None or r["after_batch"] >= start:
-                        self._engine.request({"op": "reconfigure", "query": self.stretch_id,
-                                              "parallelism": r["parallelism"],
-                                              "owner_map": r["owner_map"]})
+                start = self._reopen()
                 with self._lock:
                     self._restarts.append({"cause": cause, "resumed_from": start,
                                            "restart_s": time.perf_counter() - t0})
@@ -482,9 +523,9 @@ class StretchQuery:
             # After a restart the engine continues from what it held after the previous batch
             # (its state, or its logged input: on disk before Spark committed that batch) and
             # this batch runs again whole.
+            self._realign(batch_id - 1 if batch_id > 0 else None)
             fn = self._submit_locked if self._pipelined else self._step_locked
-            self._with_engine(f"batch {batch_id}", self._last_done,
-                              lambda: fn(batch_df, batch_id))
+            self._with_engine(f"batch {batch_id}", lambda: fn(batch_df, batch_id), opened=False)
             self._last_done = batch_id
             self._last_step = time.monotonic()
 
@@ -500,6 +541,9 @@ class StretchQuery:
         eng, qid = self._engine, self.stretch_id
         stream = f"{qid}:in:{batch_id}"
         try:
+            # The engine takes rows once it listens, maybe before the query is open on it (the
+            # first batch runs while the engine imports numba); its commit waits for the open.
+            eng.wait_ready()
             plan = self._batch_plan(batch_id) if self._columnar else None
             if plan is not None and self._jvm_ingest().ingest(plan, eng.endpoint, stream) >= 0:
                 return plan
@@ -512,6 +556,16 @@ class StretchQuery:
                     f"the stretch host engine (pid {eng.pid}) died (exit status "
                     f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
             raise
+
+    def _ingest_then_opened(self, batch_df: DataFrame, batch_id: int):
+        """:meth:`_ingest`, then wait for the query's open; an error of the open comes first."""
+        try:
+            ran = self._ingest(batch_df, batch_id)
+        except Exception:
+            self._opened()  # (the engine refused the rows because the open failed: say why)
+            raise
+        self._opened()
+        return ran
 
     def _batch_plan(self, batch_id: int):
         """The executed plan of micro-batch ``batch_id`` (Spark's ``IncrementalExecution`` of
@@ -531,7 +585,7 @@ class StretchQuery:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest_then_opened(batch_df, batch_id)
         t1 = time.perf_counter()
         self._drain()
         t2 = time.perf_counter()
@@ -592,7 +646,7 @@ class StretchQuery:
     def _step_locked(self, batch_df: DataFrame, batch_id: int) -> None:
         eng, qid = self._engine, self.stretch_id
         t0 = time.perf_counter()
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest_then_opened(batch_df, batch_id)
         t1 = time.perf_counter()
         reply = eng.request({"op": "step", "query": qid, "batch": batch_id,
                              "args": self._agg._step_args(self, batch_id)})
@@ -608,16 +662,18 @@ class StretchQuery:
                       "output_s": t3 - t2, "checkpoint_wait_s": t4 - t3, "checkpoint": saved,
                       "rows_out": rows, **reply.get("metrics", {})}, rows, [ran, out])
 
-    def _flush(self) -> int:
+    def _flush(self, final: bool = False) -> int:
         """Spark's no-data batch: emit and write the windows the next watermark closes.
 
         Written under its own Delta app id (``<app>-idle``, version = the last batch id), so a
-        repeated flush after a restart is a no-op in the table like a replayed batch.
+        repeated flush after a restart is a no-op in the table like a replayed batch. ``final``:
+        the flush that ends a one-shot run.
         """
         with self._step_lock:
-            return self._with_engine("a flush", self._last_done, self._flush_locked)
+            self._realign(_last_committed(self._checkpoint))  # (no batch ran in this run)
+            return self._with_engine("a flush", lambda: self._flush_locked(final))
 
-    def _flush_locked(self) -> int:
+    def _flush_locked(self, final: bool = False) -> int:
         self._drain()  # the last batch first
         reply = self._engine.request({"op": "flush", "query": self.stretch_id,
                                       "args": self._agg._flush_args(self)})
@@ -625,8 +681,11 @@ class StretchQuery:
         if rows:
             self._emit(reply["stream"], rows, int(reply["batch"]), app_suffix="-idle")
         if rows or reply.get("changed"):
-            # Only now is the state after the flush the state of that batch.
-            self._engine.request({"op": "flushed", "query": self.stretch_id})
+            # Only now is the state after the flush the state of that batch. The run's last
+            # flush need not wait for that checkpoint when it wrote rows to a Delta path: the
+            # table's txn action tells a restart to redo it, unwritten (_open, _sink_holds_flush).
+            if not (final and rows and self._format in _IDEMPOTENT and self._path):
+                self._engine.request({"op": "flushed", "query": self.stretch_id})
             with self._lock:
                 self._metrics["output_rows"] += rows
                 self._metrics["flushes"] = self._metrics.get("flushes", 0) + 1
@@ -637,6 +696,17 @@ class StretchQuery:
         if self._format not in _IDEMPOTENT or not self._path:
             return False
         app = self._app_id + "-idle"
+        try:  # the table's snapshot: its checkpoints too, where old commit files may be gone
+            from deltalake import DeltaTable
+            from deltalake.exceptions import TableNotFoundError
+
+            try:
+                done = DeltaTable(self._path).transaction_version(app)
+            except TableNotFoundError:
+                return False
+            return done is not None and int(done) >= batch
+        except Exception:  # (a store deltalake cannot open: read the commit files)
+            pass
         for f in sorted((Path(self._path) / "_delta_log").glob("*.json"), reverse=True):
             for line in f.read_text().splitlines():
                 txn = json.loads(line).get("txn")
@@ -804,7 +874,7 @@ class StretchQuery:
             if (self._one_shot and self._finish_error is None and self._query.exception() is None
                     and not self._stopped):
                 try:
-                    self._flush()
+                    self._flush(final=True)
                 except Exception as e:
                     self._finish_error = e
         finally:
@@ -818,7 +888,7 @@ class StretchQuery:
             self._settle_locked()
 
     def _settle_locked(self) -> None:
-        self._with_engine("the last batch", self._last_done, self._drain)
+        self._with_engine("the last batch", self._drain)
 
     def _release(self) -> None:
         with self._lock:
@@ -879,6 +949,13 @@ class StretchQuery:
 # Session settings that shape a new Delta table (Delta's DeltaConfigs and protocol defaults).
 _DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
                          "spark.databricks.delta.protocol.")
+
+
+def _last_committed(checkpoint) -> Optional[int]:
+    """The last batch in the query's commit log (``<checkpoint>/commits/<N>``), or None."""
+    commits = Path(checkpoint) / "commits"
+    done = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
+    return max(done) if done else None
 
 
 def _arrow_schema(schema) -> Optional[str]:

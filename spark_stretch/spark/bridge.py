@@ -201,7 +201,8 @@ class QueryRuntime(CheckpointedRuntime):
             out = self._advance(self.next_watermark_ms)
             reply = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
                                 {"watermark_ms": self.watermark_ms})
-            return dict(reply, batch=self.last_batch)
+            # changed: the watermark moved (the next batch's late rule), with or without rows
+            return dict(reply, batch=self.last_batch, changed=True)
 
     def flushed(self) -> dict:
         """The sink holds the last flush: keep the state after it as the state of the last batch."""

@@ -38,6 +38,10 @@ class CheckpointedRuntime:
     META = "bridge.json"
     state_dir = None
     _checkpoint_lock = None
+    # Set by an engine whose driver died: the lock is dropped when the process exits, not at
+    # close(), so nothing it still does (a Delta append of a request in flight) can overlap a
+    # restarted engine of the same query.
+    keep_checkpoint_lock = False
 
     def _hold_checkpoint(self, timeout: float = 60.0) -> None:
         """Be the only engine writing this query's checkpoint: an ``flock`` on
@@ -64,7 +68,7 @@ class CheckpointedRuntime:
         self._checkpoint_lock = fd
 
     def _release_checkpoint(self) -> None:
-        if self._checkpoint_lock is not None:
+        if self._checkpoint_lock is not None and not self.keep_checkpoint_lock:
             os.close(self._checkpoint_lock)  # (closing the file drops its flock)
             self._checkpoint_lock = None
 
@@ -145,15 +149,26 @@ class CheckpointedRuntime:
 
     def _write_dir(self, batch: int, blobs: dict) -> None:
         """Write ``blobs`` (file name -> bytes, ``META`` last) as the checkpoint of ``batch``:
-        into a temporary directory, fsynced, then renamed, so a crash leaves whole checkpoints
-        only; then clean old ones."""
+        into a temporary directory, then renamed, so a crash leaves whole checkpoints only; then
+        clean old ones. As durable as Spark's own checkpoint files (written, renamed, not
+        fsynced: a process crash loses nothing, a power cut may) unless the spec says ``fsync``
+        (``spark.stretch.checkpoint.fsync=true``): then each file and the directory are fsynced
+        before the rename."""
         tmp = self.state_dir / f".{batch}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        sync = bool(self.spec.get("fsync"))
         for name, blob in blobs.items():
             with open(tmp / name, "wb") as f:
                 f.write(blob)
-                os.fsync(f.fileno())
+                if sync:
+                    os.fsync(f.fileno())
+        if sync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         faults.inject("checkpoint", batch)
         final = self.state_dir / str(batch)
         shutil.rmtree(final, ignore_errors=True)

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import traceback
+from typing import Optional
 
 import pyarrow as pa
 
@@ -30,16 +31,29 @@ class HostDaemon:
     """Routes data-source commits and control requests to the queries' runtimes."""
 
     def __init__(self, socket_path: str):
-        from .bridge import QueryRuntime  # imports numba kernels: do it once, here
-
-        self._QueryRuntime = QueryRuntime
+        self._QueryRuntime = None
+        self._loaded = threading.Event()  # the engine modules (numba) are imported: see load()
+        self._load_error: Optional[BaseException] = None
         self.queries = {}
+        self._opening: dict = {}  # query -> Event, set once its open ended (well or not)
         self.stop_event = threading.Event()
         self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
         self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
         for op in ("open", "step", "submit", "result", "saved", "flush", "flushed",
                    "write_delta", "create_delta", "reconfigure", "metrics", "close", "shutdown"):
             self.receiver.register(op, getattr(self, f"_op_{op}"))
+
+    def load(self) -> None:
+        """Import the engine (numba and its kernels: most of a start). Runs after READY, so
+        the receiver already takes a first batch's rows while it does; ``open`` waits for it."""
+        try:
+            from .bridge import QueryRuntime
+
+            self._QueryRuntime = QueryRuntime
+        except BaseException as e:
+            self._load_error = e
+        finally:
+            self._loaded.set()
 
     def _query(self, header):
         qid = header["query"]
@@ -49,10 +63,22 @@ class HostDaemon:
 
     def _on_commit(self, stream: str, job: str, table) -> None:
         qid, _, rest = stream.partition(":")
+        if qid not in self.queries:  # a first batch may arrive while its query is being opened
+            self._opening.setdefault(qid, threading.Event()).wait(60)
         self._query({"query": qid}).ingest(rest, job, table)
 
     def _op_open(self, h):
         qid = h["query"]
+        opened = self._opening.setdefault(qid, threading.Event())
+        try:
+            return self._open(qid, h)
+        finally:
+            opened.set()
+
+    def _open(self, qid, h):
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise RuntimeError(f"the engine failed to load: {self._load_error!r}")
         if qid not in self.queries:
             kind = h["spec"].get("kind", "aggregate")
             if kind == "grouped":
@@ -111,6 +137,7 @@ class HostDaemon:
                 "engine_pid": os.getpid()}
 
     def _op_close(self, h):
+        self._opening.pop(h["query"], None)
         rt = self.queries.pop(h["query"], None)
         if rt is not None:
             rt.close()
@@ -122,19 +149,25 @@ class HostDaemon:
 
     def serve(self, parent: int) -> None:
         print("READY", flush=True)
+        threading.Thread(target=self.load, name="stretch-load", daemon=True).start()
         while not (self.stop_event.is_set() or self.signalled):
             if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
                 break
             self.stop_event.wait(0.2)  # a shutdown request ends the wait at once
-        closing = threading.Thread(target=self._close_all, name="stretch-close", daemon=True)
+        orphaned = not self.stop_event.is_set()
+        closing = threading.Thread(target=self._close_all, args=(orphaned,), name="stretch-close",
+                                   daemon=True)
         closing.start()
         # Its driver gone (SIGTERM, or no parent), the engine does not wait long for a step in
         # flight: what is on disk is whole checkpoints and logged inputs, and a restart redoes it.
-        closing.join(None if self.stop_event.is_set() else 5.0)
+        closing.join(5.0 if orphaned else None)
         self.receiver.close()
 
-    def _close_all(self) -> None:
+    def _close_all(self, orphaned: bool = False) -> None:
         for rt in list(self.queries.values()):
+            # An orphan's requests in flight (a Delta append) run until the process exits: it
+            # keeps each query's checkpoint lock till then, so a restart cannot write beside it.
+            rt.keep_checkpoint_lock = orphaned
             rt.close()
 
 

@@ -253,7 +253,15 @@ class Receiver:
 
     def close(self) -> None:
         """Stop serving and remove the socket (and its temporary directory)."""
-        self._server.shutdown()
+        stopping = threading.Thread(target=self._server.shutdown, name="stretch-receiver-stop")
+        stopping.start()
+        while stopping.is_alive():  # a connection wakes serve_forever's poll to see shutdown()
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket_path)
+            except OSError:
+                pass
+            stopping.join(0.005)
         self._server.server_close()
         self._thread.join(timeout=10)
         try:
