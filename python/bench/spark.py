@@ -1,7 +1,7 @@
 """stretchAggregate vs native Spark on the same tweet stream, side by side in one run.
 
     python python/bench/spark.py [--tweets 1000000] [--files 10] [--queries wordcount,paircount-L]
-                                 [--json]
+                                 [--repeat 1] [--json]
 
 For each query the same parquet tweet stream (``--files`` files = micro-batches, availableNow,
 local[2]) goes through (1) the native query (``groupBy(window, explode(keys)).count()``, append
@@ -9,7 +9,9 @@ mode), (2) ``stretchAggregate``, both into Delta, (2b) ``stretchAggregate`` with
 ``spark.stretch.delta.directWrite=false`` (Spark reads the output back and writes it, instead of
 the engine appending it to Delta itself), and (3) the ingest floor: the same stream read and
 dropped (``noop`` sink), nothing else, timed after one untimed warm-up pass of it. Outputs of (1), (2) and (2b) are checked equal (exceptAll
-both ways). Reported: input tweets per second.
+both ways). Reported: input tweets per second. With ``--repeat N`` the floor and (2) run N times
+each, alternated (floor, stretch, floor, stretch, ...), and their medians are reported: on a
+shared machine one run of either moves by 10-20%.
 
 Fair set-up for native Spark: the same session (local[2], spark.driver.memory=4g instead of the
 1 GB default that makes its state store thrash in GC), spark.sql.shuffle.partitions=2 (one per
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -61,6 +64,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=10)
     ap.add_argument("--queries", default=",".join(QUERIES))
     ap.add_argument("--parallelism", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="floor and stretch runs (medians)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stretch-bench-spark-"))
@@ -78,7 +82,7 @@ def main() -> None:
         # Warm-up first: the JVM's first pass over the files (class loading, JIT, page cache)
         # would otherwise be charged to the floor alone and flatter stretch / floor.
         floor("warmup-ckpt")
-        floor_s = floor("floor-ckpt")
+        floors = [floor("floor-ckpt")]
         for name in args.queries.split(","):
             agg = _source(spark, src).stretchAggregate(
                 keys=QUERIES[name](), window=WINDOW, agg="count",
@@ -87,9 +91,17 @@ def main() -> None:
             native_s = _timed(lambda: agg.native().writeStream.format("delta").outputMode("append")
                               .option("checkpointLocation", str(out_n) + "-ckpt")
                               .trigger(availableNow=True).start(str(out_n)))
-            stretch_s = _timed(lambda: agg.writeStream.format("delta")
-                               .option("checkpointLocation", str(out_s) + "-ckpt")
-                               .trigger(availableNow=True).start(str(out_s)))
+            runs = []
+            for i in range(args.repeat):
+                if i:  # a fresh table and checkpoint each time; the floor in between
+                    shutil.rmtree(out_s, ignore_errors=True)
+                    shutil.rmtree(str(out_s) + "-ckpt", ignore_errors=True)
+                    shutil.rmtree(work / "floor-ckpt", ignore_errors=True)
+                    floors.append(floor("floor-ckpt"))
+                runs.append(_timed(lambda: agg.writeStream.format("delta")
+                                   .option("checkpointLocation", str(out_s) + "-ckpt")
+                                   .trigger(availableNow=True).start(str(out_s))))
+            stretch_s, floor_s = statistics.median(runs), statistics.median(floors)
             out_w = work / f"{name}-stretch-sparkwrite"
             spark.conf.set("spark.stretch.delta.directWrite", "false")
             try:
@@ -107,7 +119,8 @@ def main() -> None:
             report["queries"][name] = {
                 "native": args.tweets / native_s, "stretch": args.tweets / stretch_s,
                 "stretch_sparkwrite": args.tweets / sparkwrite_s,
-                "floor": args.tweets / floor_s, "equal": bool(equal), "rows": a.count()}
+                "floor": args.tweets / floor_s, "equal": bool(equal), "rows": a.count(),
+                "stretch_runs_s": runs, "floor_runs_s": list(floors)}
             if not args.json:
                 r = report["queries"][name]
                 print(f"{name:<12} native {r['native']:>10,.0f}  stretch {r['stretch']:>10,.0f}  "

@@ -439,7 +439,14 @@ def specialize(mk, upd, out, slide, val=None):
     g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val or _val_none, _BUILTIN=False)
 
     def clone(f):
-        return njit(nogil=True)(types.FunctionType(f.__code__, g, f.__name__, f.__defaults__))
+        fn = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__)
+        # A name of its own: numba's symbol names are the qualified name and a per-process
+        # counter, and a cached kernel loaded from disk carries its callees' names from the
+        # process that compiled it. A clone with the cached function's name and the same count
+        # would take its place (seen: the built-in kernel calling a user operator's
+        # _fire_bucket, and emitting nothing).
+        fn.__qualname__ = f"{f.__qualname__}__specialized"
+        return njit(nogil=True)(fn)
 
     g["_fire_bucket"] = clone(_fire_bucket_py)
     return clone(_agg_kernel_py), clone(_route_py)

@@ -186,7 +186,11 @@ class QueryRuntime(CheckpointedRuntime):
             self.counters["late_rows"] += late
             self.counters["batches"] += 1
             self.last_batch = batch
-            self._save(batch, out=out)
+            if self._checkpoint_due(batch):
+                self._save(batch, out=out)
+            elif self.state_dir is not None:  # its state: the last checkpoint + logged inputs
+                self._join_saver()
+                self.save_stats = {"batch": batch, "kind": "log", "checkpoint": self._chain["parent"]}
             self.last_reply = self._offer(f"{self.qid}:out:{batch}", out, {
                 "watermark_ms": self.watermark_ms, "late_rows": late,
                 "engine_ms": (time.perf_counter() - t0) * 1e3})
@@ -212,6 +216,17 @@ class QueryRuntime(CheckpointedRuntime):
             return {"batch": self.last_batch}
 
     # -- engine state per batch (restart from a checkpoint) ----------------------------------------
+    def _checkpoint_due(self, batch: int) -> bool:
+        """Whether the state after ``batch`` is checkpointed: the first time, then every
+        ``checkpoint_interval`` batches (``spark.stretch.checkpoint.interval``). In between,
+        the input log is the delta: the logged inputs after a checkpoint are kept until the next
+        one, and a restart steps them again (as Spark's state store replays its delta files on
+        its last snapshot). A checkpoint of a large state costs more than the inputs that
+        changed it (word count: 17 MB a batch, most of it the batch's own tuples waiting in the
+        ESG, against 10 MB of logged input)."""
+        chain = self._chain
+        return chain is None or batch - chain["parent"] >= self.spec.get("checkpoint_interval", 1)
+
     def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
         """Checkpoint every engine and the bridge's own variables as the state after ``batch``.
 
@@ -443,6 +458,10 @@ class QueryRuntime(CheckpointedRuntime):
                    "after_batch": self.last_batch,
                    "live_windows": int(self.engines[0].live_windows())}
             self.switches.append(rec)
+            if self.last_batch >= 0:
+                # The input log does not hold reconfigurations: a restart must find this one in
+                # a checkpoint (written in the background; the next step waits for it).
+                self._save(self.last_batch, full=True)
             return rec
 
     def metrics(self) -> dict:

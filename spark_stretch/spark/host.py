@@ -57,7 +57,7 @@ class HostEngine:
     _current: Optional["HostEngine"] = None
     _lock = threading.Lock()
 
-    def __init__(self, start_timeout: float = 180.0):
+    def __init__(self, start_timeout: float = 180.0, niceness: int = 0):
         self._dir = tempfile.mkdtemp(prefix="stretch-engine-")
         self.socket_path = os.path.join(self._dir, "engine.sock")
         self.host = os.environ.get("SPARK_LOCAL_IP") or __import__("socket").gethostname()
@@ -67,7 +67,7 @@ class HostEngine:
         env["SPARK_STRETCH_HOSTD"] = "1"  # the engine process does not import PySpark
         self.proc = spawn_child(
             [sys.executable, "-m", "spark_stretch.spark.hostd", "--socket", self.socket_path,
-             "--parent", str(os.getpid())],
+             "--parent", str(os.getpid()), "--nice", str(niceness)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         # Not waited for here: the caller goes on (Spark starts its query) while the engine
         # imports numpy, pyarrow and numba; the first request waits (wait_ready).
@@ -110,14 +110,15 @@ class HostEngine:
         return f"{self.host}={self.socket_path}"
 
     @classmethod
-    def acquire(cls) -> "HostEngine":
-        """The running engine (started if needed), with one more reference."""
+    def acquire(cls, niceness: int = 0) -> "HostEngine":
+        """The running engine (started if needed, at nice value ``niceness``), with one more
+        reference."""
         with cls._lock:
             cur = cls._current
             if cur is None or cur.proc.poll() is not None:
                 if cur is not None:
                     cur.stop()
-                cur = cls._current = HostEngine()
+                cur = cls._current = HostEngine(niceness=niceness)
             cur._refs += 1
             return cur
 

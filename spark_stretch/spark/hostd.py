@@ -175,7 +175,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="spark-stretch host engine")
     ap.add_argument("--socket", required=True)
     ap.add_argument("--parent", type=int, default=0)
+    ap.add_argument("--nice", type=int, default=0, help="run behind the host's other work")
     args = ap.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)  # (its threads and instance processes inherit it)
     try:
         daemon = HostDaemon(args.socket)
     except Exception:

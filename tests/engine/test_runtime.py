@@ -1,4 +1,5 @@
 """Runtime: setup/reconfigure/drain, epochs without state copies, errors, snapshot/restore, modes."""
+import re
 import time
 
 import numpy as np
@@ -91,6 +92,43 @@ def test_user_key_function_returning_a_wrong_type_gives_a_clear_error_and_nothin
     with pytest.raises(EngineError, match="f_MK of stream 0 of operator O\\+ returns float64; it must return the int number"):
         eng.drain()
     assert len(eng._backlog) == 1
+
+
+def test_a_user_operator_kernel_names_none_of_the_cached_built_in_functions():
+    # numba names a compiled function by its qualified name and a per-process counter, and a
+    # built-in kernel loaded from the disk cache brings its callees' names from the process that
+    # compiled it. A user operator's copy of the kernel bodies under the built-in names could
+    # take the place of a cached built-in callee: seen once, a built-in aggregation then called
+    # a user operator's window firing and emitted nothing.
+    @njit
+    def mk(cols, row, out):
+        out[0] = cols[0][row]
+        return 1
+
+    @njit
+    def up(ai, af, cols, row, key, oi, of):
+        ai[0] += 1
+        return 0
+
+    @njit
+    def out(ai, af, key, l, oi, of):
+        oi[0, 0] = ai[0]
+        return 1
+
+    op = Operator(WA=10, WS=10, f_MK=(mk,), f_U=(up,), f_O=out, S=(("n", "i"),),
+                  columns=((("k", "int64"),),))
+    eng = Engine(op, 1, 1, n_buckets=8)
+    eng.esg_in.add_sources([0], ordered=False)
+    eng.esg_in.add({"ts": np.array([1, 2]), "k": np.array([3, 3])}, 0)
+    eng.esg_in.advance_watermark(20)
+    eng.drain()
+    assert eng.read_output()[0]["n"].tolist() == [2]  # it ran: its kernels are compiled
+    names = set()
+    for kernel in op.kernels():
+        for ir in kernel.inspect_llvm().values():
+            names |= set(re.findall(r"define [^@]*@\"?([^\"(\s]+)", ir))
+    bodies = [n for n in names if re.search(r"_(agg_kernel|fire_bucket|route)_py", n)]
+    assert bodies and all("__specialized" in n for n in bodies), bodies
 
 
 def test_epoch_switch_copies_no_state_and_costs_o_of_b():

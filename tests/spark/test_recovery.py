@@ -84,19 +84,23 @@ def _equal(got, want):
                        ignore_metadata=True)
 
 
-@pytest.mark.parametrize("point,batch", [
-    ("write", 2), ("commit", 2), ("logged", 2), ("step", 2), ("read", 2), ("direct", 2),
-    ("checkpoint", 2), ("saved", 2), ("step", FILES - 1)])
+@pytest.mark.parametrize("point,batch,interval", [
+    ("write", 2, 10), ("commit", 2, 10), ("logged", 2, 10), ("step", 2, 10), ("step", 2, 1),
+    ("read", 2, 10), ("direct", 2, 10), ("checkpoint", 2, 1), ("saved", 2, 10),
+    ("step", FILES - 1, 10)])
 def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_path, monkeypatch,
-                                                            point, batch):
+                                                            point, batch, interval):
     # kill -9 of the engine process while a batch is ingested, logged, stepped (in the
     # background, after Spark committed it), read back by Spark (directWrite off) or appended to
     # Delta by the engine itself, while its checkpoint is written or waited for; the last batch's
     # step dies after Spark ended the run. The engine restarts from its latest checkpoint, redoes
-    # the logged batches after it, and Delta's txn action keeps the table exact.
+    # the logged batches after it, and Delta's txn action keeps the table exact. With the default
+    # checkpoint interval (10) the only checkpoint of a 5-batch run is the first batch's; with 1
+    # every batch is checkpointed.
     src, want = stream
     monkeypatch.setenv(ENV, f"kill@{point}:{batch}:{tmp_path / 'fired'}")
-    q = _run(spark, src, tmp_path, **{"spark.stretch.delta.directWrite": str(point != "read")})
+    q = _run(spark, src, tmp_path, **{"spark.stretch.delta.directWrite": str(point != "read"),
+                                      "spark.stretch.checkpoint.interval": interval})
     assert (tmp_path / "fired").exists(), "the fault did not fire"
     restarts = q.metrics()["engine_restarts"]
     assert len(restarts) == 1, restarts
@@ -106,9 +110,9 @@ def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_p
                       restarts[0]["cause"])
     assert cause and str(batch) in re.findall(r"batch (\d+)", cause.group(1)), restarts
     # Continued from a checkpoint at most two batches back (the previous one may still have
-    # been in writing), never from one after the batch.
+    # been in writing), never from one after the batch; or from the first batch's.
     start = restarts[0]["resumed_from"]
-    assert (start is None and batch <= 1) or batch - 2 <= start <= batch, restarts
+    assert start == 0 if interval > batch else batch - 2 <= start <= batch, restarts
     _equal(spark.read.format("delta").load(str(tmp_path / "o")), want)
 
 
@@ -220,7 +224,8 @@ def test_a_batch_committed_after_the_restart_read_the_commit_log(spark, ontime, 
          .start(str(tmp_path / "o")))
     q.awaitTermination()
     assert reads[0] == 2
-    assert q.metrics()["realigned"] == {"opened_after": 1, "continued_after": 2, "checkpoint": 2}
+    # (the latest checkpoint at or before batch 2: the first batch's, at the default interval)
+    assert q.metrics()["realigned"] == {"opened_after": 1, "continued_after": 2, "checkpoint": 0}
     _equal(spark.read.format("delta").load(str(tmp_path / "o")), want)
 
 
@@ -263,7 +268,8 @@ def test_restart_after_a_last_flush_that_only_moved_the_watermark(spark, tmp_pat
 def test_incremental_checkpoints_cleaned_like_min_batches_to_retain(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 2400, files=8, rate=10.0, vocab=60, seed=33)
     q = _run(spark, src, tmp_path, **{"spark.sql.streaming.stateStore.minDeltasForSnapshot": 3,
-                                      "spark.sql.streaming.minBatchesToRetain": 2})
+                                      "spark.sql.streaming.minBatchesToRetain": 2,
+                                      "spark.stretch.checkpoint.interval": 1})
     saves = [b["checkpoint"] for b in q.metrics()["batch_times"]]
     # 4096 buckets, 60 words: a batch changes a few hundred buckets, so deltas pay; a full
     # checkpoint every 3 batches (minDeltasForSnapshot).
@@ -284,6 +290,29 @@ def test_incremental_checkpoints_cleaned_like_min_batches_to_retain(spark, tmp_p
     again = run_stretch(spark, _agg(spark, src), tmp_path / "o", checkpoint=tmp_path / "c")
     assert again.count() == rows
     _equal(again, run_native(spark, _agg(spark, src), tmp_path / "n"))
+
+
+def test_engine_state_checkpointed_every_interval_with_the_input_log_between(spark, tmp_path):
+    # spark.stretch.checkpoint.interval=3: the state after batches 0, 3 and 6 is checkpointed;
+    # the batches between are kept in the input log until the next checkpoint covers them, and
+    # a restart steps them again on the latest checkpoint.
+    src = write_tweets(tmp_path / "src", 2400, files=8, rate=10.0, vocab=60, seed=34)
+    q = _run(spark, src, tmp_path, **{"spark.stretch.checkpoint.interval": 3})
+    kinds = [b["checkpoint"]["kind"] for b in q.metrics()["batch_times"]]
+    assert [k != "log" for k in kinds] == [True, False, False] * 2 + [True, False], kinds
+    ckpt = tmp_path / "c" / "stretch"
+    assert sorted(int(d.name) for d in (ckpt / "state").iterdir() if d.name.isdigit()) == [0, 3, 6]
+    assert sorted(f.name for f in (ckpt / "input").iterdir()) == ["7.arrow"]
+    want = run_native(spark, _agg(spark, src), tmp_path / "n")
+    _equal(spark.read.format("delta").load(str(tmp_path / "o")), want)
+    # Restarted with one more file: state 6, batch 7 again from the log, then batch 8.
+    more = write_tweets(tmp_path / "more", 300, files=1, first_file=8, rate=10.0, vocab=60,
+                        seed=34)
+    publish(next(more.glob("*.parquet")), src)
+    q = _run(spark, src, tmp_path)
+    assert q.metrics()["engine"]["batches"] == 9
+    _equal(spark.read.format("delta").load(str(tmp_path / "o")),
+           run_native(spark, _agg(spark, src), tmp_path / "n2"))
 
 
 def test_task_failures_in_ingest_and_output_read_are_retried_by_spark():
@@ -356,13 +385,13 @@ def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver_job.py")),
                              str(src), str(tmp_path / "o"), str(tmp_path / "c")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    state = tmp_path / "c" / "stretch" / "state"
+    logged = tmp_path / "c" / "stretch" / "input" / "2.arrow"
     deadline = time.time() + 300
-    while not (state / "2").exists():
+    while not logged.exists():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline, "the driver never reached batch 2"
         time.sleep(0.02)
-    _kill_driver(proc)  # batch 2 checkpointed; Spark may or may not have committed it
+    _kill_driver(proc)  # batch 2 logged; Spark may or may not have committed it
     committed = sorted(int(f.name) for f in (tmp_path / "c" / "commits").iterdir()
                        if f.name.isdigit())
     assert committed and committed[-1] < FILES - 1, "the run ended before the kill"
@@ -396,4 +425,8 @@ def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
     assert not (ckpt / "stretch" / "state" / "2").exists()
     got = run_stretch(spark, _agg(spark, src), tmp_path / "o", checkpoint=ckpt)
     _equal(got, _native_on_the_batches_spark_ran(spark, ckpt, tmp_path))
-    assert not any((ckpt / "stretch" / "input").glob("*.arrow")), "inputs left in the log"
+    # The log holds the batches after the latest checkpoint, no others.
+    states = [int(d.name) for d in (ckpt / "stretch" / "state").iterdir() if d.name.isdigit()]
+    logged = sorted(int(f.stem) for f in (ckpt / "stretch" / "input").iterdir())
+    last = max(int(f.name) for f in (ckpt / "commits").iterdir() if f.name.isdigit())
+    assert logged == list(range(max(states) + 1, last + 1)), (states, logged)
