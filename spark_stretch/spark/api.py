@@ -295,6 +295,12 @@ class StretchQuery:
             "spark.stretch.ingest.columnar", "true",
             "a batch read by a columnar scan goes to the engine as its columns",
             "always as the rows foreachBatch hands over")
+        # The engine reads a plain Parquet scan's files itself (pipelined kinds: the drop-in's
+        # rows keep the order Spark hands them over in, which its functions may see).
+        self._read_files = self._bool_conf(
+            "spark.stretch.ingest.files", "true",
+            "the engine reads a batch's Parquet files itself when Spark would only read them",
+            "Spark reads them") and self._columnar and self._pipelined
         self._max_restarts = int(conf.get("spark.stretch.maxEngineRestarts", "3"))
         self._restarts: list = []
         self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
@@ -312,6 +318,7 @@ class StretchQuery:
         schema = _arrow_schema(agg._input_df().schema) if self._pipelined else None
         if schema is not None:  # the engine warms up on made-up rows of it (QueryRuntime.warm_up)
             self._spec["input_schema"] = schema
+        self._read_files = self._read_files and schema is not None
         # Opened while Spark starts the query (the engine process is still importing numba):
         # the first batch, or anything else that needs the engine, waits for it (_opened).
         self._opening = threading.Thread(target=self._open_in_background, args=(resume,),
@@ -546,11 +553,15 @@ class StretchQuery:
     def _ingest(self, batch_df: DataFrame, batch_id: int):
         """The Spark job that writes the batch's partitions to the engine (no Exchange).
 
-        Straight from the scan's columnar batches when the batch's plan is a columnar scan
-        (Parquet, Delta) under only column pruning and the watermark (``StretchIngest`` in the
-        shim; ``spark.stretch.ingest.columnar=false`` turns it off), else the rows
-        ``foreachBatch`` hands over, through ``format("stretch")``. Returns what ran (a physical
-        plan, or the DataFrame written), for the plans kept in :meth:`metrics`.
+        When the batch's plan is a columnar scan (Parquet, Delta) under only column pruning and
+        the watermark: a plain Parquet scan's files are read by the engine itself (no Spark job:
+        Spark would only read them and hand the rows over; the scan's row count and the
+        watermark's event-time statistics are recorded as if the rows had flowed;
+        ``spark.stretch.ingest.files=false`` turns it off), or the scan's columnar batches go to
+        the engine as columns (``StretchIngest`` in the shim; ``spark.stretch.ingest.columnar=false``
+        turns both off). Else the rows ``foreachBatch`` hands over, through
+        ``format("stretch")``. Returns what ran (a physical plan, or the DataFrame written), for
+        the plans kept in :meth:`metrics`.
         """
         eng, qid = self._engine, self.stretch_id
         stream = f"{qid}:in:{batch_id}"
@@ -559,17 +570,48 @@ class StretchQuery:
             # first batch runs while the engine imports numba); its commit waits for the open.
             eng.wait_ready()
             plan = self._batch_plan(batch_id) if self._columnar else None
+            if plan is not None and self._read_files and self._read_batch_files(plan, batch_id):
+                return self._count_ingest("files", plan)
             if plan is not None and self._jvm_ingest().ingest(plan, eng.endpoint, stream) >= 0:
-                return plan
+                return self._count_ingest("columnar", plan)
             batch_df.write.format("stretch").mode("append") \
                 .option("endpoints", eng.endpoint).option("stream", stream).save()
-            return batch_df
+            return self._count_ingest("rows", batch_df)
         except Exception as e:
             if not eng.alive():  # say what really happened, not just "socket refused"
                 raise EngineDiedError(
                     f"the stretch host engine (pid {eng.pid}) died (exit status "
                     f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
             raise
+
+    def _read_batch_files(self, plan, batch_id: int) -> bool:
+        """Have the engine read the batch's Parquet files; False if Spark must read them (then
+        for the rest of the run, with the reason in ``metrics()["files_off"]``)."""
+        jvm = self._jvm_ingest()
+        files = jvm.parquetFiles(plan)
+        if files is None:
+            return False
+        watermarks = list(jvm.watermarkColumns(plan))
+        self._opened()  # (the engine reads them into the query's pending input)
+        reply = self._engine.request({
+            "op": "ingest_files", "query": self.stretch_id, "batch": batch_id,
+            "files": list(files), "columns": list(jvm.columnNames(plan)),
+            "schema": self._spec["input_schema"], "watermarks": watermarks})
+        if "unsupported" in reply:
+            self._read_files = False
+            with self._lock:
+                self._metrics["files_off"] = reply["unsupported"]
+            return False
+        jvm.recordRead(plan, int(reply["rows"]))
+        for i, (top, low, avg, n) in enumerate(reply["event_times"]):
+            jvm.recordEventTimes(plan, i, int(top), int(low), float(avg), int(n))
+        return True
+
+    def _count_ingest(self, path: str, ran):
+        with self._lock:
+            paths = self._metrics.setdefault("ingest", {})
+            paths[path] = paths.get(path, 0) + 1
+        return ran
 
     def _ingest_then_opened(self, batch_df: DataFrame, batch_id: int):
         """:meth:`_ingest`, then wait for the query's open; an error of the open comes first."""

@@ -12,12 +12,72 @@ import shutil
 import time
 from pathlib import Path
 from typing import Optional
+from urllib.parse import unquote, urlparse
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import faults
 
 __all__ = ["CheckpointedRuntime", "read_arrow"]
+
+
+def _read_parquet_like_spark(files: list, columns: list, schema: pa.Schema):
+    """``files`` read as Spark's Parquet reader would for ``columns`` of ``schema`` (a table),
+    or why not (a string)."""
+    import pyarrow.parquet as pq
+
+    tables = []
+    for uri in files:
+        path = urlparse(uri)
+        if path.scheme not in ("", "file"):
+            return f"{uri} is not a local file"
+        try:
+            f = pq.ParquetFile(unquote(path.path))
+            why = _unlike_spark(f, columns, schema)
+            if why:
+                return f"{uri}: {why}"
+            tables.append(f.read(columns=columns, use_threads=True))
+        except Exception as e:  # (Spark reports its own error, or ignores what it may)
+            return f"{uri}: {type(e).__name__}: {e}"
+    try:
+        out = pa.concat_tables(tables) if tables else schema.empty_table()
+        return out.cast(pa.schema([schema.field(c) for c in columns]))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _unlike_spark(f, columns: list, schema: pa.Schema) -> str:
+    """Why Spark would read ``columns`` of Parquet file ``f`` otherwise than pyarrow ('' if it
+    would not)."""
+    meta = f.schema_arrow.metadata or {}
+    version = meta.get(b"org.apache.spark.version", b"3").decode()
+    if version[:1] in ("1", "2") or any(k.startswith(b"org.apache.spark.legacy") for k in meta):
+        return "written by a legacy Spark writer (datetime rebasing)"
+    have = f.schema_arrow
+    for c in columns:
+        i = have.get_field_index(c)
+        if i < 0:
+            return f"no column '{c}' (Spark matches names ignoring case, or reads nulls)"
+        if not _reads_as(have.field(i).type, schema.field(c).type):
+            return f"column '{c}' is {have.field(i).type}, read as {schema.field(c).type}"
+    return ""
+
+
+def _reads_as(file_type: pa.DataType, want: pa.DataType) -> bool:
+    """Whether pyarrow's ``file_type`` holds the values Spark reads as ``want``."""
+    t = pa.types
+    if t.is_timestamp(want):  # INT64 TIMESTAMP(isAdjustedToUTC, MILLIS|MICROS) only
+        return t.is_timestamp(file_type) and file_type.tz in ("UTC", "+00:00") \
+            and file_type.unit in ("ms", "us")
+    if t.is_list(want) or t.is_large_list(want):
+        return (t.is_list(file_type) or t.is_large_list(file_type)) and \
+            _reads_as(file_type.value_type, want.value_type)
+    if t.is_string(want) or t.is_large_string(want):
+        return t.is_string(file_type) or t.is_large_string(file_type)
+    return file_type == want and (t.is_integer(want) or t.is_floating(want)
+                                  or t.is_boolean(want) or t.is_date32(want))
 
 
 def read_arrow(path: Path) -> pa.Table:
@@ -89,6 +149,31 @@ class CheckpointedRuntime:
 
     def _validate(self, table: pa.Table, batch: int) -> None:
         """Raise a ValueError naming the column if the engine cannot take ``table``'s rows."""
+
+    def ingest_files(self, batch: int, files: list, columns: list, schema: pa.Schema,
+                     watermarks: list) -> dict:
+        """The input of ``batch``, read from its Parquet files here (Spark would only read them
+        and hand the rows over: see ``StretchIngest.parquetFiles``).
+
+        Returns ``{"rows": n, "event_times": [[max, min, avg, count], ...]}`` (milliseconds, per
+        watermark column, for Spark's own statistics), or ``{"unsupported": why}`` when Spark
+        must read them: a file that is not local, a column missing or only differing in case, a
+        type Spark reads differently (INT96 or unannotated timestamps, binary as string,
+        narrower integers), a legacy Spark writer (datetime rebasing), or any read error. Rows
+        the engine cannot take (null keys) raise, as in the batch's ingest job.
+        """
+        faults.inject("files", batch)
+        got = _read_parquet_like_spark(files, columns, schema)
+        if isinstance(got, str):
+            return {"unsupported": got}
+        self.ingest(f"in:{batch}", "files", got)
+        stats = []
+        for c in watermarks:  # (Spark adds DateTimeUtils.microsToMillis: a floor division)
+            us = pc.cast(got.column(c).drop_null(), pa.int64()).to_numpy()
+            ms = np.floor_divide(us, 1000)
+            stats.append([int(ms.max()), int(ms.min()), float(ms.mean()), len(ms)] if len(ms)
+                         else [0, 0, 0.0, 0])
+        return {"rows": got.num_rows, "event_times": stats}
 
     # -- the input log ---------------------------------------------------------------------------
     # A pipelined query lets Spark commit batch N before the engine has stepped it (the step runs

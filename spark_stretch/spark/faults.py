@@ -8,7 +8,8 @@ A test arms a fault later by creating ``marker`` first and removing it when the 
 - actions: ``kill`` (the engine process SIGKILLs itself), ``fail`` (the request fails, so the
   Spark task doing it fails and Spark retries it) or ``stall`` (it waits 60 s, so a test can
   kill something while the engine is at that point).
-- points: ``write`` (an executor's ingest write of the batch), ``commit`` (the ingest commit),
+- points: ``files`` (the engine reading the batch's Parquet files), ``write`` (an executor's
+  ingest write of the batch), ``commit`` (the ingest commit),
   ``logged`` (the batch's input just written to the input log), ``step`` (inside the engine
   step, after the input was added, before windows are emitted), ``read`` (an executor reading
   the batch's output), ``direct`` (the engine's own Delta append), ``checkpoint`` (the batch's

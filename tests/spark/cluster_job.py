@@ -12,7 +12,10 @@ spark = spark_stretch.session(master="local-cluster[2,1,1024]", app_name="stretc
                               conf={"spark.driver.memory": "1g",
                                     # One partition per file, so every micro-batch of two files has
                                     # two tasks and each executor JVM (one core each) runs one.
-                                    "spark.sql.files.openCostInBytes": str(1 << 30)})
+                                    "spark.sql.files.openCostInBytes": str(1 << 30),
+                                    # the executors write each batch to the engine (the shim's
+                                    # path), instead of the engine reading the files itself
+                                    "spark.stretch.ingest.files": "false"})
 spark.sparkContext.setLogLevel("ERROR")
 result = {}
 try:

@@ -21,7 +21,9 @@ tmp = Path(tempfile.mkdtemp(prefix="fault-job-"))
 os.environ[ENV] = f"fail@write:1:{tmp / 'write'},fail@read:3:{tmp / 'read'}"
 spark = spark_stretch.session(master="local[2,3]", app_name="stretch fault test",
                               # the output read is a Spark job only when Spark writes the output
-                              conf={"spark.stretch.delta.directWrite": "false"})
+                              # and the ingest one when the executors write the batch
+                              conf={"spark.stretch.delta.directWrite": "false",
+                                    "spark.stretch.ingest.files": "false"})
 spark.sparkContext.setLogLevel("OFF")
 result = {}
 try:

@@ -7,7 +7,7 @@ from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
 import spark_stretch
-from spark_stretch.testing import write_tweets
+from spark_stretch.testing import publish, write_tweets
 
 from harness import run_native, run_stretch, source
 
@@ -102,7 +102,8 @@ def _event_times(q) -> dict:
     return {p["batchId"]: p["eventTime"] for p in q.recentProgress if p["numInputRows"]}
 
 
-def test_columnar_and_row_ingest_equal_native_with_spark_progress_intact(spark, tweets, tmp_path):
+def test_file_columnar_and_row_ingest_equal_native_with_spark_progress_intact(spark, tweets,
+                                                                              tmp_path):
     agg = source(spark, tweets).stretchAggregate(
         keys=F.col("words"), window=("120 seconds", "60 seconds"), agg="count")
     native = (agg.native().writeStream.format("delta").outputMode("append")
@@ -110,24 +111,58 @@ def test_columnar_and_row_ingest_equal_native_with_spark_progress_intact(spark, 
               .trigger(availableNow=True).start(str(tmp_path / "n")))
     native.awaitTermination()
     want = spark.read.format("delta").load(str(tmp_path / "n"))
-    columnar = _run(spark, agg, tmp_path / "col")
-    spark.conf.set("spark.stretch.ingest.columnar", "false")
-    try:
-        rows = _run(spark, agg, tmp_path / "row")
-    finally:
-        spark.conf.unset("spark.stretch.ingest.columnar")
-    # Each path was taken: the columnar one ran the scan itself, the row one wrote foreachBatch's rows.
+    runs = {"files": _run(spark, agg, tmp_path / "files")}
+    for path, conf in (("columnar", "spark.stretch.ingest.files"),
+                       ("rows", "spark.stretch.ingest.columnar")):
+        spark.conf.set(conf, "false")
+        try:
+            runs[path] = _run(spark, agg, tmp_path / path)
+        finally:
+            spark.conf.unset(conf)
+    # Each path was taken: the engine read the files (no Spark job), the scan's columns were
+    # sent by the shim, or foreachBatch's rows were written.
+    for path, q in runs.items():
+        assert q.metrics()["ingest"] == {path: 4}, q.metrics()
     assert all("FileScan parquet" in p and "ExistingRDD" not in p
-               for p in columnar.metrics()["plans"][::2]), columnar.metrics()["plans"]
-    assert all("ExistingRDD" in p for p in rows.metrics()["plans"][::2]), rows.metrics()["plans"]
-    for q, out in ((columnar, "col"), (rows, "row")):
-        got = spark.read.format("delta").load(str(tmp_path / out))
+               for p in runs["columnar"].metrics()["plans"][::2])
+    assert all("ExistingRDD" in p for p in runs["rows"].metrics()["plans"][::2])
+    for path, q in runs.items():
+        got = spark.read.format("delta").load(str(tmp_path / path))
         assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True,
                            ignore_metadata=True)
         # Spark's own progress as if the rows had flowed through the plan: input rows counted by
         # the scan, and the watermark's event-time statistics (max/min/avg/watermark) per batch.
         assert sum(p["numInputRows"] for p in q.recentProgress) == 6000
         assert _event_times(q) == _event_times(native)
+
+
+@pytest.mark.parametrize("unlike", ["int96", "case"])
+def test_files_spark_reads_otherwise_are_read_by_spark(spark, tmp_path, unlike):
+    # INT96 timestamps (Spark converts them; pyarrow reads nanoseconds) and column names that
+    # match only ignoring case (Spark's default): the engine declines, names why, and the batch
+    # goes through Spark's own reading; the table is native's.
+    import pyarrow.parquet as pq
+
+    from spark_stretch.testing import tweets_table
+
+    (tmp_path / "src").mkdir()
+    for i in range(2):
+        t = tweets_table(500, start_s=25.0 * i, rate=20.0, vocab=40, seed=i)
+        if unlike == "case":
+            t = t.rename_columns([c.upper() for c in t.column_names])
+        pq.write_table(t, tmp_path / f"t{i}.parquet",
+                       use_deprecated_int96_timestamps=unlike == "int96")
+        publish(tmp_path / f"t{i}.parquet", tmp_path / "src")  # (increasing mtimes: in order)
+    agg = source(spark, tmp_path / "src").stretchAggregate(
+        keys=F.col("words"), window=("20 seconds", "10 seconds"), agg="count")
+    q = _run(spark, agg, tmp_path / "o")
+    m = q.metrics()
+    assert m["ingest"] == {"columnar": 2}, m
+    assert {"int96": "column 'ts' is timestamp[ns]", "case": "no column 'ts'"}[unlike] \
+        in m["files_off"], m["files_off"]
+    got = spark.read.format("delta").load(str(tmp_path / "o"))
+    assert_df_equality(got, run_native(spark, agg, tmp_path / "n"), ignore_row_order=True,
+                       ignore_nullable=True, ignore_metadata=True)
 
 
 def test_null_keys_fail_the_query_naming_the_column(spark, tmp_path):

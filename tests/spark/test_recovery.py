@@ -85,12 +85,14 @@ def _equal(got, want):
 
 
 @pytest.mark.parametrize("point,batch,interval", [
-    ("write", 2, 10), ("commit", 2, 10), ("logged", 2, 10), ("step", 2, 10), ("step", 2, 1),
+    ("files", 2, 10), ("write", 2, 10), ("commit", 2, 10), ("logged", 2, 10), ("step", 2, 10),
+    ("step", 2, 1),
     ("read", 2, 10), ("direct", 2, 10), ("checkpoint", 2, 1), ("saved", 2, 10),
     ("step", FILES - 1, 10)])
 def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_path, monkeypatch,
                                                             point, batch, interval):
-    # kill -9 of the engine process while a batch is ingested, logged, stepped (in the
+    # kill -9 of the engine process while a batch is ingested (its files read by the engine, or
+    # written by the executors and committed), logged, stepped (in the
     # background, after Spark committed it), read back by Spark (directWrite off) or appended to
     # Delta by the engine itself, while its checkpoint is written or waited for; the last batch's
     # step dies after Spark ended the run. The engine restarts from its latest checkpoint, redoes
@@ -100,6 +102,7 @@ def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_p
     src, want = stream
     monkeypatch.setenv(ENV, f"kill@{point}:{batch}:{tmp_path / 'fired'}")
     q = _run(spark, src, tmp_path, **{"spark.stretch.delta.directWrite": str(point != "read"),
+                                      "spark.stretch.ingest.files": str(point == "files"),
                                       "spark.stretch.checkpoint.interval": interval})
     assert (tmp_path / "fired").exists(), "the fault did not fire"
     restarts = q.metrics()["engine_restarts"]

@@ -7,9 +7,10 @@ import scala.jdk.CollectionConverters._
 
 import org.apache.spark.TaskContext
 import org.apache.spark.sql.catalyst.expressions.Attribute
-import org.apache.spark.sql.execution.{ColumnarToRowExec, InputAdapter, ProjectExec, SparkPlan, WholeStageCodegenExec}
+import org.apache.spark.sql.execution.{ColumnarToRowExec, FileSourceScanExec, InputAdapter, ProjectExec, SparkPlan, WholeStageCodegenExec}
+import org.apache.spark.sql.execution.datasources.parquet.ParquetFileFormat
 import org.apache.spark.sql.catalyst.util.DateTimeUtils
-import org.apache.spark.sql.execution.streaming.operators.stateful.{EventTimeStatsAccum, EventTimeWatermarkExec}
+import org.apache.spark.sql.execution.streaming.operators.stateful.{EventTimeStats, EventTimeStatsAccum, EventTimeWatermarkExec}
 import org.apache.spark.sql.internal.SQLConf
 import org.apache.spark.sql.types.{StructField, StructType, TimestampNTZType, TimestampType}
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
@@ -100,6 +101,54 @@ object StretchIngest {
         StretchBatchWrite.abort(opts, job)
         throw e
     }
+  }
+
+  // Options of a file source that change how Spark reads Parquet files (the engine then does not).
+  private val readOptions = Set("ignorecorruptfiles", "ignoremissingfiles", "datetimerebasemode",
+    "int96rebasemode", "mergeschema")
+
+  /**
+   * The files of a micro-batch whose plan is a plain Parquet scan, for the host engine to read
+   * itself (Spark would only read and hand them over): a `FileSourceScanExec` of
+   * `ParquetFileFormat` (not a subclass: Delta's has deletion vectors and column mapping) with no
+   * partition columns, filters or buckets, and Spark's defaults for corrupt and missing files
+   * and datetime rebasing. Null otherwise. The engine checks the files themselves (column names,
+   * types, legacy writers) and declines what Spark would read differently; then, or when this
+   * is null, the batch goes through [[ingest]].
+   */
+  def parquetFiles(plan: SparkPlan): Array[String] = shape(plan).map(_.scan) match {
+    case Some(fs: FileSourceScanExec) if fs.relation.fileFormat.getClass == classOf[ParquetFileFormat]
+        && fs.relation.partitionSchema.isEmpty && fs.partitionFilters.isEmpty
+        && fs.dataFilters.isEmpty && !fs.bucketedScan
+        && !SQLConf.get.ignoreCorruptFiles && !SQLConf.get.ignoreMissingFiles
+        && !fs.relation.options.keys.exists(k => readOptions(k.toLowerCase)) =>
+      fs.relation.location.inputFiles
+    case _ => null
+  }
+
+  /** The plan's output column names (what the engine reads from the files), in order. */
+  def columnNames(plan: SparkPlan): Array[String] = plan.output.map(_.name).toArray
+
+  /** Per watermark of the plan, the name of its event-time column. */
+  def watermarkColumns(plan: SparkPlan): Array[String] = shape(plan) match {
+    case Some(sh) => sh.watermarks.map { case (_, i) => sh.scan.output(i).name }.toArray
+    case None => Array.empty
+  }
+
+  /**
+   * Records what the batch's rows would have recorded flowing through `plan` when the engine
+   * read its files: `rows` in the scan's `numOutputRows` (Spark's `numInputRows`) and, for
+   * watermark `i`, the event-time statistics of its column (milliseconds, as
+   * `EventTimeWatermarkExec` adds them), merged into its accumulator on the driver, where
+   * Spark's watermark and progress read them.
+   */
+  def recordRead(plan: SparkPlan, rows: Long): Unit =
+    shape(plan).foreach(_.scan.metrics.get("numOutputRows").foreach(_.add(rows)))
+
+  def recordEventTimes(plan: SparkPlan, i: Int, max: Long, min: Long, avg: Double,
+                       count: Long): Unit = if (count > 0) {
+    shape(plan).foreach(sh => sh.watermarks(i)._1.merge(
+      new EventTimeStatsAccum(EventTimeStats(max, min, avg, count))))
   }
 
   /** What `EventTimeWatermarkExec` adds per row: the event time in milliseconds. */

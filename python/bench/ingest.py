@@ -1,0 +1,110 @@
+"""How a micro-batch reaches the engine: the three ingest paths side by side, in one run.
+
+    python python/bench/ingest.py [--tweets 1000000] [--files 10] [--repeat 3] [--json]
+
+The word count of ``python/bench/spark.py`` (parquet tweet stream, ``--files`` micro-batches,
+availableNow, local[2], into Delta) with the batch going to the engine
+
+- ``files``: the engine reads the batch's Parquet files itself (``spark.stretch.ingest.files``,
+  the default for a plain Parquet scan);
+- ``columnar``: the shim sends the scan's column vectors as Arrow (``ingest.files=false``);
+- ``rows``: ``foreachBatch``'s rows through ``format("stretch")`` (``ingest.columnar=false``);
+
+and the ingest floor (the same stream read and dropped by Spark). Each runs once untimed (JVM
+warm-up), then ``--repeat`` times alternated; medians are reported, as input tweets per second,
+with each path's ratio to the floor. The three tables are checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pyspark.sql import functions as F
+
+import spark_stretch
+from spark_stretch.testing import write_tweets
+
+SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
+PATHS = {"files": {}, "columnar": {"spark.stretch.ingest.files": "false"},
+         "rows": {"spark.stretch.ingest.columnar": "false"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tweets", type=int, default=1_000_000)
+    ap.add_argument("--files", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="stretch-bench-ingest-"))
+    src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
+    spark = spark_stretch.session(app_name="bench ingest",
+                                  conf={"spark.sql.shuffle.partitions": "2"})
+    spark.sparkContext.setLogLevel("ERROR")
+
+    def source():
+        return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1)
+                .parquet(str(src)).withWatermark("ts", "10 seconds"))
+
+    def run(name: str) -> float:
+        out = work / name
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(str(out) + "-ckpt", ignore_errors=True)
+        for k, v in PATHS.get(name, {}).items():
+            spark.conf.set(k, v)
+        try:
+            if name == "floor":
+                w = source().writeStream.format("noop")
+            else:
+                w = source().stretchAggregate(
+                    keys=F.col("words"), window=("120 seconds", "60 seconds"), agg="count",
+                    parallelism=2, max_parallelism=2).writeStream.format("delta")
+            t0 = time.perf_counter()
+            q = (w.option("checkpointLocation", str(out) + "-ckpt")
+                 .trigger(availableNow=True).start(None if name == "floor" else str(out)))
+            q.awaitTermination()
+            took = time.perf_counter() - t0
+            if name != "floor":
+                assert q.metrics()["ingest"] == {name: args.files}, q.metrics()["ingest"]
+            return took
+        finally:
+            for k in PATHS.get(name, {}):
+                spark.conf.unset(k)
+
+    names = ["floor", *PATHS]
+    times = {n: [] for n in names}
+    try:
+        for n in names:
+            run(n)  # untimed warm-up
+        for _ in range(args.repeat):
+            for n in names:
+                times[n].append(run(n))
+        tables = [spark.read.format("delta").load(str(work / n)) for n in PATHS]
+        equal = all(t.count() == tables[0].count() and t.exceptAll(tables[0]).isEmpty()
+                    and tables[0].exceptAll(t).isEmpty() for t in tables[1:])
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    tps = {n: args.tweets / statistics.median(v) for n, v in times.items()}
+    report = {"tweets": args.tweets, "files": args.files, "tps": tps, "equal": bool(equal),
+              "runs_s": times}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for n in names:
+            print(f"{n:<9} {tps[n]:>10,.0f} tweets/s   / floor {tps[n] / tps['floor']:5.2f}   "
+                  f"runs {[round(x, 2) for x in times[n]]}")
+        print(f"equal={equal}")
+    if not equal:
+        sys.exit("the ingest paths gave different tables")
+
+
+if __name__ == "__main__":
+    main()
