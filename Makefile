@@ -28,10 +28,18 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -W ignore::FutureWarning -m slow
 
+# The figures in BENCHMARKS.md (long: the pair-count run alone takes ~14 minutes; each checks
+# its outputs equal the baseline's and prints its results).
 bench: setup
 	$(PY) python/bench/shim.py
 	$(PY) python/bench/engine.py
+	$(PY) python/bench/spark.py --tweets 1000000 --queries wordcount --repeat 5
+	$(PY) python/bench/spark.py --tweets 1000000 --queries paircount-H
+	$(PY) python/bench/ingest.py --repeat 5
 	$(PY) python/bench/join.py
+	$(PY) python/bench/checkpoint.py
+	$(PY) python/bench/recovery.py --tweets 20000
+	$(PY) python/bench/grouped.py --events 100000
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -23,15 +23,14 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from pyspark.sql import functions as F
 
 import spark_stretch
+from spark import WINDOW, _source, _timed  # python/bench/spark.py: the same stream and query
 from spark_stretch.testing import write_tweets
 
-SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
 PATHS = {"files": {}, "columnar": {"spark.stretch.ingest.files": "false"},
          "rows": {"spark.stretch.ingest.columnar": "false"}}
 
@@ -49,10 +48,6 @@ def main() -> None:
                                   conf={"spark.sql.shuffle.partitions": "2"})
     spark.sparkContext.setLogLevel("ERROR")
 
-    def source():
-        return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1)
-                .parquet(str(src)).withWatermark("ts", "10 seconds"))
-
     def run(name: str) -> float:
         out = work / name
         shutil.rmtree(out, ignore_errors=True)
@@ -61,18 +56,22 @@ def main() -> None:
             spark.conf.set(k, v)
         try:
             if name == "floor":
-                w = source().writeStream.format("noop")
+                w = _source(spark, src).writeStream.format("noop")
             else:
-                w = source().stretchAggregate(
-                    keys=F.col("words"), window=("120 seconds", "60 seconds"), agg="count",
+                w = _source(spark, src).stretchAggregate(
+                    keys=F.col("words"), window=WINDOW, agg="count",
                     parallelism=2, max_parallelism=2).writeStream.format("delta")
-            t0 = time.perf_counter()
-            q = (w.option("checkpointLocation", str(out) + "-ckpt")
-                 .trigger(availableNow=True).start(None if name == "floor" else str(out)))
-            q.awaitTermination()
-            took = time.perf_counter() - t0
-            if name != "floor":
-                assert q.metrics()["ingest"] == {name: args.files}, q.metrics()["ingest"]
+            queries = []
+
+            def start():
+                queries.append(w.option("checkpointLocation", str(out) + "-ckpt")
+                               .trigger(availableNow=True)
+                               .start(None if name == "floor" else str(out)))
+                return queries[-1]
+            took = _timed(start)
+            if name != "floor":  # (each batch went the path named)
+                assert queries[0].metrics()["ingest"] == {name: args.files}, \
+                    queries[0].metrics()["ingest"]
             return took
         finally:
             for k in PATHS.get(name, {}):
