@@ -126,6 +126,8 @@ def test_file_columnar_and_row_ingest_equal_native_with_spark_progress_intact(sp
     assert all("FileScan parquet" in p and "ExistingRDD" not in p
                for p in runs["columnar"].metrics()["plans"][::2])
     assert all("ExistingRDD" in p for p in runs["rows"].metrics()["plans"][::2])
+    for q in runs.values():  # (the paths that run a Spark job run it without a shuffle)
+        assert not any("Exchange" in p for p in q.metrics()["plans"]), q.metrics()["plans"]
     for path, q in runs.items():
         got = spark.read.format("delta").load(str(tmp_path / path))
         assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True,
