@@ -35,6 +35,7 @@ bench: setup
 	$(PY) python/bench/engine.py
 	$(PY) python/bench/spark.py --tweets 1000000 --queries wordcount --repeat 5
 	$(PY) python/bench/spark.py --tweets 1000000 --queries paircount-H
+	$(PY) python/bench/spark.py --tweets 1000000 --queries wordcount --repeat 5 --source delta
 	$(PY) python/bench/ingest.py --repeat 5
 	$(PY) python/bench/join.py
 	$(PY) python/bench/checkpoint.py

@@ -1,7 +1,7 @@
 """stretchAggregate vs native Spark on the same tweet stream, side by side in one run.
 
     python python/bench/spark.py [--tweets 1000000] [--files 10] [--queries wordcount,paircount-L]
-                                 [--repeat 1] [--json]
+                                 [--repeat 1] [--source parquet|delta] [--json]
 
 For each query the same parquet tweet stream (``--files`` files = micro-batches, availableNow,
 local[2]) goes through (1) the native query (``groupBy(window, explode(keys)).count()``, append
@@ -12,7 +12,9 @@ dropped (``noop`` sink), nothing else. The floor and (2) are timed after one unt
 pass each (the JVM's first pass over the files and the shim's code: class loading, JIT). Outputs of (1), (2) and (2b) are checked equal (exceptAll
 both ways). Reported: input tweets per second. With ``--repeat N`` the floor and (2) run N times
 each, alternated (floor, stretch, floor, stretch, ...), and their medians are reported: on a
-shared machine one run of either moves by 10-20%.
+shared machine one run of either moves by 10-20%. ``--source delta`` reads the same tweets from a
+Delta table written a commit per file (``maxFilesPerTrigger=1``: the same micro-batches), for
+all four runs.
 
 Fair set-up for native Spark: the same session (local[2], spark.driver.memory=4g instead of the
 1 GB default that makes its state store thrash in GC), spark.sql.shuffle.partitions=2 (one per
@@ -45,9 +47,21 @@ QUERIES = {
 WINDOW = ("120 seconds", "60 seconds")
 
 
-def _source(spark, src):
-    return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(src))
-            .withWatermark("ts", "10 seconds"))
+def _source(spark, src, fmt="parquet"):
+    read = spark.readStream.option("maxFilesPerTrigger", 1)
+    read = read.schema(SCHEMA).parquet(str(src)) if fmt == "parquet" \
+        else read.format("delta").load(str(src))
+    return read.withWatermark("ts", "10 seconds")
+
+
+def _as_delta(src: Path, dst: Path) -> Path:
+    """The parquet files of ``src`` as a Delta table at ``dst``, one commit (one file) each."""
+    import pyarrow.parquet as pq
+    from deltalake import write_deltalake
+
+    for f in sorted(src.glob("*.parquet")):  # (names grow with event time)
+        write_deltalake(str(dst), pq.read_table(f), mode="append")
+    return dst
 
 
 def _timed(start):
@@ -66,17 +80,20 @@ def main() -> None:
     ap.add_argument("--queries", default=",".join(QUERIES))
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="floor and stretch runs (medians)")
+    ap.add_argument("--source", choices=("parquet", "delta"), default="parquet")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stretch-bench-spark-"))
     src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
+    if args.source == "delta":
+        src = _as_delta(src, work / "tweets-delta")
     spark = spark_stretch.session(app_name="bench spark",
                                   conf={"spark.sql.shuffle.partitions": "2"})
     spark.sparkContext.setLogLevel("ERROR")
-    report = {"tweets": args.tweets, "files": args.files, "queries": {}}
+    report = {"tweets": args.tweets, "files": args.files, "source": args.source, "queries": {}}
     try:
         def floor(ckpt):
-            return _timed(lambda: _source(spark, src).writeStream.format("noop")
+            return _timed(lambda: _source(spark, src, args.source).writeStream.format("noop")
                           .option("checkpointLocation", str(work / ckpt))
                           .trigger(availableNow=True).start())
 
@@ -85,7 +102,7 @@ def main() -> None:
         floor("warmup-ckpt")
         floors = [floor("floor-ckpt")]
         for name in args.queries.split(","):
-            agg = _source(spark, src).stretchAggregate(
+            agg = _source(spark, src, args.source).stretchAggregate(
                 keys=QUERIES[name](), window=WINDOW, agg="count",
                 parallelism=args.parallelism, max_parallelism=args.parallelism)
             out_n, out_s = work / f"{name}-native", work / f"{name}-stretch"
