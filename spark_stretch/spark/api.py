@@ -301,7 +301,8 @@ class StretchQuery:
             "spark.stretch.ingest.files", "true",
             "the engine reads a batch's Parquet files itself when Spark would only read them",
             "Spark reads them") and self._columnar and self._pipelined
-        self._max_restarts = int(conf.get("spark.stretch.maxEngineRestarts", "3"))
+        self._max_restarts = self._int_conf("spark.stretch.maxEngineRestarts", 3, 0,
+                                            "engine restarts in a row before the query fails")
         self._restarts: list = []
         self._reconfig_log: list = []  # successful reconfigure() calls, re-applied after a restart
         self._spec = {

@@ -138,14 +138,23 @@ def test_engine_killed_with_fail_policy_fails_the_query_then_restart_is_exact(
     _equal(got, want)
 
 
-def test_bad_failure_policy_is_named(spark, stream, tmp_path):
-    spark.conf.set("spark.stretch.onEngineFailure", "retry-forever")
+@pytest.mark.parametrize("key,value", [
+    ("spark.stretch.onEngineFailure", "retry-forever"),
+    ("spark.stretch.maxEngineRestarts", "-1"),
+    ("spark.stretch.checkpoint.interval", "0"),
+    ("spark.stretch.checkpoint.fsync", "yes"),
+    ("spark.stretch.ingest.files", "maybe"),
+    ("spark.stretch.engine.niceness", "30"),
+])
+def test_a_bad_setting_is_named_before_the_query_starts(spark, stream, tmp_path, key, value):
+    spark.conf.set(key, value)
     try:
-        with pytest.raises(ValueError, match="spark.stretch.onEngineFailure='retry-forever'"):
+        with pytest.raises(ValueError, match=re.escape(f"{key}='{value}'")):
             _agg(spark, stream[0]).writeStream.format("delta").option(
                 "checkpointLocation", str(tmp_path / "c")).start(str(tmp_path / "o"))
     finally:
-        spark.conf.unset("spark.stretch.onEngineFailure")
+        spark.conf.unset(key)
+    assert not spark.streams.active
 
 
 def _wait(cond, what, timeout=180):
