@@ -123,6 +123,11 @@ def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, twee
         spark.conf.unset("spark.stretch.delta.directWrite")
     assert "direct_writes" not in q.metrics()
     _equal(spark, tmp_path / "spark", want)
+    # Spark's output jobs (the engine's rows read on its host, then the Delta write) shuffle
+    # nothing either.
+    plans = q.metrics()["plans"]
+    assert any("BatchScan stretch" in p for p in plans), plans
+    assert not any("Exchange" in p for p in plans), plans
     q = _start(agg(), tmp_path / "options", mergeSchema="true")
     assert "direct_writes" not in q.metrics()
     assert {w for _, _, w in _txns(tmp_path / "options")} == {"spark"}
