@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -34,7 +35,8 @@ def _read_parquet_like_spark(files: list, columns: list, schema: pa.Schema):
         if path.scheme not in ("", "file"):
             return f"{uri} is not a local file"
         try:
-            f = pq.ParquetFile(unquote(path.path))
+            # (INT96 as microseconds, Spark's unit; _unlike_spark says when Spark reads it so)
+            f = pq.ParquetFile(unquote(path.path), coerce_int96_timestamp_unit="us")
             why = _unlike_spark(f, columns, schema)
             if why:
                 return f"{uri}: {why}"
@@ -51,15 +53,28 @@ def _read_parquet_like_spark(files: list, columns: list, schema: pa.Schema):
 def _unlike_spark(f, columns: list, schema: pa.Schema) -> str:
     """Why Spark would read ``columns`` of Parquet file ``f`` otherwise than pyarrow ('' if it
     would not)."""
-    meta = f.schema_arrow.metadata or {}
-    version = meta.get(b"org.apache.spark.version", b"3").decode()
-    if version[:1] in ("1", "2") or any(k.startswith(b"org.apache.spark.legacy") for k in meta):
+    meta = f.metadata.metadata or {}  # (the file's key-value metadata)
+    written = meta.get(b"org.apache.spark.version")  # by Spark, which version
+    spark = tuple(int(x) for x in re.findall(r"\d+", written.decode())[:2]) if written else None
+    if (spark is not None and spark < (3, 0)) \
+            or any(k.startswith(b"org.apache.spark.legacy") for k in meta):
         return "written by a legacy Spark writer (datetime rebasing)"
+    int96 = {f.schema.column(j).path for j in range(len(f.schema))
+             if f.schema.column(j).physical_type == "INT96"}
     have = f.schema_arrow
     for c in columns:
         i = have.get_field_index(c)
         if i < 0:
             return f"no column '{c}' (Spark matches names ignoring case, or reads nulls)"
+        if c in int96:
+            # Spark reads INT96 unchanged only from Spark 3.1+ files without the legacy key
+            # (DataSourceUtils.int96RebaseSpec); others are rebased or, from other writers,
+            # time-zone converted by settings: Spark reads them.
+            if spark is None or spark < (3, 1):
+                return f"column '{c}' is INT96 from a non-Spark or pre-3.1 writer"
+            want = schema.field(c).type
+            if pa.types.is_timestamp(want) and want.tz is not None:  # (TIMESTAMP, not _NTZ)
+                continue
         if not _reads_as(have.field(i).type, schema.field(c).type):
             return f"column '{c}' is {have.field(i).type}, read as {schema.field(c).type}"
     return ""
@@ -158,8 +173,9 @@ class CheckpointedRuntime:
         Returns ``{"rows": n, "event_times": [[max, min, avg, count], ...]}`` (milliseconds, per
         watermark column, for Spark's own statistics), or ``{"unsupported": why}`` when Spark
         must read them: a file that is not local, a column missing or only differing in case, a
-        type Spark reads differently (INT96 or unannotated timestamps, binary as string,
-        narrower integers), a legacy Spark writer (datetime rebasing), or any read error. Rows
+        type Spark reads differently (unannotated timestamps, INT96 not from a Spark 3.1+
+        writer, binary as string, narrower integers), a legacy Spark writer (datetime
+        rebasing), or any read error. Rows
         the engine cannot take (null keys) raise, as in the batch's ingest job.
         """
         faults.inject("files", batch)

@@ -111,8 +111,8 @@ object StretchIngest {
    * The files of a micro-batch whose plan is a plain Parquet scan, for the host engine to read
    * itself (Spark would only read and hand them over): a `FileSourceScanExec` of
    * `ParquetFileFormat` (not a subclass: Delta's has deletion vectors and column mapping) with no
-   * partition columns, filters or buckets, and Spark's defaults for corrupt and missing files
-   * and datetime rebasing. Null otherwise. The engine checks the files themselves (column names,
+   * partition columns, filters or buckets, and Spark's defaults for corrupt and missing files,
+   * datetime rebasing and INT96 (read as timestamps, not time-zone converted). Null otherwise. The engine checks the files themselves (column names,
    * types, legacy writers) and declines what Spark would read differently; then, or when this
    * is null, the batch goes through [[ingest]].
    */
@@ -121,6 +121,7 @@ object StretchIngest {
         && fs.relation.partitionSchema.isEmpty && fs.partitionFilters.isEmpty
         && fs.dataFilters.isEmpty && !fs.bucketedScan
         && !SQLConf.get.ignoreCorruptFiles && !SQLConf.get.ignoreMissingFiles
+        && SQLConf.get.isParquetINT96AsTimestamp && !SQLConf.get.isParquetINT96TimestampConversion
         && !fs.relation.options.keys.exists(k => readOptions(k.toLowerCase)) =>
       fs.relation.location.inputFiles
     case _ => null
