@@ -295,8 +295,9 @@ class StretchQuery:
             "spark.stretch.ingest.columnar", "true",
             "a batch read by a columnar scan goes to the engine as its columns",
             "always as the rows foreachBatch hands over")
-        # The engine reads a plain Parquet scan's files itself (pipelined kinds: the drop-in's
-        # rows keep the order Spark hands them over in, which its functions may see).
+        # The engine reads a plain Parquet scan's files itself (Parquet, plain Delta; pipelined
+        # kinds: the drop-in's rows keep the order Spark hands them over in, which its functions
+        # may see).
         self._read_files = self._bool_conf(
             "spark.stretch.ingest.files", "true",
             "the engine reads a batch's Parquet files itself when Spark would only read them",
@@ -555,8 +556,9 @@ class StretchQuery:
         """The Spark job that writes the batch's partitions to the engine (no Exchange).
 
         When the batch's plan is a columnar scan (Parquet, Delta) under only column pruning and
-        the watermark: a plain Parquet scan's files are read by the engine itself (no Spark job:
-        Spark would only read them and hand the rows over; the scan's row count and the
+        the watermark: a scan reading plain Parquet files (a Parquet source, or a Delta source
+        without column mapping or deletion vectors) has its files read by the engine itself (no
+        Spark job: Spark would only read them and hand the rows over; the scan's row count and the
         watermark's event-time statistics are recorded as if the rows had flowed;
         ``spark.stretch.ingest.files=false`` turns it off), or the scan's columnar batches go to
         the engine as columns (``StretchIngest`` in the shim; ``spark.stretch.ingest.columnar=false``

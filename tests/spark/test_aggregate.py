@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,22 @@ def _run(spark, agg, out):
     return q
 
 
+def _native(agg, out):
+    """The native query of ``agg`` run into ``out`` (availableNow), for its progress."""
+    q = (agg.native().writeStream.format("delta").outputMode("append")
+         .option("checkpointLocation", str(out) + "-ckpt")
+         .trigger(availableNow=True).start(str(out)))
+    q.awaitTermination()
+    return q
+
+
+def _delta_wordcount(spark, src):
+    return (spark.readStream.format("delta").option("maxFilesPerTrigger", 1).load(str(src))
+            .withWatermark("ts", "10 seconds")
+            .stretchAggregate(keys=F.col("words"), window=("120 seconds", "60 seconds"),
+                              agg="count"))
+
+
 def _event_times(q) -> dict:
     """Spark's per-batch event-time statistics (from the watermark's accumulator)."""
     return {p["batchId"]: p["eventTime"] for p in q.recentProgress if p["numInputRows"]}
@@ -108,10 +125,7 @@ def test_file_columnar_and_row_ingest_equal_native_with_spark_progress_intact(sp
                                                                               tmp_path):
     agg = source(spark, tweets).stretchAggregate(
         keys=F.col("words"), window=("120 seconds", "60 seconds"), agg="count")
-    native = (agg.native().writeStream.format("delta").outputMode("append")
-              .option("checkpointLocation", str(tmp_path / "n-ckpt"))
-              .trigger(availableNow=True).start(str(tmp_path / "n")))
-    native.awaitTermination()
+    native = _native(agg, tmp_path / "n")
     want = spark.read.format("delta").load(str(tmp_path / "n"))
     runs = {"files": _run(spark, agg, tmp_path / "files")}
     for path, conf in (("columnar", "spark.stretch.ingest.files"),
@@ -184,10 +198,58 @@ def test_files_spark_wrote_with_int96_timestamps_are_read_by_the_engine(spark, t
         keys=F.col("words"), window=("120 seconds", "60 seconds"), agg="count")
     q = _run(spark, agg, tmp_path / "o")
     assert q.metrics()["ingest"] == {"files": 4}, q.metrics()
-    native = (agg.native().writeStream.format("delta").outputMode("append")
-              .option("checkpointLocation", str(tmp_path / "n-ckpt"))
-              .trigger(availableNow=True).start(str(tmp_path / "n")))
-    native.awaitTermination()
+    native = _native(agg, tmp_path / "n")
+    assert_df_equality(spark.read.format("delta").load(str(tmp_path / "o")),
+                       spark.read.format("delta").load(str(tmp_path / "n")),
+                       ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
+    assert _event_times(q) == _event_times(native)
+
+
+@pytest.mark.parametrize("mapping,path", [("none", "files"), ("name", "columnar")])
+def test_delta_source_equals_native(spark, tweets, tmp_path, mapping, path):
+    # The usual source: a Delta table Spark appended to, a version per file. Its files are
+    # plain Parquet without column mapping, and the engine reads them itself; with it (files
+    # hold physical names) the scan's columns go through the shim. Both are native's table, with
+    # Spark's per-batch statistics.
+    src = tmp_path / "delta-src"
+    key = "spark.databricks.delta.properties.defaults.columnMapping.mode"
+    spark.conf.set(key, mapping)
+    try:
+        for f in sorted(Path(tweets).glob("*.parquet")):
+            spark.read.parquet(str(f)).coalesce(1).write.format("delta").mode("append") \
+                .save(str(src))
+    finally:
+        spark.conf.unset(key)
+    agg = _delta_wordcount(spark, src)
+    q = _run(spark, agg, tmp_path / "o")
+    assert q.metrics()["ingest"] == {path: 4}, q.metrics()
+    native = _native(agg, tmp_path / "n")
+    assert_df_equality(spark.read.format("delta").load(str(tmp_path / "o")),
+                       spark.read.format("delta").load(str(tmp_path / "n")),
+                       ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
+    assert sum(p["numInputRows"] for p in q.recentProgress) == 6000
+    assert _event_times(q) == _event_times(native)
+
+
+def test_delta_source_with_deletion_vectors_is_read_by_spark(spark, tweets, tmp_path):
+    # A DELETE on a table with deletion vectors leaves the files with a vector each: a file also
+    # holds its deleted rows, so the engine must not read it; Spark's scan applies the vector.
+    # (A file the DELETE did not touch is plain, and the engine may read it.) Native's table.
+    src = tmp_path / "delta-src"
+    for i, f in enumerate(sorted(Path(tweets).glob("*.parquet"))):
+        w = spark.read.parquet(str(f)).coalesce(1).write.format("delta").mode("append")
+        if i == 0:
+            w = w.option("delta.enableDeletionVectors", "true")
+        w.save(str(src))
+    spark.sql(f"DELETE FROM delta.`{src}` WHERE user = 'u1'")
+    log = sorted((src / "_delta_log").glob("*.json"))[-1].read_text().splitlines()
+    with_dv = sum(1 for a in map(json.loads, log) if a.get("add", {}).get("deletionVector"))
+    assert 0 < with_dv < 4  # (the DELETE's commit: files re-added with their vectors)
+    agg = _delta_wordcount(spark, src)
+    q = _run(spark, agg, tmp_path / "o")
+    ingest = q.metrics()["ingest"]
+    assert sum(ingest.values()) == 4 and ingest.get("files", 0) == 4 - with_dv, ingest
+    native = _native(agg, tmp_path / "n")
     assert_df_equality(spark.read.format("delta").load(str(tmp_path / "o")),
                        spark.read.format("delta").load(str(tmp_path / "n")),
                        ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)

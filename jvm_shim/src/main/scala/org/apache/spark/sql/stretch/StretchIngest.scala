@@ -110,14 +110,14 @@ object StretchIngest {
   /**
    * The files of a micro-batch whose plan is a plain Parquet scan, for the host engine to read
    * itself (Spark would only read and hand them over): a `FileSourceScanExec` of
-   * `ParquetFileFormat` (not a subclass: Delta's has deletion vectors and column mapping) with no
+   * `ParquetFileFormat`, or of Delta's when it reads plain Parquet ([[plainParquet]]), with no
    * partition columns, filters or buckets, and Spark's defaults for corrupt and missing files,
    * datetime rebasing and INT96 (read as timestamps, not time-zone converted). Null otherwise. The engine checks the files themselves (column names,
    * types, legacy writers) and declines what Spark would read differently; then, or when this
    * is null, the batch goes through [[ingest]].
    */
   def parquetFiles(plan: SparkPlan): Array[String] = shape(plan).map(_.scan) match {
-    case Some(fs: FileSourceScanExec) if fs.relation.fileFormat.getClass == classOf[ParquetFileFormat]
+    case Some(fs: FileSourceScanExec) if plainParquet(fs)
         && fs.relation.partitionSchema.isEmpty && fs.partitionFilters.isEmpty
         && fs.dataFilters.isEmpty && !fs.bucketedScan
         && !SQLConf.get.ignoreCorruptFiles && !SQLConf.get.ignoreMissingFiles
@@ -125,6 +125,32 @@ object StretchIngest {
         && !fs.relation.options.keys.exists(k => readOptions(k.toLowerCase)) =>
       fs.relation.location.inputFiles
     case _ => null
+  }
+
+  /**
+   * Whether the scan reads its files as plain Parquet: `ParquetFileFormat` itself, or Delta's
+   * `DeltaParquetFileFormat` (reached by reflection: the shim does not link Delta) when it only
+   * reads: no column mapping (physical names are the logical ones), not a change-data read, no
+   * Delta-internal column (deletion-vector row flags, row tracking), and a file index of
+   * `AddFile`s none of which carries a deletion vector.
+   */
+  private def plainParquet(fs: FileSourceScanExec): Boolean = {
+    val format = fs.relation.fileFormat
+    if (format.getClass == classOf[ParquetFileFormat]) return true
+    if (format.getClass.getName != "org.apache.spark.sql.delta.DeltaParquetFileFormat") {
+      return false
+    }
+    def call(o: AnyRef, name: String): AnyRef = o.getClass.getMethod(name).invoke(o)
+    try {
+      val mapping = call(call(format, "columnMappingMode"), "name")
+      val cdc = call(format, "isCDCRead").asInstanceOf[Boolean]
+      val internal = (fs.relation.dataSchema.fieldNames ++ fs.output.map(_.name))
+        .exists(_.startsWith("__delta_internal"))
+      val files = call(fs.relation.location, "addFiles").asInstanceOf[Seq[AnyRef]]
+      mapping == "none" && !cdc && !internal && files.forall(f => call(f, "deletionVector") == null)
+    } catch {
+      case _: ReflectiveOperationException | _: ClassCastException => false  // another Delta
+    }
   }
 
   /** The plan's output column names (what the engine reads from the files), in order. */
