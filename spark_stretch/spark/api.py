@@ -328,15 +328,11 @@ class StretchQuery:
         self._opening.start()
 
     def _int_conf(self, key: str, default: int, least: int, what: str) -> int:
-        value = self._spark.conf.get(key, str(default))
         try:
-            n = int(value)
+            return _int_setting(self._spark, key, default, least, None, what)
         except ValueError:
-            n = least - 1
-        if n < least:
             self._release()
-            raise ValueError(f"{key}='{value}': must be an integer >= {least} ({what})")
-        return n
+            raise
 
     def _bool_conf(self, key: str, default: str, if_true: str, if_false: str) -> bool:
         value = self._spark.conf.get(key, default).lower()
@@ -1012,23 +1008,31 @@ _DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
                          "spark.databricks.delta.protocol.")
 
 
+def _int_setting(spark, key: str, default: int, least: int, most: Optional[int],
+                 what: str) -> int:
+    """The integer session setting ``key``; a ValueError naming it if it is not one in
+    ``[least, most]`` (``most`` None: no upper bound)."""
+    value = spark.conf.get(key, str(default))
+    try:
+        n = int(value)
+    except ValueError:
+        n = least - 1
+    if n < least or (most is not None and n > most):
+        bounds = f">= {least}" if most is None else f"from {least} to {most}"
+        raise ValueError(f"{key}='{value}': must be an integer {bounds} ({what})")
+    return n
+
+
 def _engine_niceness(spark) -> int:
     """``spark.stretch.engine.niceness``: the host engine's nice value (default 5, 0 to 19).
 
     The engine's work is off Spark's critical path (batch N is stepped while Spark commits N and
-    ingests N+1), so on a host whose cores Spark also needs, it yields to Spark's threads: word
-    count ran 5-7% faster at 5 to 15 than at 0 on the 2-core project machine (BENCHMARKS.md).
-    The engine is shared by the queries of a host: the first query's setting starts it."""
-    value = spark.conf.get("spark.stretch.engine.niceness", "5")
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 19:
-        raise ValueError(f"spark.stretch.engine.niceness='{value}': must be an integer from 0 "
-                         "(the engine's threads compete with Spark's as equals) to 19 (they run "
-                         "only when Spark leaves a core idle)")
-    return n
+    ingests N+1), so on a host whose cores Spark also needs, it yields to Spark's threads (see
+    BENCHMARKS.md, session 7). The engine is shared by the queries of a host: the first
+    query's setting starts it."""
+    return _int_setting(spark, "spark.stretch.engine.niceness", 5, 0, 19,
+                        "0: the engine's threads compete with Spark's as equals; 19: they run "
+                        "only when Spark leaves a core idle")
 
 
 def _last_committed(checkpoint) -> Optional[int]:
