@@ -1,6 +1,7 @@
 """How a micro-batch reaches the engine: the three ingest paths side by side, in one run.
 
-    python python/bench/ingest.py [--tweets 1000000] [--files 10] [--repeat 3] [--json]
+    python python/bench/ingest.py [--tweets 1000000] [--files 10] [--repeat 3]
+                                  [--variant NAME:KEY=VALUE[,KEY=VALUE]]... [--json]
 
 The word count of ``python/bench/spark.py`` (parquet tweet stream, ``--files`` micro-batches,
 availableNow, local[2], into Delta) with the batch going to the engine
@@ -12,7 +13,9 @@ availableNow, local[2], into Delta) with the batch going to the engine
 
 and the ingest floor (the same stream read and dropped by Spark). Each runs once untimed (JVM
 warm-up), then ``--repeat`` times alternated; medians are reported, as input tweets per second,
-with each path's ratio to the floor. The three tables are checked equal.
+with each path's ratio to the floor. The three tables are checked equal. Each ``--variant`` adds
+the files path with other session settings (e.g. ``nice0:spark.stretch.engine.niceness=0``),
+run alternated with the others: a setting's effect measured side by side.
 """
 
 from __future__ import annotations
@@ -40,8 +43,14 @@ def main() -> None:
     ap.add_argument("--tweets", type=int, default=1_000_000)
     ap.add_argument("--files", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:KEY=VALUE[,KEY=VALUE]: the files path with these settings")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    paths = {n: (n, conf) for n, conf in PATHS.items()}  # name -> (ingest path, settings)
+    for v in args.variant:
+        name, _, settings = v.partition(":")
+        paths[name] = ("files", dict(kv.split("=", 1) for kv in settings.split(",")))
     work = Path(tempfile.mkdtemp(prefix="stretch-bench-ingest-"))
     src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
     spark = spark_stretch.session(app_name="bench ingest",
@@ -52,7 +61,8 @@ def main() -> None:
         out = work / name
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(str(out) + "-ckpt", ignore_errors=True)
-        for k, v in PATHS.get(name, {}).items():
+        path, conf = paths.get(name, ("floor", {}))
+        for k, v in conf.items():
             spark.conf.set(k, v)
         try:
             if name == "floor":
@@ -70,14 +80,14 @@ def main() -> None:
                 return queries[-1]
             took = _timed(start)
             if name != "floor":  # (each batch went the path named)
-                assert queries[0].metrics()["ingest"] == {name: args.files}, \
+                assert queries[0].metrics()["ingest"] == {path: args.files}, \
                     queries[0].metrics()["ingest"]
             return took
         finally:
-            for k in PATHS.get(name, {}):
+            for k in conf:
                 spark.conf.unset(k)
 
-    names = ["floor", *PATHS]
+    names = ["floor", *paths]
     times = {n: [] for n in names}
     try:
         for n in names:
@@ -85,7 +95,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for n in names:
                 times[n].append(run(n))
-        tables = [spark.read.format("delta").load(str(work / n)) for n in PATHS]
+        tables = [spark.read.format("delta").load(str(work / n)) for n in paths]
         equal = all(t.count() == tables[0].count() and t.exceptAll(tables[0]).isEmpty()
                     and tables[0].exceptAll(t).isEmpty() for t in tables[1:])
     finally:
