@@ -16,13 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) -m spark_stretch.spark.shim
+	$(PY) -m spark_stretch.driver.shim
 	touch $@
 
 demo: setup
 	$(PY) examples/wordcount_delta.py
 
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -W ignore::FutureWarning
 
 test-slow: setup

@@ -6,6 +6,11 @@ Set-up::
     spark = spark_stretch.session()                       # local Spark + Delta + the shim
     # or, with your own builder:
     spark = spark_stretch.configure_spark_with_stretch(SparkSession.builder).getOrCreate()
+
+The package is laid out by the process that runs its code: ``api/`` and ``driver/`` (the Spark
+driver), ``host/`` (the host engine process), ``worker/`` (the drop-in's instance processes),
+``protocol/`` (what they exchange), ``engine/`` and ``ops/`` (the VSN engine and its operators,
+run by the host engine), ``testing/`` (data generators and native comparisons).
 """
 
 import os as _os
@@ -13,19 +18,18 @@ import os as _os
 __version__ = "0.1.0"
 
 if _os.environ.get("SPARK_STRETCH_HOSTD") == "1":
-    # The host engine process (spark_stretch.spark.hostd) runs the engine, never Spark: importing
+    # The host engine process (spark_stretch.host.daemon) runs the engine, never Spark: importing
     # PySpark there would only add a fifth of a second to every engine start.
     __all__ = ["__version__"]
 else:
     from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
-    from .spark.api import StretchAggregation, StretchQuery, _install, stretch_aggregate
-    from .spark.grouped import StretchGroupedAggregation, stretch_apply_in_pandas_with_state
-    from .spark.receiver import Receiver
-    from .spark.session import configure_spark_with_stretch, session
-    from .spark.spec import pairs
+    from .api import (StretchAggregation, StretchGroupedAggregation, StretchQuery, install,
+                      pairs, stretch_aggregate, stretch_apply_in_pandas_with_state)
+    from .driver.session import configure_spark_with_stretch, session
+    from .host.receiver import Receiver
 
-    _install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
+    install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
 
     __all__ = ["GroupState", "GroupStateTimeout", "Receiver", "StretchAggregation",
                "StretchGroupedAggregation", "StretchQuery", "configure_spark_with_stretch",

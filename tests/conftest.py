@@ -1,4 +1,5 @@
-"""Run-wide checks: the environment Spark needs, and a leak check at the end.
+"""Run-wide fixtures and checks: the environment Spark needs, one local[2] session for the run, a
+receiver per test, and a leak check at the end.
 
 The leak check fails the run if a Spark JVM started by this process, a host engine or one of its
 instance processes, a receiver socket directory, or a query's state directory in shared memory
@@ -14,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
 
@@ -24,13 +27,13 @@ _SHM_BEFORE = set(glob.glob(os.path.join(_SHM, "stretch-*")))
 
 
 def _engines() -> set:
-    """Host engine processes (``python -m spark_stretch.spark.hostd``) and their instance
-    processes (``python -m spark_stretch.spark.grouped_runtime``) on this machine."""
+    """Host engine processes (``python -m spark_stretch.host.daemon``) and their instance
+    processes (``python -m spark_stretch.worker``) on this machine."""
     out = set()
     for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
         try:
             cmd = Path(cmdline).read_bytes()
-            if b"spark_stretch.spark.hostd" in cmd or b"spark_stretch.spark.grouped_runtime" in cmd:
+            if b"spark_stretch.host.daemon" in cmd or b"spark_stretch.worker" in cmd:
                 out.add(int(cmdline.split("/")[2]))
         except OSError:
             continue
@@ -38,6 +41,24 @@ def _engines() -> set:
 
 
 _ENGINES_BEFORE = _engines()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    import spark_stretch
+
+    session = spark_stretch.session(app_name="spark-stretch tests")
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def receiver():
+    import spark_stretch
+
+    with spark_stretch.Receiver() as r:
+        yield r
 
 
 def _child_jvms(pid: int) -> list:

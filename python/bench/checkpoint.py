@@ -2,7 +2,7 @@
 
     python python/bench/checkpoint.py [--windows 10000,1000000] [--changed 0.01] [--json]
 
-For each state size, the engine-side runtime of ``stretchAggregate`` (``QueryRuntime``, no Spark)
+For each state size, the engine-side runtime of ``stretchAggregate`` (``AggregateRuntime``, no Spark)
 is given one batch of that many keys, then batches that touch a fraction ``--changed`` of the keys
 (the engine processes a batch's tuples when the next watermark passes them, so batch 1 creates the
 live windows, one per key, and later batches update some). Each batch runs twice: on a runtime without a checkpoint
@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from spark_stretch.spark.bridge import QueryRuntime
+from spark_stretch.host.aggregate import AggregateRuntime
+from spark_stretch.protocol.specs import AggregateSpec, Checkpointing
 
 
 class _Receiver:
@@ -33,11 +34,12 @@ class _Receiver:
 
 
 def _spec(state_dir, buckets):
-    return dict(parallelism=2, max_parallelism=2, buckets=buckets, window_us=3_600_000_000,
-                slide_us=3_600_000_000, delay_ms=0, ts_column="ts", key_column="k",
-                key_kind="scalar", key_type="long", distance=None, aggs=[["count", None]],
-                output_names=["count"], value_types={}, state_dir=state_dir, min_deltas=10,
-                min_batches_to_retain=100)
+    # a checkpoint after every batch (interval 1), to measure each one
+    return AggregateSpec(parallelism=2, max_parallelism=2, buckets=buckets,
+                         window_us=3_600_000_000, slide_us=3_600_000_000, delay_ms=0,
+                         ts_column="ts", key_column="k", key_kind="scalar", key_type="long",
+                         aggs=[("count", None)],
+                         checkpoint=Checkpointing(state_dir=state_dir, interval=1))
 
 
 def _batch(keys, t_ms):
@@ -46,8 +48,8 @@ def _batch(keys, t_ms):
 
 
 def run(windows: int, changed: float, batches: int, buckets: int, work: Path) -> dict:
-    plain = QueryRuntime("plain", _spec(None, buckets), _Receiver())
-    ck = QueryRuntime("ck", _spec(str(work / f"state-{windows}"), buckets), _Receiver())
+    plain = AggregateRuntime("plain", _spec(None, buckets), _Receiver())
+    ck = AggregateRuntime("ck", _spec(str(work / f"state-{windows}"), buckets), _Receiver())
     rng = np.random.default_rng(7)
     rows = []
     for b in range(batches):
@@ -58,8 +60,8 @@ def run(windows: int, changed: float, batches: int, buckets: int, work: Path) ->
             rt.ingest(f"in:{b}", "j", _batch(keys, t))
             t0 = time.perf_counter()
             reply = rt.step(b)
-            rows.append((b, name, time.perf_counter() - t0, reply["rows"]))
-        stats = ck.wait_saved()
+            rows.append((b, name, time.perf_counter() - t0, reply.rows))
+        stats = ck.wait_saved().to_dict()
         plain_s = rows[-2][2]
         ck_s = rows[-1][2]
         rows[-1] = (b, "ck", ck_s, rows[-1][3], stats)

@@ -13,7 +13,8 @@ from .errors import EngineError
 from .esg import ESG, Control, ListColumn, Segment, to_arrow
 from .operator import Operator
 from .reference import reference_run
-from .runtime import Engine, engine_class, reconfigure, setup
+from .factory import engine_class, setup
+from .runtime import Engine, reconfigure
 from .sn import SNEngine
 from .store import JoinEngine, JoinOperator
 from .state import BucketState, Interner, balanced_owner_map

@@ -97,6 +97,7 @@ class Operator:
     prepare: object = None  # optional override: (stream, batch or None) -> cols tuple
     decode: object = None  # optional: (keys, interner) -> dict of decoded key columns
     _compiled: object = field(default=None, repr=False, compare=False)
+    engine_kind = "vsn"  # (not a field) the engine class that runs it: engine.factory
 
     def __post_init__(self):
         if self.I not in (1, 2):

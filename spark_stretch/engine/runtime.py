@@ -120,7 +120,7 @@ class Engine:
     def __init__(self, op, m, n, n_buckets=1024, esg_in=None, threads=True, cap=8, out_reader="driver",
                  inline_rows=INLINE_ROWS, lateness="tuple"):
         _check_mn(m, n)
-        if type(op).__name__ == "JoinOperator" and self.mode != "vsn-join":
+        if getattr(op, "engine_kind", "vsn") == "join" and self.mode != "vsn-join":
             raise EngineError(f"operator {op.name} is a JoinOperator; run it with JoinEngine (or setup(), "
                               "which picks the engine class)")
         if n_buckets < n:
@@ -567,28 +567,6 @@ def _strip(it):
     if isinstance(it, Control):
         return Control(it.epoch, it.instances, it.owner_map, it.gamma)
     return it
-
-
-def setup(op, m, n, esg_in=None, **kw):
-    """``{ESG_in, ESG_out} = setup(O+, m, n)`` (stretch-tpds §7). ``esg_out.engine`` is the :class:`Engine`.
-
-    With ``esg_in`` (an upstream operator's ``esg_out``) this is the paper's ``setup(ESG_in, O+, m, n)``.
-    """
-    eng = engine_class(op)(op, m, n, esg_in=esg_in, **kw)
-    return eng.esg_in, eng.esg_out
-
-
-def engine_class(op, shared_nothing=False):
-    """The engine class running ``op``: :class:`Engine`, ``SNEngine`` or ``JoinEngine``."""
-    if type(op).__name__ == "JoinOperator":
-        from .store import JoinEngine
-        if shared_nothing:
-            raise EngineError("the shared-nothing mode runs aggregations only, not JoinOperator")
-        return JoinEngine
-    if shared_nothing:
-        from .sn import SNEngine
-        return SNEngine
-    return Engine
 
 
 def reconfigure(esg, m=None, instances=None, owner_map=None):

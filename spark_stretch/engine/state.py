@@ -1,6 +1,7 @@
 """Shared state: B buckets of window instances, the owner map, and string interning.
 
-Keys hash to ``B`` buckets (``bucket_of(key) = mix64(key) % B``); each bucket holds an open-addressing
+Keys hash to ``B`` buckets (``((mix64(key) >> 32) * B) >> 32``: the placement policy of
+:mod:`spark_stretch.protocol.placement`); each bucket holds an open-addressing
 table of window instances keyed by the full ``(key, window start)`` pair. The owner map is an int array
 of length ``B``: ``owner_map[b] = j`` means instance ``j`` alone reads and writes bucket ``b`` in the
 current epoch, so the hot path takes no lock. An epoch switch replaces the owner map (O(B)); no state is
@@ -15,6 +16,7 @@ import pyarrow as pa
 
 from . import kernels as K
 from . import strings as S
+from ..protocol import placement
 from .errors import EngineError
 
 
@@ -143,35 +145,20 @@ class Interner:
 
 
 def balanced_owner_map(n_buckets: int, instances) -> np.ndarray:
-    """Owner map giving each instance an equal contiguous range of buckets.
-
-    Contiguous ranges keep the per-bucket counters an instance writes on its own cache lines.
-
-    Examples
-    --------
-    >>> balanced_owner_map(4, [0, 2]).tolist()
-    [0, 0, 2, 2]
-    """
-    inst = np.asarray(sorted(instances), np.int64)
-    if inst.size == 0:
-        raise EngineError("instances is empty; an owner map needs at least one instance")
-    return inst[(np.arange(n_buckets) * inst.size) // n_buckets]
+    """The placement policy's balanced owner map (:func:`spark_stretch.protocol.placement.balanced_owner_map`)."""
+    try:
+        return placement.balanced_owner_map(n_buckets, instances)
+    except placement.PlacementError as e:
+        raise EngineError(str(e)) from None
 
 
 def validate_owner_map(owner_map, n_buckets: int, instances) -> np.ndarray:
-    """Check that ``owner_map`` covers all ``n_buckets`` buckets with owners from ``instances``."""
-    om = np.asarray(owner_map)
-    if om.ndim != 1 or om.shape[0] != n_buckets:
-        raise EngineError(f"owner_map has shape {om.shape}; it must give an owner to each of the "
-                          f"B={n_buckets} buckets (length {n_buckets})")
-    if not np.issubdtype(om.dtype, np.integer):
-        raise EngineError(f"owner_map has dtype {om.dtype}; it must be an integer array of instance ids")
-    bad = ~np.isin(om, np.asarray(list(instances), np.int64))
-    if bad.any():
-        b = int(np.flatnonzero(bad)[0])
-        raise EngineError(f"owner_map misses bucket {b}: its owner {int(om[b])} is not one of the "
-                          f"active instances {sorted(instances)} ({int(bad.sum())} buckets have no valid owner)")
-    return om.astype(np.int64)
+    """Check that ``owner_map`` covers all ``n_buckets`` buckets with owners from ``instances``
+    (:func:`spark_stretch.protocol.placement.validate_owner_map`, raising EngineError)."""
+    try:
+        return placement.validate_owner_map(owner_map, n_buckets, instances)
+    except placement.PlacementError as e:
+        raise EngineError(str(e)) from None
 
 
 class BucketState:

@@ -148,6 +148,7 @@ class JoinOperator:
     WA: int = 1
     WT: str = "single"
     _kernel: object = field(default=None, repr=False, compare=False)
+    engine_kind = "join"  # (not a field) run by JoinEngine: engine.factory
 
     def __post_init__(self):
         if len(self.left) != len(self.right):

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from spark_stretch.engine import SNEngine
 from spark_stretch.engine.reference import ref_aggregate, reference_run
 from spark_stretch.ops import aggregate, longest, paircount, wordcount
-from stretch_helpers import run_engine, same_rows
-from stretch_scripts import scripts
+from spark_stretch.testing.engine import run_engine, same_rows
+from tests.engine.stretch_scripts import scripts
 
 SCHEMA = {"words": "list", "k": "int64", "v": "float64", "n": "int64"}
 COLS = [{"words": "list", "k": np.int64, "v": np.float64, "n": np.int64}]

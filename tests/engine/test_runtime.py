@@ -9,7 +9,7 @@ from numba import njit
 from spark_stretch.engine import Engine, EngineError, ListColumn, Operator, SNEngine, reconfigure, setup
 from spark_stretch.engine.reference import ref_aggregate, reference_run
 from spark_stretch.ops import aggregate, paircount, wordcount
-from stretch_helpers import batch_to_rows, rows_to_batch, run_engine, same_rows
+from spark_stretch.testing.engine import batch_to_rows, rows_to_batch, run_engine, same_rows
 
 
 def tweets(n, t0=0, seed=0, vocab=50):

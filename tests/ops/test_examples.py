@@ -10,12 +10,12 @@ from numba import njit
 
 from spark_stretch.engine import Engine, Operator
 from spark_stretch.engine.reference import RefOp, reference_run
-from spark_stretch.engine.runtime import engine_class
+from spark_stretch.engine.factory import engine_class
 from spark_stretch.engine.store import JoinEngine
 from spark_stretch.ops import (band_join, hedge_join, longest, passthrough, value_barrier_partials,
                                value_barrier_totals)
-from stretch_helpers import batch_to_rows, rows_to_batch, run_engine, same_rows
-from stretch_scripts import reconfigurations, scripts
+from spark_stretch.testing.engine import batch_to_rows, rows_to_batch, run_engine, same_rows
+from tests.engine.stretch_scripts import reconfigurations, scripts
 
 SET = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -11,9 +11,10 @@ import com.fasterxml.jackson.databind.node.ObjectNode
 /**
  * One connection to a host engine's receiver over a Unix domain socket.
  *
- * Framing: a request is a 4-byte big-endian length and a UTF-8 JSON header, optionally followed by
- * an Arrow IPC stream; a reply is a framed JSON header (`{"ok": true, ...}` or
- * `{"ok": false, "error": "..."}`), optionally followed by an Arrow IPC stream.
+ * Framing (spark_stretch/protocol/framing.py): a request is a 4-byte big-endian length and a UTF-8
+ * JSON header (`{"v": 1, "op": ..., ...}`, the messages of spark_stretch/protocol/messages.py),
+ * optionally followed by an Arrow IPC stream; a reply is a framed JSON header (`{"ok": true, ...}`
+ * or `{"ok": false, "code": "...", "error": "..."}`), optionally followed by an Arrow IPC stream.
  */
 class ReceiverClient(val path: String, timeoutMs: Int) extends AutoCloseable {
   private val channel: SocketChannel = {
@@ -45,7 +46,8 @@ class ReceiverClient(val path: String, timeoutMs: Int) extends AutoCloseable {
     val node = ReceiverClient.mapper.readTree(new String(bytes, StandardCharsets.UTF_8))
       .asInstanceOf[ObjectNode]
     if (!node.path("ok").asBoolean(false)) {
-      throw new IOException(s"stretch receiver at '$path' failed: " + node.path("error").asText("?"))
+      throw new IOException(s"stretch receiver at '$path' failed (" + node.path("code").asText("?") +
+        "): " + node.path("error").asText("?"))
     }
     node
   }
@@ -66,8 +68,11 @@ class ReceiverClient(val path: String, timeoutMs: Int) extends AutoCloseable {
 
 object ReceiverClient {
   val mapper = new ObjectMapper()
+  /** The protocol version this shim speaks (PROTOCOL_VERSION of spark_stretch.protocol.messages). */
+  val ProtocolVersion = 1
   def header(op: String, stream: String): ObjectNode = {
     val h = mapper.createObjectNode()
+    h.put("v", ProtocolVersion)
     h.put("op", op)
     h.put("stream", stream)
     h

@@ -1,0 +1,49 @@
+"""What users call, in the driver process: the calls, the query kinds they return, the query handle.
+
+- :func:`~.aggregate.stretch_aggregate` (``df.stretchAggregate``): built-in windowed
+  aggregations (:mod:`.aggregate`, arguments checked in :mod:`.specs`, the native equivalent in
+  :mod:`.native`) or the engine's own operators and joins (:mod:`.operators`);
+- :func:`~.grouped.stretch_apply_in_pandas_with_state` (``df.groupBy(...).stretchAggregate``):
+  the ``applyInPandasWithState`` drop-in (:mod:`.grouped`);
+- ``.writeStream`` (:mod:`.writer`) starts a :class:`~.query.StretchQuery`.
+
+:func:`install` attaches the two ``stretchAggregate`` methods to pyspark's classes, once.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame
+from pyspark.sql.group import GroupedData
+
+from .aggregate import StretchAggregation, stretch_aggregate
+from .grouped import StretchGroupedAggregation, stretch_apply_in_pandas_with_state
+from .operators import StretchOperatorAggregation
+from .query import StretchQuery
+from .specs import pairs
+
+__all__ = ["StretchAggregation", "StretchGroupedAggregation", "StretchOperatorAggregation",
+           "StretchQuery", "install", "pairs", "stretch_aggregate",
+           "stretch_apply_in_pandas_with_state"]
+
+
+def install() -> None:
+    """Attach ``DataFrame.stretchAggregate`` and ``GroupedData.stretchAggregate`` (the
+    ``applyInPandasWithState`` drop-in), once; ``import spark_stretch`` calls it."""
+    if getattr(DataFrame, "_stretch_installed", False):
+        return
+
+    def stretchAggregate(self, keys=None, window=None, agg="count", **kwargs):
+        return stretch_aggregate(self, keys, window, agg, **kwargs)
+
+    stretchAggregate.__doc__ = stretch_aggregate.__doc__
+    DataFrame.stretchAggregate = stretchAggregate
+
+    def groupedStretchAggregate(self, func, outputStructType, stateStructType, outputMode,
+                                timeoutConf, **kwargs):
+        return stretch_apply_in_pandas_with_state(self, func, outputStructType, stateStructType,
+                                                  outputMode, timeoutConf, **kwargs)
+
+    groupedStretchAggregate.__doc__ = stretch_apply_in_pandas_with_state.__doc__
+    groupedStretchAggregate.__name__ = "stretchAggregate"
+    GroupedData.stretchAggregate = groupedStretchAggregate
+    DataFrame._stretch_installed = True

@@ -1,0 +1,263 @@
+"""``groupBy(k).stretchAggregate(func, ...)``: the drop-in for ``applyInPandasWithState``.
+
+Same arguments, same function, same ``GroupState`` (pyspark's own class), same rows; the state
+lives in the host engine's shared buckets (``/dev/shm``) and the function runs in the engine's
+instance processes, so the query can be rescaled between two micro-batches without a restart,
+a shuffle or a state copy (``query.reconfigure(parallelism=k)``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import List, Optional, Union
+
+from pyspark.sql import DataFrame
+from pyspark.sql.group import GroupedData
+from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+from pyspark.sql.types import StructType
+
+from ..driver import jvm
+from ..protocol.layout import FLUSH_FORMAT, check_format, write_json
+from ..protocol.specs import GroupedSpec
+from .specs import find_watermark
+from .writer import StretchResult
+
+__all__ = ["StretchGroupedAggregation", "stretch_apply_in_pandas_with_state", "GroupState",
+           "GroupStateTimeout"]
+
+_DELAY_KEY = "spark.watermarkDelayMs"  # EventTimeWatermark.delayKey: marks the event-time column
+
+
+def _runner_conf(spark) -> dict:
+    """The settings pyspark's worker reads for applyInPandasWithState (worker.py RunnerConf)."""
+    c = spark.conf
+
+    def flag(key, default):
+        return str(c.get(key, default)).lower() == "true"
+
+    return {
+        "timezone": c.get("spark.sql.session.timeZone"),
+        "safecheck": flag("spark.sql.execution.pandas.convertToArrowArraySafely", "false"),
+        "assign_cols_by_name": flag(
+            "spark.sql.legacy.execution.pandas.groupedMap.assignColumnsByName", "true"),
+        "prefer_int_ext_dtype": flag(
+            "spark.sql.execution.pythonUDF.pandas.preferIntExtensionDtype", "false"),
+        "int_to_decimal_coercion_enabled": flag(
+            "spark.sql.execution.pythonUDF.pandas.intToDecimalCoercionEnabled", "false"),
+        "arrow_max_records_per_batch": int(
+            c.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")),
+    }
+
+
+def _grouping_columns(native: DataFrame, df: DataFrame) -> List[str]:
+    """The grouping attributes of the native plan's ``FlatMapGroupsInPandasWithState``."""
+    names = jvm.grouping_columns(native, "FlatMapGroupsInPandasWithState")
+    if names is None:
+        raise RuntimeError("no FlatMapGroupsInPandasWithState in the native plan (pyspark "
+                           "changed?)")
+    missing = [n for n in names if n not in df.columns]
+    if missing:
+        raise NotImplementedError(
+            f"groupBy(...).stretchAggregate groups by columns of the DataFrame; "
+            f"{missing} are expressions. Add them as columns first, e.g. "
+            f"df.withColumn('k', expr).groupBy('k')")
+    return names
+
+
+def stretch_apply_in_pandas_with_state(
+        gd: GroupedData, func, outputStructType: Union[StructType, str],
+        stateStructType: Union[StructType, str], outputMode: str, timeoutConf: str, *,
+        parallelism: Optional[int] = None, max_parallelism: Optional[int] = None,
+        buckets: int = 256) -> "StretchGroupedAggregation":
+    """
+    Applies the given function to each group of data, while maintaining a user-defined per-group
+    state, on the host's shared-state engine: the drop-in replacement for
+    :meth:`pyspark.sql.GroupedData.applyInPandasWithState` (replace the method name, nothing else).
+
+    For a streaming :class:`DataFrame`, the function is invoked first for all input groups and
+    then for all timed out states where the input data is set to be empty. Updates to each
+    group's state are saved across invocations, in the host engine's state buckets (not in
+    Spark's state store), and checkpointed with the query.
+
+    The function takes ``(key, Iterator[pandas.DataFrame], state)`` and returns an
+    ``Iterator[pandas.DataFrame]``. The grouping key(s) are passed as a tuple of numpy data
+    types; the state is pyspark's :class:`pyspark.sql.streaming.state.GroupState`, so the same
+    calls work and the same misuse raises the same exceptions as under native Spark. Each
+    ``pandas.DataFrame`` has all the columns of the grouped DataFrame, converted as pyspark
+    converts them (session time zone, same dtypes).
+
+    Parameters
+    ----------
+    func : function
+        A Python native function to be called on every group. It should take parameters
+        (key, Iterator[`pandas.DataFrame`], state) and return Iterator[`pandas.DataFrame`].
+    outputStructType : :class:`pyspark.sql.types.DataType` or str
+        The type of the output records, a :class:`StructType` or a DDL-formatted string.
+    stateStructType : :class:`pyspark.sql.types.DataType` or str
+        The type of the user-defined state, a :class:`StructType` or a DDL-formatted string.
+    outputMode : str
+        The output mode of the function, ``"Update"`` or ``"Append"``; the query's
+        ``writeStream.outputMode`` must match it, as for the native operator.
+    timeoutConf : str
+        A :class:`pyspark.sql.streaming.state.GroupStateTimeout` value: ``NoTimeout``,
+        ``ProcessingTimeTimeout`` or ``EventTimeTimeout`` (which needs ``withWatermark``).
+    parallelism : int, optional
+        Instance processes running the function at the start (default: the default parallelism
+        of the Spark context, e.g. 2 on ``local[2]``).
+    max_parallelism : int, optional
+        Instance processes started with the query (default: ``parallelism``);
+        ``query.reconfigure(parallelism=k)`` moves between 1 and this many without a restart.
+    buckets : int
+        State buckets; ownership moves between instances bucket by bucket. Keep it the same
+        across restarts from one checkpoint.
+
+    Returns
+    -------
+    StretchGroupedAggregation
+        Write it with ``.writeStream`` like a DataFrame; the query is a
+        :class:`spark_stretch.StretchQuery` (``reconfigure``, ``metrics``).
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> import spark_stretch
+    >>> from pyspark.sql.streaming.state import GroupStateTimeout
+    >>> def count_fn(key, pdf_iter, state):
+    ...     total = state.get[0] if state.exists else 0
+    ...     for pdf in pdf_iter:
+    ...         total += len(pdf)
+    ...     state.update((total,))
+    ...     yield pd.DataFrame({"user": [key[0]], "count": [total]})
+    ...
+    >>> counts = (spark.readStream.schema("ts timestamp, user string").parquet(src)  # doctest: +SKIP
+    ...           .groupBy("user").stretchAggregate(
+    ...               count_fn, outputStructType="user string, count long",
+    ...               stateStructType="count long", outputMode="Update",
+    ...               timeoutConf=GroupStateTimeout.NoTimeout))
+    >>> q = (counts.writeStream.outputMode("update").format("delta")          # doctest: +SKIP
+    ...      .option("checkpointLocation", ckpt).start(out))
+    >>> q.reconfigure(parallelism=1)    # online: no restart, no shuffle, no state moved  # doctest: +SKIP
+
+    Notes
+    -----
+    - Semantics are those of Spark 4.2's ``FlatMapGroupsInPandasWithStateExec``: with
+      ``EventTimeTimeout`` rows at or before the previous batch's watermark are dropped; keys
+      time out when their timeout timestamp is set and earlier than the batch's event-time
+      watermark (``EventTimeTimeout``) or the batch timestamp (``ProcessingTimeTimeout``, the one
+      Spark recorded in the offset log); the old timeout is not passed into a call, and is kept
+      unless the call updates or removes the state or sets a new timeout.
+    - A key's rows arrive in DataFrames of at most ``spark.sql.execution.arrow.maxRecordsPerBatch``
+      rows; where a long group is cut may differ from native Spark (the function should not
+      depend on it, as the pyspark documentation says).
+    - Spark runs a no-data micro-batch to fire timeouts when the watermark moved (event time) or
+      on every trigger (processing time); a ``foreachBatch`` query gets none, so the driver plays
+      it when the query is idle and when an ``availableNow``/``once`` run ends (once per
+      micro-batch for processing time: native Spark's ``availableNow`` never ends with
+      ``ProcessingTimeTimeout``). ``spark.stretch.testClockMs=<start>[+<step>]`` makes batch
+      ``N``'s timestamp ``start + N * step`` (tests).
+    - The grouping columns must be columns of the DataFrame (not expressions).
+    """
+    from pyspark import cloudpickle
+
+    df = gd._df
+    if not df.isStreaming:
+        raise ValueError("groupBy(...).stretchAggregate needs a streaming DataFrame "
+                         "(spark.readStream...); use applyInPandasWithState for batch data")
+    # The native operator over the same input: Spark checks the arguments exactly as for
+    # applyInPandasWithState (and it is the reference the tests compare with).
+    native = gd.applyInPandasWithState(func, outputStructType, stateStructType, outputMode,
+                                       timeoutConf)
+    spark = df.sparkSession
+    if isinstance(outputStructType, str):
+        outputStructType = spark._parse_ddl(outputStructType)
+    if isinstance(stateStructType, str):
+        stateStructType = spark._parse_ddl(stateStructType)
+    keys = _grouping_columns(native, df)
+    present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
+    ts_column, delay = (find_watermark(df) if present else (None, 0))
+    default = spark.sparkContext.defaultParallelism
+    m = int(parallelism or default)
+    n = int(max_parallelism or m)
+    if not 1 <= m <= n:
+        raise ValueError(f"parallelism={m} and max_parallelism={n}: need 1 <= parallelism <= "
+                         "max_parallelism")
+    if not isinstance(buckets, int) or buckets < n:
+        raise ValueError(f"buckets={buckets!r}: must be an int >= max_parallelism ({n})")
+    spec = GroupedSpec(
+        key_columns=keys, columns=list(df.columns), out_schema=outputStructType.json(),
+        state_schema=stateStructType.json(), output_mode=outputMode, timeout_conf=timeoutConf,
+        ts_column=ts_column, delay_ms=int(delay), watermark_present=present,
+        runner_conf=_runner_conf(spark), parallelism=m, max_parallelism=n, buckets=buckets,
+        func=base64.b64encode(cloudpickle.dumps(func)).decode())
+    return StretchGroupedAggregation(df, spec, native, outputStructType)
+
+
+class StretchGroupedAggregation(StretchResult):
+    """The result of ``groupBy(...).stretchAggregate(func, ...)``: write it with ``.writeStream``."""
+
+    pipelined = False  # the engine steps, writes and checkpoints each batch before Spark commits
+
+    def __init__(self, df: DataFrame, spec: GroupedSpec, native: DataFrame, schema: StructType):
+        super().__init__(df)
+        self.spec = spec
+        self._native = native
+        self._schema = schema
+
+    @property
+    def schema(self) -> StructType:
+        """The output schema (``outputStructType``)."""
+        return self._schema
+
+    @property
+    def max_parallelism(self) -> int:
+        return self.spec.max_parallelism
+
+    def native(self) -> DataFrame:
+        """The native ``applyInPandasWithState`` DataFrame over the same input (for comparison)."""
+        return self._native
+
+    def engine_spec(self) -> GroupedSpec:
+        return self.spec
+
+    def input_df(self) -> DataFrame:
+        return self._df.select(*self.spec.columns)
+
+    def output_mode(self, mode: str) -> str:
+        if mode.lower() not in ("append", "update", "complete"):
+            raise ValueError(f"Unknown output mode {mode}. Accepted output modes are 'append', "
+                             "'complete', 'update'")
+        return mode.lower()
+
+    def check_start(self, mode: str) -> None:
+        """Spark's own check of the native plan with the query's output mode (same errors:
+        output mode mismatch, event-time timeout without a watermark, ...)."""
+        jvm.check_streaming(self._native, mode)
+
+    def batch_time(self, query, batch_id: int, flush: bool = False) -> int:
+        """Batch ``batch_id``'s processing time: Spark's (offset log) or the test clock."""
+        test = query.settings.test_clock
+        if test:
+            start, _, step = test.partition("+")
+            return int(start) + batch_id * int(step or 0)
+        if not flush:
+            try:  # offsets/<N>: "v1", then {"batchWatermarkMs":..,"batchTimestampMs":..,...}
+                offsets = query.layout.root.parent / "offsets" / str(batch_id)
+                return int(json.loads(offsets.read_text().splitlines()[1])["batchTimestampMs"])
+            except (OSError, IndexError, KeyError, ValueError):
+                pass
+        return int(time.time() * 1000)
+
+    def flush_time(self, query, replay: bool = False) -> int:
+        """The no-data batch's timestamp, kept in the checkpoint so a replay uses the same one."""
+        f = query.layout.flush_file
+        last = query.last_done
+        if f.exists():  # one timestamp per batch's no-data batch (idle flushes repeat, replays too)
+            saved = json.loads(f.read_text())
+            check_format(saved.get("format"), FLUSH_FORMAT, f"the stretch flush file {f}")
+            if saved.get("batch") == last:
+                return int(saved["batch_ts_ms"])
+        ts = self.batch_time(query, (last if last is not None else -1) + 1, flush=True)
+        write_json(f, {"format": FLUSH_FORMAT, "batch": last, "batch_ts_ms": ts})
+        return ts

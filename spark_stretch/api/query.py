@@ -1,0 +1,127 @@
+"""``StretchQuery``: the handle on a running stretch query, as ``StreamingQuery`` is on Spark's.
+
+It has every method of pyspark's :class:`~pyspark.sql.streaming.StreamingQuery`, each forwarded
+to Spark's query explicitly (as pyspark's own ``streaming/query.py`` forwards to the JVM), plus
+what only stretch has: :meth:`StretchQuery.reconfigure` and :meth:`StretchQuery.metrics`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from pyspark.errors import StreamingQueryException
+
+from ..driver.run import QueryRun
+
+__all__ = ["StretchQuery"]
+
+
+class StretchQuery:
+    """A running stretch query: a :class:`~pyspark.sql.streaming.StreamingQuery` plus
+    :meth:`reconfigure` and :meth:`metrics`.
+
+    Examples
+    --------
+    >>> q = counts.writeStream.format("delta").option("checkpointLocation", ckpt).start(out)  # doctest: +SKIP
+    >>> q.reconfigure(parallelism=2)["parallelism"]       # doctest: +SKIP
+    2
+    >>> q.awaitTermination(); q.metrics()["batches"]      # doctest: +SKIP
+    10
+    """
+
+    def __init__(self, run: QueryRun):
+        self._run = run
+
+    # -- stretch -------------------------------------------------------------------------------
+    @property
+    def stretch_id(self) -> str:
+        """The query's id on its host engine (kept in its checkpoint)."""
+        return self._run.stretch_id
+
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+        """Change the number of instances and/or the bucket-to-instance owner map, online.
+
+        No restart, no shuffle, no state copied: the engine switches epoch between two
+        micro-batches. Returns what happened, including the switch time in ms (also in
+        :meth:`metrics`).
+
+        Parameters
+        ----------
+        parallelism : int, optional
+            New number of active instances, 1 to ``max_parallelism``.
+        owner_map : sequence of int, optional
+            Owner instance for each of the ``buckets`` buckets (a rebalance).
+
+        Examples
+        --------
+        >>> q.reconfigure(parallelism=2)            # doctest: +SKIP
+        {'epoch': 1, 'parallelism': 2, 'switch_ms': 0.21, 'after_batch': 3, ...}
+        """
+        return self._run.reconfigure(parallelism, owner_map)
+
+    def metrics(self) -> dict:
+        """Engine and per-batch figures: parallelism, epoch, switch times, late rows, timings
+        (see :mod:`spark_stretch.driver.metrics` for the keys)."""
+        return self._run.figures()
+
+    # -- StreamingQuery ------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        """The query's unique id, kept across restarts from its checkpoint."""
+        return self._run.query.id
+
+    @property
+    def runId(self) -> str:
+        """The id of this run of the query."""
+        return self._run.query.runId
+
+    @property
+    def name(self) -> Optional[str]:
+        """The name given with ``queryName``, or None."""
+        return self._run.query.name
+
+    @property
+    def isActive(self) -> bool:
+        """Whether the query is running."""
+        return self._run.query.isActive
+
+    @property
+    def status(self) -> dict:
+        """Spark's current status of the query."""
+        return self._run.query.status
+
+    @property
+    def recentProgress(self) -> List[dict]:
+        """Spark's progress updates of the query's last micro-batches."""
+        return self._run.query.recentProgress
+
+    @property
+    def lastProgress(self) -> Optional[dict]:
+        """Spark's last progress update, or None."""
+        return self._run.query.lastProgress
+
+    def awaitTermination(self, timeout: Optional[int] = None) -> Optional[bool]:
+        """As ``StreamingQuery.awaitTermination``; when the run ends, also waits for its last
+        flush (and raises what writing it raised)."""
+        return self._run.await_termination(timeout)
+
+    def processAllAvailable(self) -> None:
+        """As ``StreamingQuery.processAllAvailable``; also waits until the last batch's output
+        is written (micro-batches are pipelined)."""
+        self._run.process_all_available()
+
+    def stop(self) -> None:
+        """Stop the query and release the host engine (stopped with the last query using it)."""
+        self._run.stop()
+
+    def explain(self, extended: bool = False) -> None:
+        """Print Spark's plans of the query's last micro-batch."""
+        self._run.query.explain(extended)
+
+    def exception(self) -> Optional[StreamingQueryException]:
+        """The exception that ended the query, or None."""
+        return self._run.query.exception()
+
+    def __repr__(self) -> str:
+        q = self._run.query
+        return f"StretchQuery(id={q.id if q else None}, format={self._run.sink.format})"

@@ -1,0 +1,158 @@
+"""The driver's handle on this host's engine process: started on demand, stopped with the last
+query that uses it, never left behind. Requests are :mod:`spark_stretch.protocol.messages`'."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Optional
+
+from ..protocol import messages as M
+from ..protocol.framing import call
+from ..protocol.lifecycle import spawn_child
+
+__all__ = ["HostEngine", "EngineDiedError"]
+
+
+class EngineDiedError(RuntimeError):
+    """The host engine process is gone (killed, crashed or stopped) while a query needed it."""
+
+
+class HostEngine:
+    """One engine process per host and driver; reference-counted by the queries that use it.
+
+    Examples
+    --------
+    >>> from spark_stretch.protocol.messages import Ping
+    >>> eng = HostEngine.acquire()
+    >>> eng.call(Ping()).pid == eng.pid
+    True
+    >>> eng.release()
+    """
+
+    _current: Optional["HostEngine"] = None
+    _lock = threading.Lock()
+
+    def __init__(self, start_timeout: float = 180.0, niceness: int = 0):
+        self._dir = tempfile.mkdtemp(prefix="stretch-engine-")
+        self.socket_path = os.path.join(self._dir, "engine.sock")
+        self.host = os.environ.get("SPARK_LOCAL_IP") or __import__("socket").gethostname()
+        self._refs = 0
+        env = dict(os.environ)
+        env.pop("PYSPARK_GATEWAY_PORT", None)
+        env["SPARK_STRETCH_HOSTD"] = "1"  # the engine process does not import PySpark
+        self.proc = spawn_child(
+            [sys.executable, "-m", "spark_stretch.host.daemon", "--socket", self.socket_path,
+             "--parent", str(os.getpid()), "--nice", str(niceness)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        # Not waited for here: the caller goes on (Spark starts its query) while the engine
+        # imports numpy, pyarrow and numba; the first request waits (wait_ready).
+        self._start_timeout = start_timeout
+        self._ready = False
+        self._ready_lock = threading.Lock()
+        atexit.register(self.stop)
+
+    def wait_ready(self) -> None:
+        """Wait until the engine serves requests (raise :class:`EngineDiedError` if it cannot)."""
+        with self._ready_lock:
+            if self._ready:
+                return
+            line = self._readline(self._start_timeout)
+            if line.strip() != "READY":
+                err = self._drain_stderr()
+                self.stop()
+                raise EngineDiedError(f"the stretch host engine did not start: {line!r} {err}")
+            self._ready = True
+
+    def _readline(self, timeout: float) -> str:
+        out = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        return out[0] if out else ""
+
+    def _drain_stderr(self) -> str:
+        try:
+            return self.proc.stderr.read()[-4000:] if self.proc.poll() is not None else ""
+        except (OSError, ValueError):
+            return ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}={self.socket_path}"
+
+    @classmethod
+    def acquire(cls, niceness: int = 0) -> "HostEngine":
+        """The running engine (started if needed, at nice value ``niceness``), with one more
+        reference."""
+        with cls._lock:
+            cur = cls._current
+            if cur is None or cur.proc.poll() is not None:
+                if cur is not None:
+                    cur.stop()
+                cur = cls._current = HostEngine(niceness=niceness)
+            cur._refs += 1
+            return cur
+
+    def release(self) -> None:
+        """Drop a reference; the last one stops the process."""
+        with HostEngine._lock:
+            self._refs -= 1
+            if self._refs <= 0:
+                self.stop()
+                if HostEngine._current is self:
+                    HostEngine._current = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def call(self, msg: M.Request, timeout: float = 600.0):
+        """Send a control request; its typed reply. A failed request raises
+        :class:`~spark_stretch.protocol.errors.RemoteError` (its code and message), a dead
+        engine :class:`EngineDiedError` with its exit status."""
+        self.wait_ready()
+        try:
+            return M.decode_reply(msg, call(self.socket_path, M.encode_request(msg),
+                                            timeout=timeout))
+        except ConnectionError as e:
+            try:  # a killed process closes its sockets a moment before it can be reaped
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if self.proc.poll() is not None:
+                raise EngineDiedError(
+                    f"the stretch host engine (pid {self.pid}) died with exit status "
+                    f"{self.proc.returncode} during '{msg.op}'. "
+                    f"{self._drain_stderr()}".strip()) from e
+            raise
+
+    def stop(self) -> None:
+        """Stop the process (politely, then by force) and remove its socket directory."""
+        if self.proc.poll() is None:
+            try:
+                if not self._ready:  # never asked anything: SIGTERM it (below)
+                    raise EngineDiedError("not started")
+                self.call(M.Shutdown(), timeout=10)
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except Exception:
+                pass
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""How a micro-batch's input reaches the host engine, by the cheapest of three paths.
+
+When the batch's executed plan is a columnar scan (Parquet, Delta) under only column pruning and
+the watermark:
+
+- **files**: a scan reading plain Parquet files (a Parquet source, or a Delta source without
+  column mapping or deletion vectors) has its files read by the engine itself: no Spark job, as
+  Spark would only read them and hand the rows over; the scan's row count and the watermark's
+  event-time statistics are recorded as if the rows had flowed
+  (``spark.stretch.ingest.files=false`` turns it off);
+- **columnar**: the scan's column batches go to the engine as Arrow columns (the shim's
+  ``StretchIngest``; ``spark.stretch.ingest.columnar=false`` turns both off);
+
+else **rows**: the rows ``foreachBatch`` hands over, through ``format("stretch")``. No path has
+an Exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from pyspark.sql import DataFrame
+
+from ..protocol import messages as M
+from . import jvm
+from .engine import EngineDiedError
+from .metrics import QueryMetrics
+
+__all__ = ["Ingest"]
+
+
+class Ingest:
+    """The ingest of one query's micro-batches.
+
+    Parameters
+    ----------
+    qid : str
+        The query's id on the engine (its input streams are ``<qid>:in:<N>``).
+    engine : callable
+        The query's current host engine.
+    opened : callable
+        Waits until the query is open on the engine (raising what opening it raised).
+    batch_plan : callable
+        ``batch_plan(batch_id)``: the executed plan of the micro-batch, or None.
+    columnar, read_files : bool
+        ``spark.stretch.ingest.columnar`` and ``spark.stretch.ingest.files``.
+    input_schema : str, optional
+        The input's Arrow schema (base64): files are read to it.
+    """
+
+    def __init__(self, spark, qid: str, engine: Callable, opened: Callable,
+                 batch_plan: Callable, columnar: bool, read_files: bool,
+                 input_schema: Optional[str], metrics: QueryMetrics):
+        self._shim = jvm.ShimIngest(spark)
+        self._qid = qid
+        self._engine = engine
+        self._opened = opened
+        self._batch_plan = batch_plan
+        self._columnar = columnar
+        self._read_files = read_files and columnar and input_schema is not None
+        self._schema = input_schema
+        self._metrics = metrics
+
+    def __call__(self, batch_df: DataFrame, batch_id: int):
+        """Write the batch to the engine, then wait for the query's open (an error of the open
+        comes first). Returns what ran (a physical plan, or the DataFrame written), for the
+        plans kept in the metrics."""
+        try:
+            ran = self._ingest(batch_df, batch_id)
+        except Exception:
+            self._opened()  # (the engine refused the rows because the open failed: say why)
+            raise
+        self._opened()
+        return ran
+
+    def _ingest(self, batch_df: DataFrame, batch_id: int):
+        eng = self._engine()
+        stream = f"{self._qid}:in:{batch_id}"
+        try:
+            # The engine takes rows once it listens, maybe before the query is open on it (the
+            # first batch runs while the engine imports numba); its commit waits for the open.
+            eng.wait_ready()
+            plan = self._batch_plan(batch_id) if self._columnar else None
+            if plan is not None and self._read_files and self._files(plan, batch_id):
+                return self._count("files", plan)
+            if plan is not None and self._shim.ingest(plan, eng.endpoint, stream) >= 0:
+                return self._count("columnar", plan)
+            batch_df.write.format("stretch").mode("append") \
+                .option("endpoints", eng.endpoint).option("stream", stream).save()
+            return self._count("rows", batch_df)
+        except Exception as e:
+            if not eng.alive():  # say what really happened, not just "socket refused"
+                raise EngineDiedError(
+                    f"the stretch host engine (pid {eng.pid}) died (exit status "
+                    f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
+            raise
+
+    def _files(self, plan, batch_id: int) -> bool:
+        """Have the engine read the batch's Parquet files; False if Spark must read them (then
+        for the rest of the run, with the reason in ``metrics()["files_off"]``)."""
+        shim = self._shim
+        files = shim.parquet_files(plan)
+        if files is None:
+            return False
+        watermarks = shim.watermark_columns(plan)
+        self._opened()  # (the engine reads them into the query's pending input)
+        reply = self._engine().call(M.IngestFiles(
+            query=self._qid, batch=batch_id, files=files, columns=shim.column_names(plan),
+            schema=self._schema, watermarks=watermarks))
+        if reply.unsupported is not None:
+            self._read_files = False
+            self._metrics.set("files_off", reply.unsupported)
+            return False
+        shim.record_read(plan, reply.rows)
+        for i, (top, low, avg, n) in enumerate(reply.event_times):
+            shim.record_event_times(plan, i, top, low, avg, n)
+        return True
+
+    def _count(self, path: str, ran):
+        self._metrics.count("ingest", path)
+        return ran
+

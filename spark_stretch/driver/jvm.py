@@ -1,0 +1,145 @@
+"""Every call from Python into Spark's JVM internals (py4j), in one place.
+
+Spark's public Python API says nothing of a micro-batch's executed plan, a watermark's delay or
+the executors' hosts; these functions ask the JVM, each for one thing, and the rest of
+spark-stretch calls them instead of touching ``_jvm``, ``_jdf`` or ``_jsq`` (a test holds every
+other module to that). :class:`ShimIngest` wraps the shim's ``StretchIngest`` object, one
+method per JVM method.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Set, Tuple
+
+from pyspark.sql import Column, DataFrame, SparkSession
+
+__all__ = ["executor_hosts", "batch_plan", "plan_string", "watermarks", "interval_us",
+           "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
+
+
+def executor_hosts(spark: SparkSession) -> Set[str]:
+    """The hosts of the application's executors (and of the driver's block manager)."""
+    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
+    it = status.keysIterator()
+    hosts = set()
+    while it.hasNext():
+        hosts.add(it.next().rsplit(":", 1)[0])
+    return hosts
+
+
+def batch_plan(query, batch_id: int):
+    """The executed plan of micro-batch ``batch_id`` of a running ``StreamingQuery`` (Spark's
+    ``IncrementalExecution`` of it, which ``foreachBatch`` wraps as rows), or None."""
+    ex = query._jsq.streamingQuery().lastExecution()
+    if ex is None or ex.currentBatchId() != batch_id:
+        return None
+    return ex.executedPlan()
+
+
+def plan_string(ran) -> str:
+    """The physical plan of a DataFrame that ran, or of a plan: as Spark prints it."""
+    if isinstance(ran, DataFrame):
+        return ran._jdf.queryExecution().executedPlan().toString()
+    return ran.toString()
+
+
+def _nodes(df: DataFrame):
+    """The nodes of ``df``'s analyzed logical plan, depth first."""
+    stack = [df._jdf.queryExecution().analyzed()]
+    while stack:
+        node = stack.pop()
+        yield node
+        children = node.children()
+        stack.extend(children.apply(i) for i in range(children.size()))
+
+
+def watermarks(df: DataFrame) -> List[Tuple[str, int]]:
+    """The ``(event-time column, delay ms)`` of each ``withWatermark`` in ``df``'s plan, the
+    outermost first."""
+    jvm = df.sparkSession._jvm
+    ewm = jvm.org.apache.spark.sql.catalyst.plans.logical.EventTimeWatermark
+    return [(node.eventTime().name(), int(ewm.getDelayMs(node.delay())))
+            for node in _nodes(df) if node.nodeName() == "EventTimeWatermark"]
+
+
+def interval_us(spark: SparkSession, text: str, what: str) -> int:
+    """An interval string (``'10 seconds'``) in microseconds, with Spark's own parser; a
+    ValueError naming ``what`` if it is not a positive, fixed-length interval."""
+    from py4j.java_gateway import get_field
+
+    jvm = spark._jvm
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be an interval string like '60 seconds', got {text!r}")
+    try:
+        interval = jvm.org.apache.spark.sql.catalyst.util.IntervalUtils.stringToInterval(
+            jvm.org.apache.spark.unsafe.types.UTF8String.fromString(text))
+    except Exception as e:  # py4j error: keep Spark's reason short
+        raise ValueError(f"{what} '{text}' is not an interval: {str(e).splitlines()[0]}") from None
+    if get_field(interval, "months") != 0:
+        raise ValueError(f"{what} '{text}' must not use months or years (not a fixed length)")
+    us = int(get_field(interval, "days")) * 86_400_000_000 + int(get_field(interval, "microseconds"))
+    if us <= 0:
+        raise ValueError(f"{what} '{text}' must be positive")
+    return us
+
+
+def column_text(col: Column) -> str:
+    """The expression of ``col`` as Spark prints it (``words`` for ``F.col('words')``)."""
+    return col._jc.toString()
+
+
+def grouping_columns(df: DataFrame, operator: str) -> Optional[List[str]]:
+    """The grouping attributes of the first ``operator`` node (e.g.
+    ``FlatMapGroupsInPandasWithState``) of ``df``'s plan, or None if it has none."""
+    for node in _nodes(df):
+        if node.nodeName() == operator:
+            attrs = node.groupingAttributes()
+            return [attrs.apply(i).name() for i in range(attrs.size())]
+    return None
+
+
+def check_streaming(df: DataFrame, mode: str) -> None:
+    """Spark's own ``UnsupportedOperationChecker`` on ``df``'s plan in output mode ``mode``
+    (raises Spark's ``AnalysisException``)."""
+    jvm = df.sparkSession._jvm
+    modes = jvm.org.apache.spark.sql.streaming.OutputMode
+    jmode = {"append": modes.Append, "update": modes.Update, "complete": modes.Complete}[mode]()
+    jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker.checkForStreaming(
+        df._jdf.queryExecution().analyzed(), jmode)
+
+
+class ShimIngest:
+    """The shim's ``org.apache.spark.sql.stretch.StretchIngest`` (jvm_shim/), one method each.
+
+    Examples
+    --------
+    >>> ingest = ShimIngest(spark)                       # doctest: +SKIP
+    >>> ingest.parquet_files(plan)                        # doctest: +SKIP
+    ['file:/data/tweets-000003.parquet']
+    """
+
+    def __init__(self, spark: SparkSession):
+        self._j = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchIngest
+
+    def ingest(self, plan, endpoint: str, stream: str) -> int:
+        """Write a columnar scan's batches to the engine; -1 if the plan is not one."""
+        return int(self._j.ingest(plan, endpoint, stream))
+
+    def parquet_files(self, plan) -> Optional[List[str]]:
+        """The files of a plain Parquet scan the engine may read itself, or None."""
+        files = self._j.parquetFiles(plan)
+        return None if files is None else list(files)
+
+    def watermark_columns(self, plan) -> List[str]:
+        return list(self._j.watermarkColumns(plan))
+
+    def column_names(self, plan) -> List[str]:
+        return list(self._j.columnNames(plan))
+
+    def record_read(self, plan, rows: int) -> None:
+        """The scan's ``numOutputRows`` (Spark's ``numInputRows``), as if the rows flowed."""
+        self._j.recordRead(plan, int(rows))
+
+    def record_event_times(self, plan, i: int, top: int, low: int, avg: float, n: int) -> None:
+        """Watermark ``i``'s event-time statistics, as ``EventTimeWatermarkExec`` would add."""
+        self._j.recordEventTimes(plan, i, int(top), int(low), float(avg), int(n))

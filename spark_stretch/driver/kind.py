@@ -1,0 +1,70 @@
+"""What a query kind tells the driver's machinery: the contract between the API and the driver.
+
+A *query kind* is what the user's call returns (:mod:`spark_stretch.api`: built-in
+aggregations, an engine operator, the ``applyInPandasWithState`` drop-in); the driver runs any
+of them the same way (:mod:`.run`), asking only what is declared here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructType
+
+from ..protocol.specs import QuerySpec
+
+__all__ = ["QueryKind"]
+
+
+class QueryKind(ABC):
+    """A stretch query before it starts: its input, its output, and its engine spec."""
+
+    #: The engine runtime has submit/result and an input log: micro-batches are pipelined.
+    pipelined: bool = True
+
+    def __init__(self, df: DataFrame):
+        self._df = df
+
+    @property
+    def session(self) -> SparkSession:
+        return self._df.sparkSession
+
+    @property
+    @abstractmethod
+    def schema(self) -> StructType:
+        """The output schema."""
+
+    @property
+    @abstractmethod
+    def max_parallelism(self) -> int:
+        """Instances created; ``reconfigure`` moves between 1 and this many."""
+
+    @abstractmethod
+    def engine_spec(self) -> QuerySpec:
+        """The spec the host engine opens (the driver adds checkpointing and resume point)."""
+
+    @abstractmethod
+    def input_df(self) -> DataFrame:
+        """The streaming DataFrame whose micro-batches go to the engine."""
+
+    def output_mode(self, mode: str) -> str:
+        """The output mode ``writeStream.outputMode(mode)`` sets (a ValueError if unsupported)."""
+        if mode.lower() != "append":
+            raise ValueError(f"outputMode '{mode}' is not supported by stretchAggregate: a "
+                             "window is emitted once, when the watermark passes its end ('append')")
+        return "append"
+
+    def check_start(self, mode: str) -> None:
+        """Checks at ``start()`` (the output mode against the plan, ...)."""
+
+    def batch_time(self, query, batch_id: int) -> Optional[int]:
+        """Batch ``batch_id``'s processing time (ms) for the engine, or None (it needs none).
+        ``query``: the query's :class:`~.recovery.Recovery` (its ``layout``, ``settings`` and
+        ``last_done``)."""
+        return None
+
+    def flush_time(self, query, replay: bool = False) -> Optional[int]:
+        """The processing time (ms) of the no-data batch after the last one, or None."""
+        return None

@@ -1,0 +1,198 @@
+"""A query's micro-batches on the driver: ingest, step on the engine, write the output.
+
+Each micro-batch runs with no Exchange: the batch's input goes to the host engine
+(:mod:`.ingest`), the engine updates the keys each instance owns and emits the windows the
+watermark closed, and the results go to the sink (:mod:`.sink`).
+
+Micro-batches of a pipelined kind overlap: ``foreachBatch`` N ingests N, waits for batch N-1
+(stepped and written meanwhile), has the engine log N's input (after which Spark may commit N)
+and step it in the background, and returns; a finisher thread writes N's output. At most one
+batch is in flight: a flush, ``reconfigure``, ``processAllAvailable``, ``stop`` and the end of an
+``availableNow`` run wait for it. The drop-in (not pipelined) steps, writes and checkpoints each
+batch before ``foreachBatch`` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from pyspark.sql import DataFrame
+
+from ..protocol import messages as M
+from . import jvm, recovery
+from .ingest import Ingest
+from .metrics import QueryMetrics
+from .recovery import Recovery
+from .sink import Sink
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """The micro-batches of one query (``kind.pipelined``: overlapped, see the module doc)."""
+
+    def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: Sink,
+                 metrics: QueryMetrics, checkpoint: str):
+        self._qid = qid
+        self._kind = kind
+        self._rec = rec
+        self._ingest = ingest
+        self._sink = sink
+        self._metrics = metrics
+        self._checkpoint = checkpoint
+        self.pipelined = kind.pipelined
+        self._step_lock = threading.Lock()   # one micro-batch or flush at a time
+        self._inflight: Optional[threading.Thread] = None  # finishing the last submitted batch
+        self._inflight_batch: Optional[int] = None
+        self._inflight_error: Optional[BaseException] = None
+        self.last_step = time.monotonic()
+        rec.in_flight = lambda: self._inflight_batch if self._inflight is not None else None
+        rec.discard_in_flight = self._discard
+
+    # -- one micro-batch (Spark's foreachBatch) -------------------------------------------------
+    def run_batch(self, batch_df: DataFrame, batch_id: int) -> None:
+        """The ``foreachBatch`` function."""
+        with self._step_lock:
+            # After a restart the engine continues from what it held after the previous batch
+            # (its state, or its logged input: on disk before Spark committed that batch) and
+            # this batch runs again whole.
+            self._rec.realign(batch_id - 1 if batch_id > 0 else None)
+            fn = self._submit if self.pipelined else self._step
+            self._rec.with_engine(f"batch {batch_id}", lambda: fn(batch_df, batch_id),
+                                  opened=False)
+            self._rec.last_done = batch_id
+            self.last_step = time.monotonic()
+
+    def _submit(self, batch_df: DataFrame, batch_id: int) -> None:
+        """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
+        meanwhile), log it and start its step, and let Spark commit it."""
+        t0 = time.perf_counter()
+        ran = self._ingest(batch_df, batch_id)
+        t1 = time.perf_counter()
+        self._drain()
+        t2 = time.perf_counter()
+        eng = self._rec.engine
+        eng.call(M.Submit(query=self._qid, batch=batch_id))
+        times = {"batch": batch_id, "ingest_s": t1 - t0, "previous_s": t2 - t1,
+                 "submit_s": time.perf_counter() - t2}
+        self._inflight_batch = batch_id
+        self._inflight = threading.Thread(target=self._finish, args=(eng, ran, batch_id, times),
+                                          name=f"stretch-finish-{batch_id}", daemon=True)
+        self._inflight.start()
+
+    def _finish(self, eng, ran, batch_id: int, times: dict) -> None:
+        """Wait for the engine's step of a submitted batch and write its output (a thread)."""
+        try:
+            t0 = time.perf_counter()
+            reply = eng.call(M.Result(query=self._qid, batch=batch_id))
+            t1 = time.perf_counter()
+            out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
+            t2 = time.perf_counter()
+            # written meanwhile; waited for here only for its figures (and a write error)
+            saved = eng.call(M.Saved(query=self._qid))
+            self._record(dict(times, engine_s=t1 - t0, output_s=t2 - t1,
+                              checkpoint_wait_s=time.perf_counter() - t2,
+                              checkpoint=saved.to_dict(), rows_out=reply.rows, **reply.metrics),
+                         reply.rows, [ran, out])
+        except BaseException as e:  # raised by _drain, on the thread of the next batch
+            e.stretch_batch = batch_id
+            self._inflight_error = e
+
+    def _drain(self) -> None:
+        """Wait for the batch in flight, if any, to be stepped and written; raise its error."""
+        t, self._inflight = self._inflight, None
+        if t is None:
+            return
+        t.join()
+        e, self._inflight_error = self._inflight_error, None
+        if e is not None:
+            raise e
+
+    def _discard(self) -> None:
+        """Forget the batch in flight (its engine died; the restart redoes it from the log)."""
+        t, self._inflight = self._inflight, None
+        if t is not None:
+            t.join(timeout=60)
+        self._inflight_error = None
+
+    def _step(self, batch_df: DataFrame, batch_id: int) -> None:
+        """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint."""
+        eng = self._rec.engine
+        t0 = time.perf_counter()
+        ran = self._ingest(batch_df, batch_id)
+        t1 = time.perf_counter()
+        reply = eng.call(M.Step(query=self._qid, batch=batch_id,
+                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id)))
+        t2 = time.perf_counter()
+        out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
+        t3 = time.perf_counter()
+        # The engine wrote its state after this batch while Spark wrote the output; it must be on
+        # disk before Spark commits the batch (a restart resumes from it).
+        saved = eng.call(M.Saved(query=self._qid))
+        self._record({"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
+                      "output_s": t3 - t2, "checkpoint_wait_s": time.perf_counter() - t3,
+                      "checkpoint": saved.to_dict(), "rows_out": reply.rows, **reply.metrics},
+                     reply.rows, [ran, out])
+
+    def _record(self, times: dict, rows: int, jobs: list) -> None:
+        """Count a finished batch; keep the physical plans of its Spark jobs (``jobs``:
+        DataFrames, physical plans or None) for the first few batches."""
+        plans = [jvm.plan_string(j) for j in jobs if j is not None] \
+            if self._metrics.wants_plans() else []
+        self._metrics.record_batch(times, rows, plans)
+
+    # -- Spark's no-data batch -----------------------------------------------------------------
+    def flush(self, final: bool = False) -> int:
+        """Spark's no-data batch: emit and write the windows the next watermark closes.
+
+        Written under its own Delta app id (``<app>-idle``, version = the last batch id), so a
+        repeated flush after a restart is a no-op in the table like a replayed batch. ``final``:
+        the flush that ends a one-shot run.
+        """
+        with self._step_lock:
+            self._rec.realign(recovery.last_committed(self._checkpoint))  # (no batch ran)
+            return self._rec.with_engine("a flush", lambda: self._flush(final))
+
+    def _flush(self, final: bool) -> int:
+        self._drain()  # the last batch first
+        eng = self._rec.engine
+        reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=self._kind.flush_time(self._rec)))
+        if reply.rows:
+            self._sink.emit(reply.stream, reply.rows, reply.batch, app_suffix="-idle")
+        if reply.rows or reply.changed:
+            # Only now is the state after the flush the state of that batch. The run's last
+            # flush need not wait for that checkpoint when it wrote rows to a Delta path: the
+            # table's txn action tells a restart to redo it, unwritten (Recovery, holds_flush).
+            if not (final and reply.rows and self._sink.idempotent_path):
+                eng.call(M.Flushed(query=self._qid))
+            self._metrics.add("output_rows", reply.rows)
+            self._metrics.add("flushes")
+        return reply.rows
+
+    # -- between two micro-batches ---------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait until the batch in flight, if any, is stepped and written (restarting a dead
+        engine as a micro-batch would)."""
+        with self._step_lock:
+            self._rec.with_engine("the last batch", self._drain)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the batch in flight (if any) to finish, raising nothing."""
+        t = self._inflight
+        if t is not None:
+            t.join(timeout)
+
+    def reconfigure(self, parallelism: Optional[int], owner_map) -> dict:
+        """Switch the engine's epoch between two micro-batches, none in flight."""
+        t0 = time.perf_counter()
+        msg = M.Reconfigure(query=self._qid, parallelism=parallelism,
+                            owner_map=None if owner_map is None else [int(x) for x in owner_map])
+        with self._step_lock:
+            self._rec.with_engine("the last batch", self._drain)
+            reply = self._rec.engine.call(msg)
+        rec = dict(reply.to_dict(), request_ms=(time.perf_counter() - t0) * 1e3)
+        self._metrics.append("reconfigurations", rec)
+        self._rec.reconfigured(msg, reply)
+        return rec

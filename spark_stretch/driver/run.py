@@ -1,0 +1,224 @@
+"""A running stretch query on the driver: how it starts, watches its run, and ends.
+
+Spark runs the query kind's input as a streaming query whose ``foreachBatch`` is the
+:class:`~.pipeline.Pipeline`; around it, this module opens the host engine where Spark resumes
+(:class:`~.recovery.Recovery`), plays Spark's no-data batch when the query goes idle or a
+one-shot run ends, and releases the engine (and the query's shared memory) when the run ends.
+:class:`spark_stretch.StretchQuery` is the user's handle on it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from typing import Dict, Optional
+
+from pyspark.sql.streaming import StreamingQuery
+
+from ..protocol import messages as M
+from ..protocol.layout import QueryLayout
+from ..protocol.specs import Checkpointing
+from . import jvm, recovery
+from .ingest import Ingest
+from .metrics import QueryMetrics
+from .pipeline import Pipeline
+from .recovery import Recovery
+from .settings import read_settings
+from .sink import SINK_FORMATS, Sink, arrow_schema
+
+__all__ = ["QueryRun"]
+
+
+class QueryRun:
+    """One run of a stretch query (built by :meth:`start`)."""
+
+    def __init__(self, kind, fmt: str, options: Dict[str, str], path: Optional[str],
+                 table: Optional[str]):
+        spark = kind.session
+        self.settings = settings = read_settings(spark.conf)  # (a bad one: before anything)
+        _check_one_host(spark)
+        self._own_checkpoint = "checkpointLocation" not in options
+        checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
+        self.layout = QueryLayout(checkpoint)
+        self.stretch_id, app_id = recovery.query_ids(self.layout)
+        resume = recovery.last_committed(checkpoint)  # Spark resumes after its last commit
+        self.kind = kind
+        self.metrics = QueryMetrics()
+        self.query: Optional[StreamingQuery] = None
+        self._started = threading.Event()  # set once writer.start() returned (or failed)
+        self._done = threading.Event()     # set once the final flush (if any) and release ran
+        self.finish_error: Optional[BaseException] = None
+        self.one_shot = False              # availableNow / once: flush when the run ends
+        self.stopped = False
+        self._engine_figures: Optional[dict] = None
+        schema = arrow_schema(kind.input_df().schema) if kind.pipelined else None
+        spec = replace(kind.engine_spec(), input_schema=schema, checkpoint=Checkpointing(
+            state_dir=str(self.layout.state_dir), interval=settings.checkpoint_interval,
+            min_deltas=settings.min_deltas, min_batches_to_retain=settings.min_batches_to_retain,
+            fsync=settings.fsync))
+        sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
+        self.sink = Sink(kind, fmt, sink_options, path, table, self.stretch_id, app_id,
+                         settings.direct_write, lambda: self.recovery.engine, self.metrics)
+        self.recovery = Recovery(self.stretch_id, spec, self.layout, settings, self.sink, kind,
+                                 self.metrics, resume)
+        ingest = Ingest(spark, self.stretch_id, lambda: self.recovery.engine,
+                        self.recovery.opened, self._batch_plan, settings.columnar,
+                        settings.read_files and kind.pipelined, schema, self.metrics)
+        self.pipeline = Pipeline(self.stretch_id, kind, self.recovery, ingest, self.sink,
+                                 self.metrics, checkpoint)
+        self.recovery.open_in_background()
+
+    @classmethod
+    def start(cls, kind, fmt: str, mode: str, options: Dict[str, str], path: Optional[str],
+              table: Optional[str], trigger: Optional[dict], name: Optional[str]) -> "QueryRun":
+        """Start ``kind`` as a streaming query writing to the sink in output ``mode``
+        (``writeStream``'s arguments); the run, whose ``query`` is Spark's ``StreamingQuery``."""
+        if fmt not in SINK_FORMATS:
+            raise ValueError(f"format '{fmt}' is not supported as a stretchAggregate sink; use "
+                             "delta (exactly once), parquet/json/csv/orc, console or noop")
+        if path is None and table is None and fmt not in ("console", "noop"):
+            raise ValueError(f"start() needs a path (or use toTable) for format '{fmt}'")
+        kind.check_start(mode)
+        run = cls(kind, fmt, options, path, table)
+        writer = (kind.input_df().writeStream.foreachBatch(run.pipeline.run_batch)
+                  .option("checkpointLocation", run.layout.checkpoint))
+        if trigger:
+            writer = writer.trigger(**trigger)
+        if name:
+            writer = writer.queryName(name)
+        run.one_shot = bool(trigger) and any(trigger.get(k) for k in ("availableNow", "once"))
+        run.sink.start()
+        try:
+            run.query = writer.start()
+        except Exception:
+            run.release()
+            raise
+        finally:
+            run._started.set()
+        threading.Thread(target=run._watch, name="stretch-query-watch", daemon=True).start()
+        return run
+
+    def _batch_plan(self, batch_id: int):
+        self._started.wait()  # foreachBatch may run before start() has returned the query
+        return None if self.query is None else jvm.batch_plan(self.query, batch_id)
+
+    # -- the run -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Flush when idle (continuous triggers) or at the end of a one-shot run; when the run
+        ends, finish the batch in flight and release.
+
+        Native Spark runs a no-data batch when the watermark moved and no data is waiting; its
+        evictions are what a flush writes. ``stop()`` runs no final batch, in Spark or here,
+        but a batch Spark committed is finished (its output written) before the query ends.
+        """
+        q = self.query
+        try:
+            while q.isActive:
+                try:
+                    q.awaitTermination(0.2)  # returns at once when the run ends
+                except Exception:
+                    break  # the query failed: awaitTermination reports it to the user
+                if self.one_shot or self.metrics.batches == 0 or not q.isActive:
+                    continue
+                st = q.status
+                if (not st["isTriggerActive"] and not st["isDataAvailable"]
+                        and time.monotonic() - self.pipeline.last_step > 0.5 and q.isActive):
+                    try:
+                        self.pipeline.flush()
+                    except Exception as e:  # surfaced by awaitTermination / metrics
+                        self.finish_error = e
+            if self.kind.pipelined:
+                try:
+                    self.pipeline.settle()
+                except Exception as e:
+                    self.finish_error = e
+            if (self.one_shot and self.finish_error is None and q.exception() is None
+                    and not self.stopped):
+                try:
+                    self.pipeline.flush(final=True)
+                except Exception as e:
+                    self.finish_error = e
+        finally:
+            self.release()
+            self._done.set()
+
+    def release(self) -> None:
+        """Close the query on the engine and release it; remove a checkpoint of our own."""
+        if self.recovery.released:
+            return
+        self.recovery.join(timeout=60)  # (normally done by now)
+        self.pipeline.join(timeout=60)
+        self.sink.join(timeout=60)
+        figures = self.recovery.release()
+        if figures is not None:
+            self._engine_figures = figures
+        if self._own_checkpoint:
+            shutil.rmtree(self.layout.checkpoint, ignore_errors=True)
+
+    # -- asked by StretchQuery -------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop Spark's query, then release the engine (a batch in flight is finished first)."""
+        self.stopped = True
+        try:
+            if self.query is not None:
+                self.query.stop()
+        finally:
+            self._done.wait(60)
+            self.release()
+
+    def await_termination(self, timeout: Optional[float] = None):
+        """Spark's ``awaitTermination``; when the run has ended, also wait for its last flush and
+        raise what writing it raised."""
+        result = self.query.awaitTermination(timeout)
+        if not self.query.isActive:
+            self._done.wait()
+            if self.finish_error is not None:
+                raise RuntimeError(f"stretch query {self.stretch_id}: writing the final windows "
+                                   f"failed: {self.finish_error}") from self.finish_error
+        return result
+
+    def process_all_available(self) -> None:
+        """Spark's ``processAllAvailable``, then the last batch's output written (pipelined)."""
+        self.query.processAllAvailable()
+        if self.kind.pipelined:
+            self.pipeline.settle()
+
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+        """Change the parallelism and/or the owner map between two micro-batches (checked
+        here: ``1 <= parallelism <= max_parallelism``)."""
+        top = self.kind.max_parallelism
+        if parallelism is not None and not (1 <= parallelism <= top):
+            raise ValueError(f"parallelism={parallelism}: must be between 1 and "
+                             f"max_parallelism={top}")
+        if parallelism is None and owner_map is None:
+            raise ValueError("reconfigure() needs parallelism= or owner_map=")
+        return self.pipeline.reconfigure(parallelism, owner_map)
+
+    def figures(self) -> dict:
+        """The query's figures, with the engine's own (the last ones, also after the end)."""
+        out = self.metrics.snapshot()
+        if not self.recovery.released and self.recovery.engine.alive():
+            try:
+                self.recovery.opened()
+                self._engine_figures = self.recovery.engine.call(
+                    M.Metrics(query=self.stretch_id)).figures
+            except Exception as e:  # metrics must not throw on a dying query
+                out["engine_error"] = str(e)
+        if self._engine_figures is not None:
+            out["engine"] = self._engine_figures
+        return out
+
+
+def _check_one_host(spark) -> None:
+    """This version runs one host engine, on the driver's host: refuse executors elsewhere."""
+    here = os.environ.get("SPARK_LOCAL_IP") or socket.gethostname()
+    others = jvm.executor_hosts(spark) - {here, "localhost", "127.0.0.1"}
+    if others:
+        raise NotImplementedError(
+            f"executors on hosts {sorted(others)}: this version runs one host engine, on the "
+            "driver's host (local, local-cluster or a one-host cluster)")

@@ -1,0 +1,185 @@
+"""Where a query's output goes: the engine appends to Delta itself, or Spark writes it.
+
+A path-based Delta sink is appended to by the host engine (``host/delta.py``: one Delta commit
+from the process that holds the rows, with the same ``txn`` action Spark's writer adds for
+``txnAppId``/``txnVersion``) unless ``spark.stretch.delta.directWrite=false``; otherwise, and
+whenever deltalake cannot write the table, the executors read the rows back from the engine
+(``format("stretch")``) and Spark writes them, Delta idempotently per batch.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from pyspark.sql import DataFrame
+
+from ..protocol import messages as M
+from .metrics import QueryMetrics
+
+__all__ = ["Sink", "SINK_FORMATS", "arrow_schema"]
+
+IDEMPOTENT = {"delta"}
+FILE_FORMATS = {"parquet", "json", "csv", "orc"}
+SINK_FORMATS = IDEMPOTENT | FILE_FORMATS | {"console", "noop"}
+_ROWS_PER_SPLIT = 50_000  # below this an output batch is read (and written) by one task
+# Session settings that shape a new Delta table (Delta's DeltaConfigs and protocol defaults).
+_DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
+                         "spark.databricks.delta.protocol.")
+
+
+def arrow_schema(schema) -> Optional[str]:
+    """A Spark schema as a serialized Arrow schema (base64), or None if Arrow has no such type."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    try:
+        return base64.b64encode(
+            to_arrow_schema(schema, timezone="UTC").serialize().to_pybytes()).decode()
+    except Exception:
+        return None
+
+
+class Sink:
+    """The sink of one query.
+
+    Parameters
+    ----------
+    kind : QueryKind
+        The query (its output schema and session).
+    fmt, options, path, table
+        As given to ``writeStream`` (``options`` without ``checkpointLocation``).
+    app_id : str
+        The query's Delta app id (kept in its checkpoint).
+    direct : bool
+        ``spark.stretch.delta.directWrite``.
+    engine : callable
+        The query's current host engine (it changes when one is restarted).
+    """
+
+    def __init__(self, kind, fmt: str, options: Dict[str, str], path: Optional[str],
+                 table: Optional[str], qid: str, app_id: str, direct: bool,
+                 engine: Callable, metrics: QueryMetrics):
+        self._kind = kind
+        self._spark = kind.session
+        self.format = fmt
+        self._options = options
+        self.path, self.table = path, table
+        self._qid, self._app_id = qid, app_id
+        self._engine = engine
+        self._metrics = metrics
+        # Writer options (mergeSchema, partitionBy, ...) are Spark's to apply: Spark writes then.
+        self.direct = (direct and fmt == "delta" and bool(path) and not table
+                       and not set(options) - {"path"})
+        self._table_ready: Optional[threading.Thread] = None
+
+    @property
+    def idempotent_path(self) -> bool:
+        """A path-based Delta sink: a batch written twice lands once (``txn``)."""
+        return self.format in IDEMPOTENT and bool(self.path)
+
+    def start(self) -> None:
+        """A Delta table that does not exist yet is made, empty, while the first batches run;
+        the engine's first append waits for it."""
+        if self.direct and not (Path(self.path) / "_delta_log").is_dir():
+            self._table_ready = threading.Thread(target=self._create_table_quietly,
+                                                 name="stretch-create-table", daemon=True)
+            self._table_ready.start()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._table_ready is not None:
+            self._table_ready.join(timeout)
+
+    def emit(self, stream: str, rows: int, batch_id: int,
+             app_suffix: str = "") -> Optional[DataFrame]:
+        """Write the ``rows`` the engine offers on ``stream`` to the sink as batch ``batch_id``;
+        the DataFrame Spark wrote, or None (the engine wrote them)."""
+        self.join()
+        if self.direct:
+            req = M.WriteDelta(query=self._qid, stream=stream, path=self.path,
+                               app_id=self._app_id + app_suffix, version=batch_id)
+            reply = self._engine().call(req)
+            if reply.permanent is False:  # no table yet: made empty here, then the engine
+                self._create_table()      # appends (not Spark's slow path)
+                reply = self._engine().call(req)
+            if reply.unsupported is None:
+                self._metrics.add("direct_writes")
+                return None
+            if reply.permanent:
+                self.direct = False
+                self._metrics.set("direct_write_off", reply.unsupported)
+        out = self._read_output(stream, rows)
+        self._write(out, batch_id, app_suffix)
+        return out
+
+    def holds_flush(self, batch: int) -> bool:
+        """Whether the Delta table has the flush written after ``batch`` (its ``txn`` action):
+        the app's last version is ``batch`` itself (a later one is the flush after a later
+        batch, which the state after ``batch`` has not had)."""
+        if not self.idempotent_path:
+            return False
+        app = self._app_id + "-idle"
+        try:  # the table's snapshot: its checkpoints too, where old commit files may be gone
+            from deltalake import DeltaTable
+            from deltalake.exceptions import TableNotFoundError
+
+            try:
+                done = DeltaTable(self.path).transaction_version(app)
+            except TableNotFoundError:
+                return False
+            return done is not None and int(done) == batch
+        except Exception:  # (a store deltalake cannot open: read the commit files)
+            pass
+        for f in sorted((Path(self.path) / "_delta_log").glob("*.json"), reverse=True):
+            for line in f.read_text().splitlines():
+                txn = json.loads(line).get("txn")
+                if txn and txn.get("appId") == app:
+                    return int(txn["version"]) == batch
+        return False
+
+    def _create_table_quietly(self) -> None:
+        try:
+            self._create_table()
+        except Exception:
+            pass  # the first append then finds no table and makes it itself, raising the error
+
+    def _create_table(self) -> None:
+        """Create the sink's Delta table, empty, with the output schema, as Spark's writer would
+        for the first batch: by the engine (no Spark job, which costs about a core-second at the
+        start of every query) unless the session sets defaults for new tables
+        (``spark.databricks.delta.properties.defaults.*``: properties, protocol, features) or
+        the schema has types deltalake makes differently; then by Spark."""
+        if not any(k.startswith(_DELTA_TABLE_DEFAULTS) for k in self._spark.conf.getAll):
+            schema = arrow_schema(self._kind.schema)
+            if schema is not None:
+                reply = self._engine().call(M.CreateDelta(path=self.path, schema=schema))
+                if reply.unsupported is None:
+                    return
+        empty = self._spark.createDataFrame(self._spark.sparkContext.emptyRDD(),
+                                            self._kind.schema)
+        empty.write.format("delta").mode("append").save(self.path)
+
+    def _read_output(self, stream: str, rows: int) -> DataFrame:
+        """The rows the engine offers on ``stream``, read by the executors of its host: large
+        outputs in up to ``defaultParallelism`` slices, so every core writes the sink."""
+        splits = max(1, min(self._spark.sparkContext.defaultParallelism, rows // _ROWS_PER_SPLIT))
+        return (self._spark.read.format("stretch").schema(self._kind.schema)
+                .option("endpoints", self._engine().endpoint).option("stream", stream)
+                .option("splits", splits).load())
+
+    def _write(self, out: DataFrame, batch_id: int, app_suffix: str = "") -> None:
+        fmt = self.format
+        if fmt == "console":
+            out.show(truncate=False)
+            return
+        w = out.write.format(fmt).mode("append").options(**self._options)
+        if fmt in IDEMPOTENT:  # a replayed batch is a no-op in the table
+            w = w.option("txnAppId", self._app_id + app_suffix).option("txnVersion", batch_id)
+        if self.table:
+            w.saveAsTable(self.table)
+        elif fmt == "noop":
+            w.save()
+        else:
+            w.save(self.path)

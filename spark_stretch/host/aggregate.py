@@ -1,0 +1,377 @@
+"""One ``stretchAggregate`` query inside the host engine process: Arrow in, VSN engine, Arrow out.
+
+Spark's timeline for a window aggregation is reproduced exactly (``IncrementalExecution``): batch N
+filters late rows with the *previous* batch's watermark W_{N-1} and evicts windows with the
+current one, W_N, which was computed after batch N-1 as ``max(W_{N-1}, max event time (ms) -
+delay)``. Per micro-batch N:
+
+1. ``ingest``: the committed input of batch N arrives as one Arrow table (the shim's two-phase
+   write publishes exactly the committed task attempts, in partition order), or its files.
+2. ``step``: keys are interned to exact int64 ids; the batch enters the ESG under W_{N-1} (a row
+   whose every window ended by then is late: dropped and counted; a row with some windows still
+   open updates only those); the ESG advances to W_N and the instances emit every window with
+   ``end <= W_N``.
+3. The results are offered as an Arrow table on ``<query>:out:<N>`` for the executors to read,
+   or appended to Delta from here (:mod:`.delta`).
+
+``flush`` plays Spark's no-data batch: when the query goes idle (or an ``availableNow`` run ends)
+and the next watermark is ahead, the windows it closes are emitted (``<query>:flush:<N>``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import time
+from typing import List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..engine import Interner, ListColumn, engine_class
+from ..ops.aggregate import aggregate
+from ..protocol import messages as M
+from ..protocol.errors import InputRejected, StateError
+from ..protocol.layout import AGGREGATE_META
+from ..protocol.specs import AggregateSpec
+from . import faults
+from .checkpoints import arrow_bytes, read_arrow
+from .columns import KeyCodec, list_parts, sample, window_array
+from .runtime import Runtime
+
+__all__ = ["AggregateRuntime"]
+
+
+class AggregateRuntime(Runtime):
+    """The engine side of one query of built-in aggregations (``spec``: an
+    :class:`~spark_stretch.protocol.specs.AggregateSpec`); :class:`~.operator.OperatorRuntime`
+    runs an engine operator through the same steps."""
+
+    META = AGGREGATE_META
+
+    def __init__(self, qid: str, spec, receiver):
+        super().__init__(qid, spec, receiver)
+        self.codec = KeyCodec()
+        # Per input stream (one withWatermark each): the largest event time seen so far, in ms.
+        self.stream_max_ms: list = [None] * len(self._delays())
+        ops = self._operators()
+        # Continue after Spark's last committed batch (resume_batch): from the latest checkpoint
+        # at or before it, then the batches after that checkpoint again, from the input log
+        # (``replay``, stepped by the driver, which rewrites their outputs idempotently).
+        resume = spec.resume_batch
+        try:
+            start = self._resume_from(resume)
+            if start is not None:
+                self.engines = self._load(start, ops)
+                # the checkpoint's own output too, if it kept one: the sink may not have it yet
+                first = start if self.last_reply is not None else start + 1
+            else:
+                self.engines = [
+                    engine_class(op)(op, m=spec.parallelism, n=spec.max_parallelism,
+                                     n_buckets=spec.buckets, lateness=self._lateness(op))
+                    for op in ops]
+                for eng in self.engines:  # source s feeds stream s
+                    for s in range(eng.op.I):
+                        eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
+                first = 0
+        except BaseException:
+            self.store.release_lock()
+            raise
+        self._set_replay(resume, first)
+
+    def describe(self) -> M.Opened:
+        return M.Opened(query=self.qid, parallelism=self.parallelism,
+                        max_parallelism=self.spec.max_parallelism, replay=self.replay,
+                        checkpoint=self.checkpoint)
+
+    def warm_up(self) -> None:
+        """Load what the first batch would load, in the background while Spark starts the query:
+        the numba kernels of the step and of checkpoints (from numba's cache; half a second in
+        all) and deltalake, by running a throwaway copy of the query on two made-up rows of its
+        input schema. Best effort: anything it cannot make up, it skips."""
+        from dataclasses import replace
+
+        from ..protocol.specs import Checkpointing
+
+        try:
+            schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.spec.input_schema)))
+            rows = pa.table({f.name: sample(f.type) for f in schema}, schema=schema)
+            rt = type(self)(f"{self.qid}:warm-up", replace(
+                self.spec, checkpoint=Checkpointing(), resume_batch=None, parallelism=1,
+                max_parallelism=1, buckets=64, warm_up=True), _Nowhere())
+            try:
+                rt.ingest("in:0", "warm-up", rows)
+                rt.step(0)
+                rt.flush()
+                for eng in rt.engines:
+                    eng.snapshot(delta=False)
+                    eng.snapshot(delta=True)
+            finally:
+                rt.close()
+            import deltalake  # noqa: F401  (the engine's own Delta appends)
+            import pandas  # noqa: F401  (deltalake's first write imports it)
+        except Exception:
+            pass
+
+    # -- data --------------------------------------------------------------------------------------
+    def _step(self, batch: int, table: Optional[pa.Table], batch_ts_ms=None) -> M.StepResult:
+        t0 = time.perf_counter()
+        lead = self.engines[0]
+        late_before = lead.esg_in.late_dropped
+        if table is not None and table.num_rows:
+            for s, cols in enumerate(self._stream_columns(table)):
+                if cols is None or not len(cols["ts"]):
+                    continue
+                for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
+                    eng.esg_in.add(cols, s)
+                top = int(cols["ts"].max()) // 1000
+                seen = self.stream_max_ms[s]
+                self.stream_max_ms[s] = top if seen is None else max(seen, top)
+            self.counters["input_rows"] += table.num_rows
+        if not self.spec.warm_up:  # a test's fault is for the query itself
+            faults.inject("step", batch)
+        out = self._advance(self.next_watermark_ms)  # evict with W_N
+        self.next_watermark_ms = self._next_watermark()  # W_{N+1}, used from the next batch
+        late = lead.esg_in.late_dropped - late_before
+        self.counters["late_rows"] += late
+        self.counters["batches"] += 1
+        self.last_batch = batch
+        if self._checkpoint_due(batch):
+            self._save(batch, out=out)
+        elif self.store.enabled:  # its state: the last checkpoint + logged inputs
+            self.store.logged(batch)
+        return self._offer(f"{self.qid}:out:{batch}", out, {
+            "watermark_ms": self.watermark_ms, "late_rows": late,
+            "engine_ms": self._ms_since(t0)})
+
+    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
+        """Spark's no-data batch: emit the windows the next watermark closes, if it is ahead."""
+        with self.lock:
+            self.store.join()
+            if self.next_watermark_ms <= self.watermark_ms:
+                return M.FlushResult(rows=0, batch=self.last_batch)
+            out = self._advance(self.next_watermark_ms)
+            r = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
+                            {"watermark_ms": self.watermark_ms})
+            # changed: the watermark moved (the next batch's late rule), with or without rows
+            return M.FlushResult(rows=r.rows, batch=self.last_batch, stream=r.stream,
+                                 changed=True, metrics=r.metrics)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
+        """Checkpoint every engine and this runtime's own variables as the state after ``batch``:
+        a *delta* (the buckets changed since the previous checkpoint) where that pays
+        (:meth:`CheckpointStore.delta_due`), else *full*. ``out``, the batch's output, is kept
+        with it: a restart from this checkpoint offers it again, as a pipelined query's sink may
+        not have it yet. See docs/architecture.md, "Checkpoint format"."""
+        if not self.store.enabled:
+            return
+        self.store.join()  # one write at a time, in batch order
+        dirty = float(np.mean([eng._dirty().mean() for eng in self.engines]))
+        delta = self.store.delta_due(batch, dirty, full)
+        buckets = int(sum(eng._dirty().sum() for eng in self.engines)) if delta else \
+            self.spec.buckets * len(self.engines)
+        strings = self.codec.interner.strings()
+        since = self.store.chain["strings"] if delta else 0  # the interner only grows: append
+        meta = {**self._common_meta(batch), "strings_from": since,
+                "stream_max_ms": self.stream_max_ms}
+
+        def files():  # (in the store's writer thread; the next step waits for it)
+            blobs = {f"engine{i}.snap": eng.snapshot(delta=delta)
+                     for i, eng in enumerate(self.engines)}
+            blobs["interner.pkl"] = pickle.dumps(strings[since:], protocol=5)
+            if out is not None:
+                blobs["output.arrow"] = arrow_bytes(out)
+            return blobs
+
+        self.store.save(batch, delta, meta, files, {"buckets": buckets}, strings=len(strings))
+
+    def _load(self, batch: int, ops) -> list:
+        chain = self.store.chain_of(batch)
+        dirs = [self.store.dir / str(b) for b in chain]
+        meta = self.store.read_meta(batch)
+        self._restore_common(meta)
+        self.stream_max_ms = meta.get("stream_max_ms", [meta.get("max_event_ms")])
+        strings = []
+        for d in dirs:
+            part = json.loads((d / self.META).read_text())
+            if part.get("strings_from", 0) != len(strings):
+                raise StateError(f"engine checkpoint {d} does not continue {dirs[0]} (interner)")
+            strings += pickle.loads((d / "interner.pkl").read_bytes())
+        self.codec = KeyCodec(Interner(strings))
+        self.store.chain = {"parent": batch, "deltas": len(chain) - 1, "strings": len(strings)}
+        if (dirs[-1] / "output.arrow").exists():  # offered again, as after the batch's step
+            out = read_arrow(dirs[-1] / "output.arrow")
+            stream = f"{self.qid}:out:{batch}"
+            self._publish(stream, out)
+            self.last_reply = M.StepResult(rows=out.num_rows, stream=stream,
+                                           metrics={"watermark_ms": self.watermark_ms})
+        return [engine_class(op).restore(
+                    op, (dirs[0] / f"engine{i}.snap").read_bytes(),
+                    deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
+                for i, op in enumerate(ops)]
+
+    # -- what the query kind decides (the operator runtime overrides these) ----------------------
+    def _operators(self) -> list:
+        """The engine operators, all fed the same tuples under the same owner map and watermark:
+        one per aggregation, so their outputs come out in the same (ts, key, window) order and
+        zip. (A fused multi-aggregate kernel would update all in one pass; see
+        docs/architecture.md.)"""
+        return builtin_operators(self.spec)
+
+    def _lateness(self, op) -> str:
+        return "window"  # Spark's rule for window aggregations
+
+    def _delays(self) -> List[int]:
+        """The watermark delay (ms) of each input stream."""
+        return [self.spec.delay_ms]
+
+    def _stream_columns(self, table: pa.Table) -> list:
+        """The batch's rows as engine columns, one dict (or None: no rows) per input stream."""
+        return [self._columns(table)]
+
+    def _next_watermark(self) -> int:
+        """Spark's global watermark after this batch (``WatermarkTracker``): each stream's is
+        its largest event time minus its delay (0 before it has seen data), the global one the
+        min of them (``spark.sql.streaming.multipleWatermarkPolicy=max``: the max), never moving
+        back."""
+        per = [0 if top is None else top - delay
+               for top, delay in zip(self.stream_max_ms, self._delays())]
+        pick = max if getattr(self.spec, "watermark_policy", "min") == "max" else min
+        return max(self.watermark_ms, self.next_watermark_ms, pick(per))
+
+    def _advance(self, watermark_ms: int) -> pa.Table:
+        self.watermark_ms = watermark_ms
+        for eng in self.engines:
+            eng.esg_in.advance_watermark(watermark_ms * 1000)
+            eng.drain()
+        return self._output()
+
+    def _validate(self, table: pa.Table, batch: int) -> None:
+        reject_nulls(self.spec, table, batch)
+
+    def _columns(self, table: pa.Table) -> dict:
+        """The engine's columns of a batch (checked by :meth:`_validate` when it arrived)."""
+        s: AggregateSpec = self.spec
+        cols = {"ts": pc.cast(table.column(s.ts_column), pa.int64()).to_numpy()}
+        key = table.column(s.key_column).combine_chunks()
+        if s.key_kind == "scalar":
+            cols["key"] = self.codec.ids(key)
+        else:
+            offsets, values = list_parts(key)
+            cols["key"] = ListColumn(offsets, self.codec.ids(values,
+                                                             force_intern=s.key_kind == "pairs"))
+        for c, vt in s.value_types.items():
+            cols[c] = pc.cast(table.column(c), pa.int64() if vt == "long" else pa.float64()).to_numpy()
+        return cols
+
+    def _output(self) -> pa.Table:
+        s: AggregateSpec = self.spec
+        outs = [eng.esg_out.get_batch("driver")[0] for eng in self.engines]
+        out = outs[0]
+        for other in outs[1:]:  # same tuples, same windows: the rows must line up one to one
+            if not (np.array_equal(other["key"], out["key"])
+                    and np.array_equal(other["window_start"], out["window_start"])):
+                raise RuntimeError("aggregation outputs out of step (engine bug)")
+        arrays = [window_array(out["window_start"], s.window_us),
+                  self._decode_keys(np.asarray(out["key"], np.int64))]
+        names = ["window", "key"]
+        for (fn, col), name, o in zip(s.aggs, s.output_names(), outs):
+            v = np.asarray(o[fn])
+            if fn == "count" or (fn in ("sum", "min", "max") and s.value_types[col] == "long"):
+                arrays.append(pa.array(v.astype(np.int64)))
+            else:
+                arrays.append(pa.array(v.astype(np.float64)))
+            names.append(name)
+        return pa.Table.from_arrays(arrays, names=names)
+
+    def _decode_keys(self, keys: np.ndarray) -> pa.Array:
+        s: AggregateSpec = self.spec
+        strings = s.key_type == "string"
+        decode = self.codec.strings if strings else self.codec.longs
+        if s.key_kind == "pairs":
+            return pa.StructArray.from_arrays([decode(keys >> 32), decode(keys & 0xFFFFFFFF)],
+                                              names=["_1", "_2"])
+        return decode(keys) if strings else pa.array(keys, pa.int64())
+
+    # -- control -----------------------------------------------------------------------------------
+    def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
+        with self.lock:  # between two micro-batches: the engine is idle here
+            self.store.join()
+            t0 = time.perf_counter()
+            m = parallelism or self.parallelism
+            om = None if owner_map is None else np.asarray(owner_map, np.int64)
+            for i, eng in enumerate(self.engines):
+                epoch = eng.reconfigure(m=parallelism, owner_map=om)
+                eng.drain()
+                if i == 0:  # a failure half way: some operators switched, some not
+                    faults.inject("reconfigure", self.last_batch)
+            self.parallelism = m
+            rec = M.Reconfigured(epoch=int(epoch), parallelism=m, switch_ms=self._ms_since(t0),
+                                 after_batch=self.last_batch,
+                                 live_windows=int(self.engines[0].live_windows()))
+            self.switches.append(rec.to_dict())
+            if self.last_batch >= 0:
+                # The input log does not hold reconfigurations: a restart must find this one in
+                # a checkpoint (written in the background; the next step waits for it).
+                self._save(self.last_batch, full=True)
+            return rec
+
+    def metrics(self) -> dict:
+        with self.lock:
+            return {**self.counters, "parallelism": self.parallelism,
+                    "watermark_ms": self.watermark_ms, "switches": list(self.switches),
+                    "live_windows": int(self.engines[0].live_windows()),
+                    "checkpoint": dict(self.store.stats),
+                    "engine": {k: v for k, v in self.engines[0].metrics().items()
+                               if isinstance(v, (int, float, str))}}
+
+    def _close(self) -> None:
+        for eng in self.engines:
+            eng.close()
+
+
+def builtin_operators(s: AggregateSpec) -> list:
+    """One built-in engine operator per aggregation of the spec."""
+    kw = dict(WS=s.window_us, WA=s.slide_us)
+    if s.key_kind == "scalar":
+        kw["key"] = "key"
+    else:
+        kw["keys"] = "key"
+        if s.key_kind == "pairs":
+            kw["pairs"], kw["B"] = True, s.distance
+    return [aggregate(fn, value=col, value_type="i" if col is not None
+                      and s.value_types[col] == "long" else "f", **kw)
+            for fn, col in s.aggs]
+
+
+def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
+    """Raise InputRejected, naming the column, for rows the aggregations cannot take: a null
+    event time, key or aggregated value."""
+    ts = table.column(s.ts_column)
+    if ts.null_count:
+        raise InputRejected(f"event-time column '{s.ts_column}' has {ts.null_count} nulls in "
+                            f"batch {batch}")
+    key = table.column(s.key_column)
+    # a null list is no key (as explode); a null element of one would be a null key
+    nulls = key.null_count if s.key_kind == "scalar" else pc.list_flatten(key).null_count
+    if nulls:
+        col = s.key_column
+        raise InputRejected(
+            f"keys column '{col}' has {nulls} null keys in batch {batch}; "
+            "stretchAggregate does not group nulls (Spark would make a null group): filter "
+            f"them first, e.g. df.where(F.col('{col}').isNotNull())")
+    for c in s.value_types:
+        if table.column(c).null_count:
+            raise InputRejected(f"agg column '{c}' has {table.column(c).null_count} nulls in "
+                                f"batch {batch}; stretchAggregate needs non-null values "
+                                "(fill or filter them)")
+
+
+class _Nowhere:
+    """The receiver of a warm-up's throwaway query: its outputs go nowhere."""
+
+    def offer(self, stream, data) -> None:
+        pass

@@ -1,0 +1,206 @@
+"""The host engine process: one per host and driver, shared by every executor and task on it.
+
+Started by :class:`spark_stretch.driver.engine.HostEngine` as ``python -m
+spark_stretch.host.daemon``. It serves the ``stretch`` data source on a Unix socket (executors
+write input and read results: :mod:`.receiver`) and the driver's control requests
+(:mod:`spark_stretch.protocol.messages`: ``open``, ``step`` or ``submit``/``result``,
+``reconfigure``, ``metrics``, ``close``, ...) for every query kind, opening the runtime the
+spec's ``kind`` names: ``aggregate`` (:mod:`.aggregate`), ``operator`` (:mod:`.operator`) or
+``grouped`` (:mod:`.grouped`). It exits on ``shutdown``, on SIGTERM, or when its parent (the
+driver) is gone, removing its socket. No PySpark import in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import shutil
+import signal
+import sys
+import threading
+import traceback
+from typing import Dict, Optional
+
+import pyarrow as pa
+
+from ..protocol import messages as M
+from ..protocol.errors import UnknownQuery
+from ..protocol.specs import spec_from_wire
+from .receiver import Receiver
+from .runtime import Runtime
+
+__all__ = ["HostDaemon", "main"]
+
+
+class HostDaemon:
+    """Routes data-source commits and control requests to the queries' runtimes."""
+
+    def __init__(self, socket_path: str):
+        self._runtimes: Dict[str, type] = {}
+        self._loaded = threading.Event()  # the engine modules (numba) are imported: see load()
+        self._load_error: Optional[BaseException] = None
+        self.queries: Dict[str, Runtime] = {}
+        self._opening: Dict[str, threading.Event] = {}  # set once its open ended (well or not)
+        self.stop_event = threading.Event()
+        self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
+        self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
+        for message, handler in (
+                (M.Open, self._open), (M.IngestFiles, self._ingest_files), (M.Step, self._step),
+                (M.Submit, lambda m: self._query(m).submit(m.batch)),
+                (M.Result, lambda m: self._query(m).result(m.batch)),
+                (M.Saved, lambda m: self._query(m).wait_saved()),
+                (M.Flush, lambda m: self._query(m).flush(m.batch_ts_ms)),
+                (M.Flushed, lambda m: self._query(m).flushed()),
+                (M.WriteDelta, self._write_delta), (M.CreateDelta, self._create_delta),
+                (M.Reconfigure, lambda m: self._query(m).reconfigure(m.parallelism, m.owner_map)),
+                (M.Metrics, self._metrics), (M.Close, self._close), (M.Shutdown, self._shutdown)):
+            self.receiver.register(message, handler)
+
+    def load(self) -> None:
+        """Import the runtimes (numba and its kernels: most of a start). Runs after READY, so
+        the receiver already takes a first batch's rows while it does; ``open`` waits for it."""
+        try:
+            from .aggregate import AggregateRuntime
+            from .grouped import GroupedRuntime
+            from .operator import OperatorRuntime
+
+            self._runtimes = {"aggregate": AggregateRuntime, "operator": OperatorRuntime,
+                              "grouped": GroupedRuntime}
+        except BaseException as e:
+            self._load_error = e
+        finally:
+            self._loaded.set()
+
+    def _query(self, msg) -> Runtime:
+        return self._runtime(msg.query)
+
+    def _runtime(self, qid: str) -> Runtime:
+        rt = self.queries.get(qid)
+        if rt is None:
+            raise UnknownQuery(f"query {qid} is not open on this host engine")
+        return rt
+
+    def _on_commit(self, stream: str, job: str, table) -> None:
+        qid, _, rest = stream.partition(":")
+        if qid not in self.queries:  # a first batch may arrive while its query is being opened
+            self._opening.setdefault(qid, threading.Event()).wait(60)
+        self._runtime(qid).ingest(rest, job, table)
+
+    def _open(self, msg: M.Open) -> M.Opened:
+        opened = self._opening.setdefault(msg.query, threading.Event())
+        try:
+            spec = spec_from_wire(msg.spec)
+            self._loaded.wait()
+            if self._load_error is not None:
+                raise RuntimeError(f"the engine failed to load: {self._load_error!r}")
+            if msg.query not in self.queries:
+                rt = self.queries[msg.query] = self._runtimes[spec.kind](msg.query, spec,
+                                                                        self.receiver)
+                if spec.input_schema is not None and hasattr(rt, "warm_up"):
+                    threading.Thread(target=rt.warm_up, name="stretch-warm-up",
+                                     daemon=True).start()
+            return self.queries[msg.query].describe()
+        finally:
+            opened.set()
+
+    def _ingest_files(self, msg: M.IngestFiles) -> M.FilesIngested:
+        return self._query(msg).ingest_files(msg)
+
+    def _step(self, msg: M.Step) -> M.StepResult:
+        return self._query(msg).step(msg.batch, msg.batch_ts_ms)
+
+    def _write_delta(self, msg: M.WriteDelta) -> M.DeltaWritten:
+        # The output offered on a stream, appended to a Delta table from here.
+        from .delta import append
+
+        self._query(msg)
+        return M.DeltaWritten(**append(msg.path, self.receiver.offered(msg.stream), msg.app_id,
+                                       msg.version))
+
+    def _create_delta(self, msg: M.CreateDelta) -> M.DeltaCreated:
+        # The sink's table, empty, instead of a Spark job making it.
+        from .delta import create
+
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(msg.schema)))
+        return M.DeltaCreated(**create(msg.path, schema))
+
+    def _metrics(self, msg: M.Metrics) -> M.Figures:
+        # writer_pids: the executor JVMs that wrote to this host engine (one engine, many JVMs)
+        return M.Figures({**self._query(msg).metrics(),
+                          "writer_pids": sorted(self.receiver.writer_pids),
+                          "engine_pid": os.getpid()})
+
+    def _close(self, msg: M.Close) -> M.Closed:
+        self._opening.pop(msg.query, None)
+        rt = self.queries.pop(msg.query, None)
+        if rt is not None:
+            rt.close()
+        return M.Closed(len(self.queries))
+
+    def _shutdown(self, msg: M.Shutdown) -> M.Empty:
+        self.stop_event.set()
+        return M.Empty()
+
+    def serve(self, parent: int) -> None:
+        print("READY", flush=True)
+        threading.Thread(target=self.load, name="stretch-load", daemon=True).start()
+        while not (self.stop_event.is_set() or self.signalled):
+            if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
+                break
+            self.stop_event.wait(0.2)  # a shutdown request ends the wait at once
+        orphaned = not self.stop_event.is_set()
+        closing = threading.Thread(target=self._close_all, args=(orphaned,), name="stretch-close",
+                                   daemon=True)
+        closing.start()
+        # Its driver gone (SIGTERM, or no parent), the engine does not wait long for a step in
+        # flight: what is on disk is whole checkpoints and logged inputs, and a restart redoes it.
+        closing.join(5.0 if orphaned else None)
+        self.receiver.close()
+
+    def _close_all(self, orphaned: bool = False) -> None:
+        for rt in list(self.queries.values()):
+            # An orphan's requests in flight (a Delta append) run until the process exits: it
+            # keeps each query's checkpoint lock till then, so a restart cannot write beside it.
+            rt.keep_checkpoint_lock = orphaned
+            rt.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spark_stretch.host.daemon",
+                                 description="spark-stretch host engine")
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--parent", type=int, default=0)
+    ap.add_argument("--nice", type=int, default=0, help="run behind the host's other work")
+    args = ap.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)  # (its threads and instance processes inherit it)
+    # A batch's rows arrive (a socket read per chunk, each taking the GIL back) while the
+    # previous batch is stepped in another thread: hand the GIL over after 0.2 ms, not 5 ms, so
+    # the executors writing them do not wait on a blocked reader (the ingest job: -6%).
+    sys.setswitchinterval(0.0002)
+    try:
+        daemon = HostDaemon(args.socket)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    # A plain flag: Event.set() in a handler can deadlock on the lock the interrupted
+    # Event.wait() holds (seen: an engine outliving its driver).
+    signal.signal(signal.SIGTERM, lambda *_: setattr(daemon, "signalled", True))
+    try:
+        daemon.serve(args.parent)
+    finally:
+        # The driver made the socket's directory; if the driver died first, nobody else removes it.
+        sock_dir = os.path.dirname(args.socket)
+        if os.path.basename(sock_dir).startswith("stretch-engine-"):
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # main() has closed every query and removed the socket: skip the interpreter's teardown
+    # (unloading numba and LLVM adds a tenth of a second to every engine stop).
+    os._exit(code)

@@ -1,0 +1,353 @@
+"""``groupBy(k).stretchAggregate(func, ...)`` inside the host engine: the applyInPandasWithState
+drop-in's runtime. The function itself runs in the instance processes (:mod:`spark_stretch.worker`).
+
+::
+
+    host engine (GroupedRuntime)                   instance processes (n = max_parallelism)
+    ────────────────────────────                   ───────────────────────────────────────
+    batch N (Arrow) ─ late filter (event time) ─┐
+      key hash -> bucket (B), sort, split by    │  in-<s>-<i>.arrow (tmpfs)   ┌──────────────┐
+      owner map bucket -> instance  ────────────┼───────────────────────────▶ │ instance i:  │
+                                                │                             │ func per key,│
+    output = concat(out-<s>-<i>.arrow) ◀────────┼──── out-<s>-<i>.arrow ───── │ then timeouts│
+    checkpoint: changed bucket files ◀──────────┘                             └──────┬───────┘
+                                                    /dev/shm/stretch-<q>-<pid>/b<bucket>.pkl
+
+- **State** lives in one file per bucket on tmpfs: a pickled dict ``key tuple -> (state value in
+  Spark's internal form or None, timeout timestamp ms)``. Every instance can read every bucket;
+  an instance caches the buckets it owns and writes back the ones it changed at the end of each
+  batch. A rescale or rebalance only swaps the owner map between two batches: nothing is
+  restarted, shuffled or copied; a new owner reads a bucket from shared memory the first time
+  it needs it.
+- **Placement**: a key's bucket and owner follow :mod:`spark_stretch.protocol.placement` (a
+  SipHash of the key columns, then the engine's rule), as every runtime's do.
+- **Checkpoint** per batch under ``<checkpoint>/stretch/state/<N>/``: ``grouped.json`` plus the
+  bucket files, all of them (full) or those changed since the parent checkpoint (delta).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..protocol import instances as I
+from ..protocol import messages as M
+from ..protocol import placement
+from ..protocol.errors import BadRequest, InstanceDiedError, StateError, UserFunctionError
+from ..protocol.layout import GROUPED_META, bucket_file, shm_prefix, shm_root
+from ..protocol.specs import GroupedSpec
+from . import faults
+from .checkpoints import read_arrow
+from .instances import InstancePool
+from .runtime import Runtime
+
+__all__ = ["GroupedRuntime"]
+
+
+class GroupedRuntime(Runtime):
+    """The engine-side state of one grouped query (``spec``: a
+    :class:`~spark_stretch.protocol.specs.GroupedSpec`)."""
+
+    META = GROUPED_META
+
+    def __init__(self, qid: str, spec: GroupedSpec, receiver):
+        super().__init__(qid, spec, receiver)
+        self.B, self.n = spec.buckets, spec.max_parallelism
+        self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
+        self._prev_owner = self.owner.copy()
+        self.epoch = 0
+        self.counters.update(calls=0, timeout_calls=0)
+        self.max_event_ms: Optional[int] = None
+        self.state_keys = 0
+        self._flushed_batch = -2       # processing-time flush: at most one per batch
+        self._broken: Optional[str] = None
+        self._seq = 0
+        self.last_metrics: dict = {}
+        self.pool: Optional[InstancePool] = None
+        self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
+                                         dir=shm_root()))
+        try:
+            if spec.resume_batch is not None:  # (a checkpoint every batch: exactly that one)
+                self._load(spec.resume_batch)
+            self.pool = InstancePool(self.n, self.shm, I.Init(
+                spec=replace(spec, func=""), func=base64.b64decode(spec.func),
+                shm=str(self.shm), index=0))
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> M.Opened:
+        return M.Opened(query=self.qid, parallelism=self.parallelism, max_parallelism=self.n,
+                        checkpoint=self.checkpoint,
+                        instance_pids=self.pool.pids if self.pool else [])
+
+    # -- data --------------------------------------------------------------------------------
+    def _step(self, batch: int, table: Optional[pa.Table], batch_ts_ms: Optional[int]
+              ) -> M.StepResult:
+        t0 = time.perf_counter()
+        s: GroupedSpec = self.spec
+        ts_ms = int(batch_ts_ms if batch_ts_ms is not None else time.time() * 1000)
+        evict_wm = self.next_watermark_ms                     # W_N
+        late = 0
+        top = None
+        if table is not None and table.num_rows:
+            self.counters["input_rows"] += table.num_rows
+            if s.ts_column:
+                ts = table.column(s.ts_column)
+                if ts.null_count < len(ts):
+                    top = int(pc.max(pc.cast(ts, pa.int64())).as_py()) // 1000
+                if s.timeout_conf == "EventTimeTimeout":
+                    # FlatMapGroupsWithStateExecBase: with an event-time timeout, rows at or
+                    # before the late-events watermark (the previous batch's) are dropped.
+                    keep = pc.fill_null(
+                        pc.greater(pc.cast(ts, pa.int64()), self.watermark_ms * 1000), False)
+                    before = table.num_rows
+                    table = table.filter(keep)
+                    late = before - table.num_rows
+        faults.inject("step", batch)
+        out, dirty, metrics = self._run(batch, table, ts_ms, evict_wm)
+        self.watermark_ms = evict_wm
+        if top is not None:
+            self.max_event_ms = top if self.max_event_ms is None else max(self.max_event_ms, top)
+        if self.max_event_ms is not None:  # W_{N+1}, used from the next batch
+            self.next_watermark_ms = max(self.watermark_ms, self.max_event_ms - s.delay_ms)
+        self.counters["late_rows"] += late
+        self.counters["batches"] += 1
+        self.last_batch = batch
+        self._save(batch, changed=dirty)
+        return self._offer(f"{self.qid}:out:{batch}", out, {
+            "watermark_ms": self.watermark_ms, "late_rows": late, "batch_ts_ms": ts_ms,
+            "engine_ms": self._ms_since(t0), **metrics})
+
+    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
+        """Spark's no-data batch: call the keys whose timeout passed (next watermark, or now)."""
+        with self.lock:
+            self._check_usable()
+            conf = self.spec.timeout_conf
+            if conf == "EventTimeTimeout":
+                due = self.next_watermark_ms > self.watermark_ms
+            else:  # processing time: once per batch (native runs one on every trigger)
+                due = conf == "ProcessingTimeTimeout" and 0 <= self.last_batch \
+                    and self._flushed_batch < self.last_batch
+            if not due:
+                return M.FlushResult(rows=0, batch=self.last_batch)
+            ts_ms = int(batch_ts_ms if batch_ts_ms is not None else time.time() * 1000)
+            evict_wm = self.next_watermark_ms
+            out, _, metrics = self._run(self.last_batch, None, ts_ms, evict_wm, flush=True)
+            self.watermark_ms = evict_wm
+            self._flushed_batch = self.last_batch
+            r = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
+                            {"watermark_ms": self.watermark_ms, "batch_ts_ms": ts_ms, **metrics})
+            return M.FlushResult(rows=r.rows, batch=self.last_batch, stream=r.stream,
+                                 changed=True, metrics=r.metrics)
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise StateError(f"this query's state is unusable after an earlier failure "
+                             f"({self._broken}); restart the query from its checkpoint")
+
+    def _run(self, batch: int, table: Optional[pa.Table], ts_ms: int, evict_wm: int,
+             flush: bool = False):
+        """One step on the instances: the keys with data, then the timed-out keys."""
+        self.store.join()  # the previous checkpoint read its bucket files already; be sure
+        t0 = time.perf_counter()
+        self._seq += 1
+        parts = self._split(table) if table is not None and table.num_rows else {}
+        t_split = time.perf_counter()
+        msgs = {}
+        for i in sorted(set(int(x) for x in np.unique(self.owner))):
+            owned = np.flatnonzero(self.owner == i)
+            path, starts, gb = None, None, None
+            if i in parts:
+                path = I.input_file(self.shm, self._seq, i)
+                sub, starts, gb = parts[i]
+                with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, sub.schema) as w:
+                    w.write_table(sub)
+            msgs[i] = I.Batch(batch=batch, seq=self._seq, flush=flush, owned=owned,
+                              reload=owned[self._prev_owner[owned] != i], batch_ts_ms=ts_ms,
+                              watermark_ms=evict_wm, input=None if path is None else str(path),
+                              starts=starts, group_buckets=gb)
+        try:
+            replies = self.pool.run(msgs, batch)
+        except UserFunctionError:  # nothing cached in the instances may be trusted again
+            self._broken = f"the user function failed in batch {batch}"
+            raise
+        except InstanceDiedError as e:
+            self._broken = str(e)
+            raise
+        finally:
+            for msg in msgs.values():
+                if msg.input:
+                    Path(msg.input).unlink(missing_ok=True)
+        self._prev_owner = self.owner.copy()
+        t_run = time.perf_counter()
+        tables, dirty, per = [], set(), []
+        for i in sorted(replies):
+            r = replies[i]
+            dirty.update(r.dirty)
+            per.append({"instance": i, "pid": self.pool.instances[i].pid, **r.times,
+                        "calls": r.calls, "timeout_calls": r.timeout_calls,
+                        "bucket_loads": r.bucket_loads})
+            if r.out:
+                tables.append(read_arrow(Path(r.out)))  # the mapping outlives the unlink
+                os.unlink(r.out)
+        # instances not active keep no state of their own: owned buckets are all counted above
+        self.state_keys = sum(r.state_keys for r in replies.values())
+        calls = sum(r.calls for r in replies.values())
+        timeouts = sum(r.timeout_calls for r in replies.values())
+        out = pa.concat_tables(tables) if tables else pa.table({})  # no rows: nothing to read
+        self.counters["calls"] += calls
+        self.counters["timeout_calls"] += timeouts
+        m = {"calls": calls, "timeout_calls": timeouts, "state_keys": self.state_keys,
+             "changed_buckets": len(dirty), "split_ms": (t_split - t0) * 1e3,
+             "instances_ms": (t_run - t_split) * 1e3, "instances": per}
+        self.last_metrics = m
+        return out, dirty, m
+
+    def _split(self, table: pa.Table) -> dict:
+        """Rows per owning instance, sorted by (bucket, key), with their group starts."""
+        keys = self.spec.key_columns
+        b = _buckets(table, keys, self.B)
+        table = table.append_column("__b", pa.array(b))
+        order = pc.sort_indices(table, sort_keys=[("__b", "ascending")] +
+                                [(k, "ascending") for k in keys], null_placement="at_end")
+        table = table.take(order)
+        b = table.column("__b").to_numpy()
+        table = table.drop_columns(["__b"])
+        new = np.ones(table.num_rows, dtype=bool)
+        if table.num_rows > 1:
+            diff = b[1:] != b[:-1]
+            for k in keys:
+                col = table.column(k)
+                a, c = col.slice(1), col.slice(0, table.num_rows - 1)
+                ne = pc.fill_null(pc.not_equal(a, c), True)
+                both_null = pc.and_(pc.is_null(a), pc.is_null(c))
+                diff |= pc.and_(ne, pc.invert(both_null)).to_numpy(zero_copy_only=False)
+            new[1:] = diff
+        starts = np.flatnonzero(new)
+        row_owner = self.owner[b]
+        g_owner = row_owner[starts]
+        sizes = np.diff(np.append(starts, table.num_rows))
+        parts = {}
+        for i in np.unique(g_owner):
+            gi = g_owner == i
+            sub = table if gi.all() else table.filter(pa.array(row_owner == i))
+            sz = sizes[gi]
+            sub_starts = np.concatenate([[0], np.cumsum(sz)[:-1]]).astype(np.int64)
+            parts[int(i)] = (sub, sub_starts, b[starts[gi]].astype(np.int64))
+        return parts
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _save(self, batch: int, full: bool = False, out=None, changed=()) -> None:
+        if not self.store.enabled:
+            return
+        self.store.join()
+        changed = sorted(changed)
+        delta = self.store.delta_due(batch, len(changed) / self.B, full)
+        names = [bucket_file(self.shm, b) for b in (changed if delta else range(self.B))]
+        meta = {**self._common_meta(batch), "max_event_ms": self.max_event_ms,
+                "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
+                "buckets": self.B, "flushed_batch": self._flushed_batch,
+                "state_keys": self.state_keys}
+
+        def files():  # (in the store's writer thread; the next step waits for it)
+            empty = pickle.dumps({}, protocol=5)
+            return {f.name: f.read_bytes() if f.exists() else empty for f in names
+                    if delta or f.exists()}
+
+        self.store.save(batch, delta, meta, files, {"buckets": len(names)})
+
+    def _load(self, batch: int) -> None:
+        chain = self.store.chain_of(batch)
+        for b in chain:  # full, then deltas in order: later bucket files replace earlier ones
+            for f in (self.store.dir / str(b)).iterdir():
+                if f.name.startswith("b") and f.name.endswith(".pkl"):
+                    shutil.copyfile(f, self.shm / f.name)
+        meta = self.store.read_meta(batch)
+        if int(meta["buckets"]) != self.B:
+            raise StateError(f"the checkpoint has {meta['buckets']} buckets, the query "
+                             f"{self.B}: keep buckets= the same across restarts")
+        self._restore_common(meta)
+        self.max_event_ms = meta["max_event_ms"]
+        self._flushed_batch = meta.get("flushed_batch", -2)
+        self.owner = np.asarray(meta["owner_map"], dtype=np.int64)
+        if self.owner.max() >= self.n:  # fewer instances than when it was written
+            self.parallelism = min(self.parallelism, self.n)
+            self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
+        self._prev_owner = self.owner.copy()
+        self.epoch = int(meta.get("epoch", 0))
+        self.state_keys = int(meta.get("state_keys", 0))
+        self.store.chain = {"parent": batch, "deltas": len(chain) - 1}
+        self.checkpoint = batch
+
+    # -- control -----------------------------------------------------------------------------
+    def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
+        """Epoch switch between two batches: only the owner map changes (no state is moved)."""
+        with self.lock:
+            self._check_usable()
+            t0 = time.perf_counter()
+            if owner_map is not None:
+                try:
+                    om = placement.validate_owner_map(owner_map, self.B, range(self.n))
+                except placement.PlacementError as e:
+                    raise BadRequest(str(e)) from None
+                m = int(parallelism or (int(om.max()) + 1))
+            else:
+                m = int(parallelism or self.parallelism)
+                om = placement.balanced_owner_map(self.B, range(m))
+            moved = placement.moved_buckets(self.owner, om)
+            self.owner, self.parallelism = om, m
+            self.epoch += 1
+            faults.inject("reconfigure", self.last_batch)
+            rec = M.Reconfigured(epoch=self.epoch, parallelism=m, switch_ms=self._ms_since(t0),
+                                 after_batch=self.last_batch, moved_buckets=moved,
+                                 state_keys=self.state_keys, state_copied_bytes=0)
+            self.switches.append(rec.to_dict())
+            return rec
+
+    def metrics(self) -> dict:
+        with self.lock:
+            return {**self.counters, "parallelism": self.parallelism, "max_parallelism": self.n,
+                    "epoch": self.epoch, "watermark_ms": self.watermark_ms,
+                    "switches": list(self.switches), "state_keys": self.state_keys,
+                    "checkpoint": dict(self.store.stats), "last_step": dict(self.last_metrics),
+                    "instance_pids": self.pool.pids if self.pool else [],
+                    "shm_dir": str(self.shm)}
+
+    def _close(self) -> None:
+        if self.pool is not None:
+            self.pool.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:
+    """The bucket of each row's key: pandas' SipHash of the key columns (a fixed hash key, so the
+    same in every process and run), placed by :func:`~spark_stretch.protocol.placement.bucket_of`."""
+    import pandas as pd
+
+    cols = {}
+    for k in keys:
+        col = table.column(k)
+        t = col.type
+        if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t) \
+                or pa.types.is_duration(t):
+            col = pc.cast(col, pa.int64())
+        elif pa.types.is_decimal(t):
+            col = pc.cast(col, pa.string())
+        s = col.to_pandas()
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            s = s.astype(object)
+        cols[k] = s
+    h = pd.util.hash_pandas_object(pd.DataFrame(cols), index=False).to_numpy()
+    return placement.bucket_of(h, B)

@@ -1,0 +1,105 @@
+"""The input log of a pipelined query: each batch's input on disk before Spark may commit it.
+
+A pipelined query lets Spark commit batch N before the engine has stepped it (the step runs while
+Spark plans and ingests batch N+1). What makes that safe: the input of batch N is in this log
+(``<checkpoint>/stretch/input/<N>.arrow``, or ``<N>.empty`` for a batch with no rows) before
+Spark commits it, and stays until a checkpoint at or after N is on disk; a restart loads the
+latest checkpoint at or before Spark's last committed batch and steps the logged batches after
+it again (their outputs are rewritten idempotently). Files are written to a temporary name and
+renamed, like Spark's own offset and commit logs. Each carries its format version
+(:data:`~spark_stretch.protocol.layout.INPUT_LOG_FORMAT`) in its Arrow schema's metadata.
+
+Examples
+--------
+>>> import tempfile, pyarrow as pa
+>>> from pathlib import Path
+>>> from spark_stretch.host.input_log import InputLog
+>>> log = InputLog(Path(tempfile.mkdtemp()))
+>>> log.write(3, pa.table({"x": [1, 2]}))
+>>> log.read(3).num_rows, log.batches()
+(2, [3])
+>>> log.drop_through(3); log.batches()
+[]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import pyarrow as pa
+
+from ..protocol.errors import StateError
+from ..protocol.layout import INPUT_LOG_FORMAT, INPUT_LOG_KEY, check_format
+from . import faults
+from .checkpoints import read_arrow
+
+__all__ = ["InputLog"]
+
+
+class InputLog:
+    """The input log in directory ``path`` (made on the first write)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def write(self, batch: int, table: Optional[pa.Table]) -> None:
+        """Log the input of ``batch`` (None: it had no rows)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{batch}.tmp"
+        if table is None:  # no rows (Spark ran the batch, nothing reached the engine)
+            tmp.write_bytes(str(INPUT_LOG_FORMAT).encode())
+            final = self.path / f"{batch}.empty"
+        else:
+            meta = dict(table.schema.metadata or {})
+            meta[INPUT_LOG_KEY] = str(INPUT_LOG_FORMAT).encode()
+            table = table.replace_schema_metadata(meta)
+            with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+                w.write_table(table)
+            final = self.path / f"{batch}.arrow"
+        os.replace(tmp, final)
+        faults.inject("logged", batch)
+
+    def read(self, batch: int) -> Optional[pa.Table]:
+        """The logged input of ``batch`` (None: it had no rows); a StateError naming the batch
+        if it is not in the log, or is in a format this version does not read."""
+        arrow, empty = self.path / f"{batch}.arrow", self.path / f"{batch}.empty"
+        if arrow.exists():
+            table = read_arrow(arrow)
+            meta = table.schema.metadata or {}
+            found = meta.get(INPUT_LOG_KEY)
+            check_format(None if found is None else _int(found), INPUT_LOG_FORMAT,
+                         f"the input log file {arrow}")
+            rest = {k: v for k, v in meta.items() if k != INPUT_LOG_KEY}
+            return table.replace_schema_metadata(rest or None)
+        if empty.exists():
+            found = empty.read_bytes().strip()
+            check_format(_int(found) if found else None, INPUT_LOG_FORMAT,
+                         f"the input log file {empty}")
+            return None
+        raise StateError(f"the input of batch {batch} is neither pending nor in the input log "
+                         f"{self.path}: the engine cannot redo the batch (restart the query from "
+                         "its checkpoint)")
+
+    def batches(self) -> List[int]:
+        """The batches in the log, in order."""
+        if not self.path.is_dir():
+            return []
+        return sorted(int(f.stem) for f in self.path.iterdir()
+                      if f.stem.isdigit() and f.suffix in (".arrow", ".empty"))
+
+    def drop_through(self, batch: int) -> None:
+        """Delete the logged inputs up to ``batch`` (a checkpoint holds them now)."""
+        if not self.path.is_dir():
+            return
+        for f in self.path.iterdir():
+            if f.stem.isdigit() and int(f.stem) <= batch:
+                f.unlink(missing_ok=True)
+
+
+def _int(raw: bytes):
+    try:
+        return int(raw)
+    except ValueError:
+        return raw.decode(errors="replace")

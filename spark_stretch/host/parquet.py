@@ -1,0 +1,101 @@
+"""A batch's Parquet files, read here as Spark's Parquet reader would read them, or why not.
+
+When a micro-batch's plan is a plain Parquet scan, Spark would only read its files and hand the
+rows over (``StretchIngest.parquetFiles`` in the shim decides that); the host engine reads them
+itself instead. Every file is first checked to read as Spark reads it: a local file, the exact
+column names, types Spark reads unchanged, and not a legacy Spark writer's (datetime rebasing).
+Anything else is declined with the reason, and Spark reads the files. No library says "would
+Spark read this file the same", so the checks are written out here.
+
+Examples
+--------
+>>> import pyarrow as pa, pyarrow.parquet as pq, tempfile, os
+>>> from spark_stretch.host.parquet import read_like_spark
+>>> f = os.path.join(tempfile.mkdtemp(), "a.parquet")
+>>> pq.write_table(pa.table({"x": pa.array([1, 2], pa.int64())}), f)
+>>> read_like_spark([f], ["x"], pa.schema([("x", pa.int64())])).num_rows
+2
+>>> read_like_spark([f], ["y"], pa.schema([("y", pa.int64())])).split(": ", 1)[1]
+"no column 'y' (Spark matches names ignoring case, or reads nulls)"
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Union
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+
+__all__ = ["read_like_spark"]
+
+
+def read_like_spark(files: list, columns: list, schema: pa.Schema) -> Union[pa.Table, str]:
+    """``files`` read as Spark's Parquet reader would for ``columns`` of ``schema`` (a table),
+    or why not (a string)."""
+    import pyarrow.parquet as pq
+
+    tables = []
+    for uri in files:
+        path = urlparse(uri)
+        if path.scheme not in ("", "file"):
+            return f"{uri} is not a local file"
+        try:
+            # (INT96 as microseconds, Spark's unit; _unlike_spark says when Spark reads it so)
+            f = pq.ParquetFile(unquote(path.path), coerce_int96_timestamp_unit="us")
+            why = _unlike_spark(f, columns, schema)
+            if why:
+                return f"{uri}: {why}"
+            tables.append(f.read(columns=columns, use_threads=True))
+        except Exception as e:  # (Spark reports its own error, or ignores what it may)
+            return f"{uri}: {type(e).__name__}: {e}"
+    try:
+        out = pa.concat_tables(tables) if tables else schema.empty_table()
+        return out.cast(pa.schema([schema.field(c) for c in columns]))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _unlike_spark(f, columns: list, schema: pa.Schema) -> str:
+    """Why Spark would read ``columns`` of Parquet file ``f`` otherwise than pyarrow ('' if it
+    would not)."""
+    meta = f.metadata.metadata or {}  # (the file's key-value metadata)
+    written = meta.get(b"org.apache.spark.version")  # by Spark, which version
+    spark = tuple(int(x) for x in re.findall(r"\d+", written.decode())[:2]) if written else None
+    if (spark is not None and spark < (3, 0)) \
+            or any(k.startswith(b"org.apache.spark.legacy") for k in meta):
+        return "written by a legacy Spark writer (datetime rebasing)"
+    int96 = {f.schema.column(j).path for j in range(len(f.schema))
+             if f.schema.column(j).physical_type == "INT96"}
+    have = f.schema_arrow
+    for c in columns:
+        i = have.get_field_index(c)
+        if i < 0:
+            return f"no column '{c}' (Spark matches names ignoring case, or reads nulls)"
+        if c in int96:
+            # Spark reads INT96 unchanged only from Spark 3.1+ files without the legacy key
+            # (DataSourceUtils.int96RebaseSpec); others are rebased or, from other writers,
+            # time-zone converted by settings: Spark reads them.
+            if spark is None or spark < (3, 1):
+                return f"column '{c}' is INT96 from a non-Spark or pre-3.1 writer"
+            want = schema.field(c).type
+            if pa.types.is_timestamp(want) and want.tz is not None:  # (TIMESTAMP, not _NTZ)
+                continue
+        if not _reads_as(have.field(i).type, schema.field(c).type):
+            return f"column '{c}' is {have.field(i).type}, read as {schema.field(c).type}"
+    return ""
+
+
+def _reads_as(file_type: pa.DataType, want: pa.DataType) -> bool:
+    """Whether pyarrow's ``file_type`` holds the values Spark reads as ``want``."""
+    t = pa.types
+    if t.is_timestamp(want):  # INT64 TIMESTAMP(isAdjustedToUTC, MILLIS|MICROS) only
+        return t.is_timestamp(file_type) and file_type.tz in ("UTC", "+00:00") \
+            and file_type.unit in ("ms", "us")
+    if t.is_list(want) or t.is_large_list(want):
+        return (t.is_list(file_type) or t.is_large_list(file_type)) and \
+            _reads_as(file_type.value_type, want.value_type)
+    if t.is_string(want) or t.is_large_string(want):
+        return t.is_string(file_type) or t.is_large_string(file_type)
+    return file_type == want and (t.is_integer(want) or t.is_floating(want)
+                                  or t.is_boolean(want) or t.is_date32(want))

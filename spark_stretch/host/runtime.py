@@ -1,0 +1,280 @@
+"""What every query runtime in the host engine shares, whatever it computes.
+
+A runtime is one open query (:mod:`.daemon` keeps one per query id). Subclasses:
+:class:`~spark_stretch.host.aggregate.AggregateRuntime` (built-in aggregations, and through
+:class:`~spark_stretch.host.operator.OperatorRuntime` the engine's own operators) and
+:class:`~spark_stretch.host.grouped.GroupedRuntime` (the ``applyInPandasWithState`` drop-in).
+Here, once for all of them:
+
+- **input**: a batch's committed rows (:meth:`Runtime.ingest`, from the receiver) or its Parquet
+  files (:meth:`Runtime.ingest_files`), checked (:meth:`Runtime._validate`) when they arrive so
+  that bad rows fail the batch's own Spark job;
+- **micro-batches**: :meth:`Runtime.step` with its replay guard (the last batch again gives the
+  same rows; an older one is an error), and the pipelined :meth:`Runtime.submit` /
+  :meth:`Runtime.result` with the input log;
+- **output**: offered to the executors on ``<query>:out:<N>`` (:meth:`Runtime._offer`);
+- **state**: the checkpoint store (full or delta, written in the background), the state after a
+  flush (:meth:`Runtime.flushed`), :meth:`Runtime.wait_saved`, and :meth:`Runtime.close`.
+
+A subclass says what a batch does (:meth:`Runtime._step`, :meth:`Runtime.flush`), what its
+checkpoint holds (:meth:`Runtime._save`, :meth:`Runtime._load`), and how it rescales.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..protocol import messages as M
+from ..protocol.errors import StateError
+from ..protocol.specs import QuerySpec
+from . import faults
+from .checkpoints import CheckpointStore
+from .input_log import InputLog
+from .parquet import read_like_spark
+
+__all__ = ["Runtime"]
+
+
+class Runtime(ABC):
+    """One open query. ``receiver`` offers outputs to the executors of this host."""
+
+    META: str = ""  # the checkpoint meta file (protocol.layout)
+
+    def __init__(self, qid: str, spec: QuerySpec, receiver):
+        self.qid = qid
+        self.spec = spec
+        self.receiver = receiver
+        self.lock = threading.Lock()
+        self.parallelism = spec.parallelism
+        self.counters: Dict[str, int] = {"input_rows": 0, "late_rows": 0, "output_rows": 0,
+                                         "batches": 0}
+        # Spark's watermark starts at 0 ms. watermark_ms is W_N (eviction, and the late rule of
+        # the next batch); next_watermark_ms is W_{N+1}.
+        self.watermark_ms = 0
+        self.next_watermark_ms = 0
+        self.pending: Dict[int, pa.Table] = {}
+        self.last_batch = -1
+        self.last_reply: Optional[M.StepResult] = None
+        self.switches: List[dict] = []
+        self.replay: List[int] = []  # the batches the driver steps again after a restart
+        self.checkpoint: Optional[int] = None  # the batch of the state it continued from
+        self._last_out: Optional[pa.Table] = None
+        self._offered: Optional[str] = None
+        self._stepper: Optional[ThreadPoolExecutor] = None  # submit(): steps off the request
+        self._inflight: Dict[int, Future] = {}
+        state_dir = spec.checkpoint.state_dir
+        self.log = InputLog(Path(state_dir).parent / "input") if state_dir else None
+        self.store = CheckpointStore(spec.checkpoint, self.META,
+                                     on_saved=self.log.drop_through if self.log else None)
+        # Set by an engine whose driver died: the lock is dropped when the process exits, not at
+        # close(), so nothing it still does (a Delta append of a request in flight) can overlap a
+        # restarted engine of the same query.
+        self.keep_checkpoint_lock = False
+        self.store.hold_lock()
+
+    # -- what a runtime is -------------------------------------------------------------------
+    @abstractmethod
+    def describe(self) -> M.Opened:
+        """The reply to ``open``."""
+
+    @abstractmethod
+    def _step(self, batch: int, table: Optional[pa.Table], batch_ts_ms: Optional[int]
+              ) -> M.StepResult:
+        """Step ``batch`` (``table``: its input, None if it had no rows), under the lock."""
+
+    @abstractmethod
+    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
+        """Spark's no-data batch after the last one."""
+
+    @abstractmethod
+    def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
+        """Switch epoch between two batches (no state moved)."""
+
+    @abstractmethod
+    def metrics(self) -> dict:
+        """The runtime's figures."""
+
+    @abstractmethod
+    def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
+        """Checkpoint the state after ``batch`` (through ``self.store``)."""
+
+    def _validate(self, table: pa.Table, batch: int) -> None:
+        """Raise InputRejected (naming the column) if the engine cannot take ``table``'s rows."""
+
+    def _check_usable(self) -> None:
+        """Raise StateError if an earlier failure left the state unusable."""
+
+    def _close(self) -> None:
+        """Release what the subclass holds (under the lock, once)."""
+
+    # -- restart -------------------------------------------------------------------------------
+    def _resume_from(self, resume: Optional[int]) -> Optional[int]:
+        """The checkpoint to continue after Spark's batch ``resume`` from (the latest at or before
+        it), and the batches after it to redo (``self.replay``): the logged inputs, and the
+        checkpoint's own batch if it kept its output (the sink may not have it yet)."""
+        start = self.store.latest(resume) if resume is not None and self.store.enabled else None
+        self.checkpoint = start
+        return start
+
+    def _set_replay(self, resume: Optional[int], first: int) -> None:
+        self.replay = [] if resume is None else list(range(first, resume + 1))
+
+    def _restore_common(self, meta: dict) -> None:
+        self.watermark_ms, self.next_watermark_ms = meta["watermark_ms"], meta["next_watermark_ms"]
+        self.last_batch = meta["last_batch"]
+        self.counters.update(meta["counters"])
+        self.parallelism = int(meta["parallelism"])
+
+    def _common_meta(self, batch: int) -> dict:
+        return {"last_batch": batch, "watermark_ms": self.watermark_ms,
+                "next_watermark_ms": self.next_watermark_ms, "counters": dict(self.counters),
+                "parallelism": self.parallelism}
+
+    # -- input ---------------------------------------------------------------------------------
+    def ingest(self, rest: str, job: str, table: pa.Table) -> None:
+        """The committed input of a batch (stream ``in:<N>``), kept until its step.
+
+        Not under ``lock``: a pipelined query ingests batch N+1 while batch N is stepped. Rows
+        the engine cannot take fail here (:meth:`_validate`), so they fail the batch's own
+        Spark job and the query names the batch and column.
+        """
+        kind, _, batch = rest.partition(":")
+        if kind != "in":
+            raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
+        self._validate(table, int(batch))
+        # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
+        # (A dict store is atomic: the step thread only pops other batches.)
+        self.pending[int(batch)] = table
+
+    def ingest_files(self, msg: M.IngestFiles) -> M.FilesIngested:
+        """The input of a batch, read from its Parquet files here (Spark would only read them
+        and hand the rows over: see ``StretchIngest.parquetFiles``), with Spark's event-time
+        statistics of each watermark column (ms), or ``unsupported``: why Spark must read them
+        (:func:`~spark_stretch.host.parquet.read_like_spark`). Rows the engine cannot take
+        (null keys) raise, as in the batch's ingest job."""
+        import base64
+
+        faults.inject("files", msg.batch)
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(msg.schema)))
+        got = read_like_spark(msg.files, msg.columns, schema)
+        if isinstance(got, str):
+            return M.FilesIngested(unsupported=got)
+        self.ingest(f"in:{msg.batch}", "files", got)
+        stats = []
+        for c in msg.watermarks:  # (Spark adds DateTimeUtils.microsToMillis: a floor division)
+            us = pc.cast(got.column(c).drop_null(), pa.int64()).to_numpy()
+            ms = np.floor_divide(us, 1000)
+            stats.append((int(ms.max()), int(ms.min()), float(ms.mean()), len(ms)) if len(ms)
+                         else (0, 0, 0.0, 0))
+        return M.FilesIngested(rows=got.num_rows, event_times=stats)
+
+    # -- micro-batches -------------------------------------------------------------------------
+    def step(self, batch: int, batch_ts_ms: Optional[int] = None) -> M.StepResult:
+        """Step ``batch``: its pending input, or after a restart its logged one. The last batch
+        again (Spark re-running it after a failure) gives the same rows without touching the
+        state; an older one is an error."""
+        with self.lock:
+            self.store.join()  # the previous checkpoint reads the state: let it finish
+            table = self.pending.pop(batch, None)
+            if batch <= self.last_batch:
+                if batch == self.last_batch and self.last_reply is not None:
+                    # the same rows again (a flush may have replaced the offer meanwhile)
+                    self._publish(self.last_reply.stream, self._last_out)
+                    return replace(self.last_reply, replayed=True)
+                raise StateError(
+                    f"batch {batch} replayed after batch {self.last_batch}: the engine state of "
+                    "that batch is gone (restart the query from its checkpoint)")
+            if table is None and batch in self.replay and self.log is not None:
+                table = self.log.read(batch)  # after a restart: the batch again, from the log
+            self._check_usable()
+            self.last_reply = self._step(batch, table, batch_ts_ms)
+            return self.last_reply
+
+    def submit(self, batch: int) -> M.Submitted:
+        """Log the input of ``batch`` (after which Spark may commit it) and step it in the
+        background; :meth:`result` waits for the step's reply."""
+        if self.log is not None:
+            self.log.write(batch, self.pending.get(batch))
+        if self._stepper is None:
+            self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"stretch-step-{self.qid}")
+        self._inflight[batch] = self._stepper.submit(self.step, batch)
+        return M.Submitted(batch)
+
+    def result(self, batch: int) -> M.StepResult:
+        """The reply of the submitted step of ``batch`` (its error, raised)."""
+        fut = self._inflight.pop(batch, None)
+        if fut is None:
+            raise StateError(f"batch {batch} of query {self.qid} was not submitted")
+        return fut.result()
+
+    def _publish(self, stream: str, out: pa.Table) -> None:
+        """Offer ``out`` on ``stream``, withdrawing the previous output (kept until now: a
+        retried read task, or a replayed batch, reads the same rows)."""
+        if self._offered is not None and self._offered != stream:
+            self.receiver.offer(self._offered, None)
+        self.receiver.offer(stream, out)
+        self._offered = stream
+        self._last_out = out
+
+    def _offer(self, stream: str, out: pa.Table, metrics: dict) -> M.StepResult:
+        self._publish(stream, out)
+        self.counters["output_rows"] += out.num_rows
+        return M.StepResult(rows=out.num_rows, stream=stream, metrics=metrics)
+
+    # -- state ---------------------------------------------------------------------------------
+    def _checkpoint_due(self, batch: int) -> bool:
+        """Whether the state after ``batch`` is checkpointed: the first time, then every
+        ``checkpoint.interval`` batches (``spark.stretch.checkpoint.interval``). In between,
+        the input log is the delta: the logged inputs after a checkpoint are kept until the next
+        one, and a restart steps them again (as Spark's state store replays its delta files on
+        its last snapshot)."""
+        chain = self.store.chain
+        return chain is None or batch - chain["parent"] >= self.spec.checkpoint.interval
+
+    def flushed(self) -> M.Submitted:
+        """The sink holds the last flush: keep the state after it as the state of the last batch
+        (a full checkpoint, replacing the batch's own)."""
+        with self.lock:
+            self._save(self.last_batch, full=True)
+            self.store.join()
+            return M.Submitted(self.last_batch)
+
+    def wait_saved(self) -> M.SaveStats:
+        """Block until the last checkpoint is on disk (before Spark may commit its batch)."""
+        with self.lock:
+            self.store.join()
+            faults.inject("saved", self.last_batch)
+            return M.SaveStats(**self.store.stats)
+
+    def close(self) -> None:
+        """Finish a step in flight, wait for the checkpoint being written, withdraw the output,
+        release what the runtime holds and the checkpoint lock."""
+        if self._stepper is not None:
+            self._stepper.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            try:
+                self.store.join()
+            except StateError:
+                pass  # the query is ending; its driver already saw (or will not need) the error
+            if self._offered is not None:
+                self.receiver.offer(self._offered, None)
+                self._offered = None
+            try:
+                self._close()
+            finally:
+                if not self.keep_checkpoint_lock:
+                    self.store.release_lock()
+
+    @staticmethod
+    def _ms_since(t0: float) -> float:
+        return (time.perf_counter() - t0) * 1e3

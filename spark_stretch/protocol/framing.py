@@ -1,0 +1,93 @@
+"""A frame on a stretch socket, and one request over a Unix socket.
+
+One request per connection: a 4-byte big-endian length and a UTF-8 JSON object (the header, see
+:mod:`.messages`), then, for a ``write``, an Arrow IPC stream. The reply is a framed header
+(``{"ok": true, ...}`` or a failed reply of :mod:`.errors`), then, for ``read``/``schema``, an
+Arrow IPC stream. The JVM shim (``ReceiverClient.scala``) speaks the same frames.
+
+A header longer than :data:`MAX_HEADER`, or one that is not a JSON object, is refused as a
+:class:`~.errors.BadRequest` before anything else is read: garbage on the socket cannot make the
+reader allocate or wait for it.
+
+Examples
+--------
+>>> import io
+>>> from spark_stretch.protocol.framing import read_header, write_header
+>>> buf = io.BytesIO()
+>>> write_header(buf, {"op": "ping"})
+>>> _ = buf.seek(0)
+>>> read_header(buf)
+{'op': 'ping'}
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+from .errors import BadRequest, raise_for
+
+__all__ = ["MAX_HEADER", "read_header", "write_header", "call"]
+
+MAX_HEADER = 1 << 24  # 16 MiB: a spec with a pickled operator is a few KB
+_LEN = struct.Struct(">i")
+
+
+def read_header(f) -> dict:
+    """Read one framed header from a binary file object.
+
+    Raises
+    ------
+    ConnectionError
+        The peer closed before a whole header arrived.
+    BadRequest
+        The length is out of range, or the bytes are not a JSON object.
+    """
+    head = f.read(4)
+    if len(head) < 4:
+        raise ConnectionError("peer closed before sending a header")
+    (n,) = _LEN.unpack(head)
+    if not 0 < n <= MAX_HEADER:
+        raise BadRequest(f"a header of {n} bytes: not a stretch frame (at most {MAX_HEADER})")
+    body = f.read(n)
+    if len(body) < n:
+        raise ConnectionError(f"peer closed after {len(body)} of a {n}-byte header")
+    try:
+        header = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        raise BadRequest("the header is not UTF-8 JSON: not a stretch frame") from None
+    if not isinstance(header, dict):
+        raise BadRequest(f"the header is a JSON {type(header).__name__}, not an object")
+    return header
+
+
+def write_header(f, obj: dict) -> None:
+    """Write one framed header (and flush)."""
+    body = json.dumps(obj).encode()
+    f.write(_LEN.pack(len(body)) + body)
+    f.flush()
+
+
+def call(socket_path: str, header: dict, timeout: float = 120.0) -> dict:
+    """Send one request to the server on ``socket_path``; return its reply header.
+
+    Raises
+    ------
+    ConnectionError
+        The server is gone (its process died or was stopped) or did not answer in time.
+    spark_stretch.protocol.errors.RemoteError
+        The server answered with a failed reply (its code and message).
+    """
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(socket_path)
+            with s.makefile("rwb") as f:
+                write_header(f, header)
+                reply = read_header(f)
+    except (OSError, ConnectionError, ValueError) as e:
+        raise ConnectionError(f"stretch engine at '{socket_path}' is unreachable or did not answer "
+                              f"'{header.get('op')}' ({type(e).__name__}: {e})") from e
+    raise_for(reply)
+    return reply

@@ -1,0 +1,112 @@
+"""Where a stretch query keeps its files, and the format version of each.
+
+Under the query's ``checkpointLocation`` (beside Spark's own ``offsets/``, ``commits/``)::
+
+    stretch/query.json        ids that make a restart the same query (driver)
+    stretch/flush.json        the drop-in's no-data batch timestamp (driver)
+    stretch/engine.lock       flock held by the one engine writing this checkpoint (host)
+    stretch/input/<N>.arrow   the input log: batch N's input, Arrow IPC (host); <N>.empty: no rows
+    stretch/state/<N>/        the state after batch N: <meta> last, then its files (host)
+
+and, in shared memory, the drop-in's bucket files ``stretch-<query>-<pid>-*/b<bucket>.pkl``
+(host and worker). Each JSON file and the input log carry a format version; a reader refuses a
+version it does not know with a :class:`~.errors.StateError` naming the file.
+
+Examples
+--------
+>>> from spark_stretch.protocol.layout import QueryLayout
+>>> QueryLayout("/ckpt").state_dir
+PosixPath('/ckpt/stretch/state')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import StateError
+
+__all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS",
+           "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "FLUSH_FORMAT", "check_format", "shm_root",
+           "shm_prefix", "bucket_file", "write_json"]
+
+# A checkpoint directory's meta file, written last (its presence marks a whole directory), per
+# runtime: the aggregate runtime's (the built-in aggregations and engine operators) keeps the
+# name it was first written under, so older checkpoints stay readable.
+AGGREGATE_META = "bridge.json"
+GROUPED_META = "grouped.json"
+# The format each meta file is written in. The drop-in's is 2: its buckets are placed by
+# protocol.placement (SipHash, then the engine's range rule) where format 1 took SipHash mod B.
+CHECKPOINT_FORMATS = {AGGREGATE_META: 1, GROUPED_META: 2}
+INPUT_LOG_FORMAT = 1
+INPUT_LOG_KEY = b"stretch.input_log.format"  # in each logged file's Arrow schema metadata
+QUERY_FORMAT = 1
+FLUSH_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class QueryLayout:
+    """The paths of one query's checkpoint (``checkpointLocation``, a local path or ``file:``)."""
+
+    checkpoint: str
+
+    @property
+    def root(self) -> Path:
+        c = str(self.checkpoint)
+        return Path(c[5:] if c.startswith("file:") else c) / "stretch"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def input_log(self) -> Path:
+        return self.root / "input"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "engine.lock"
+
+    @property
+    def query_file(self) -> Path:
+        return self.root / "query.json"
+
+    @property
+    def flush_file(self) -> Path:
+        return self.root / "flush.json"
+
+
+def check_format(found, known: int, where) -> None:
+    """Refuse a file whose format version is not ``known`` (a missing one counts as 1, the
+    format written before versions were checked)."""
+    v = 1 if found is None else found
+    if v != known:
+        raise StateError(f"{where} has format {v!r}; this version of spark-stretch reads format "
+                         f"{known}. Restart the query with a new checkpointLocation, or run it "
+                         "with the spark-stretch version that wrote it")
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` atomically (a temporary file, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def shm_root() -> str:
+    """Where the drop-in's bucket files live: tmpfs (``/dev/shm``) when there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+        else tempfile.gettempdir()
+
+
+def shm_prefix(query: str) -> str:
+    """The name prefix of a query's directories in :func:`shm_root` (one per engine pid)."""
+    return f"stretch-{query}-"
+
+
+def bucket_file(d: Path, b: int) -> Path:
+    """Bucket ``b``'s state file of the drop-in, in its shared-memory directory ``d``."""
+    return Path(d) / f"b{b:05d}.pkl"

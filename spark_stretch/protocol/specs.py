@@ -1,0 +1,154 @@
+"""The spec of a query as its host engine gets it with ``open``: versioned, typed, JSON on the wire.
+
+The driver builds one from the user's call (:mod:`spark_stretch.api`) and the session's settings
+(:mod:`spark_stretch.driver.settings`); the host engine opens the runtime its ``kind`` names
+(:mod:`spark_stretch.host.daemon`). A spec of another version is refused with a clear error,
+never half understood.
+
+Examples
+--------
+>>> from spark_stretch.protocol.specs import AggregateSpec, spec_from_wire, spec_to_wire
+>>> s = AggregateSpec(ts_column="ts", delay_ms=10_000, key_kind="array", key_column="words",
+...                   key_type="string", window_us=60_000_000, slide_us=60_000_000,
+...                   aggs=[("count", None)])
+>>> spec_from_wire(spec_to_wire(s)) == s
+True
+>>> s.output_names()
+['count']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, List, Optional, Tuple
+
+import msgspec
+
+from .errors import BadRequest
+
+__all__ = ["SPEC_VERSION", "Checkpointing", "QuerySpec", "AggregateSpec", "OperatorSpec",
+           "StreamSpec", "GroupedSpec", "spec_from_wire", "spec_to_wire"]
+
+SPEC_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class Checkpointing:
+    """Where and how the host engine checkpoints a query (Spark's state store settings where
+    Spark has one: ``minDeltasForSnapshot``, ``minBatchesToRetain``)."""
+
+    state_dir: Optional[str] = None   # <checkpointLocation>/stretch/state; None: no checkpoints
+    interval: int = 10                # batches between two checkpoints (the input log between)
+    min_deltas: int = 10              # deltas in a chain before a full checkpoint
+    min_batches_to_retain: int = 100
+    fsync: bool = False
+
+
+@dataclass(kw_only=True)
+class QuerySpec:
+    """What every query kind's spec has: its sizes, its checkpoint, and where it resumes."""
+
+    kind: ClassVar[str] = ""
+    version: int = SPEC_VERSION
+    parallelism: int = 1               # instances updating state at the start (m)
+    max_parallelism: int = 4           # instances created (n)
+    buckets: int = 4096                # state buckets (B)
+    checkpoint: Checkpointing = field(default_factory=Checkpointing)
+    resume_batch: Optional[int] = None  # continue after this batch (Spark's last committed)
+    input_schema: Optional[str] = None  # the input's Arrow schema (base64 IPC), for the warm-up
+    warm_up: bool = False               # a throwaway copy warming the engine up
+
+
+@dataclass(kw_only=True)
+class AggregateSpec(QuerySpec):
+    """Built-in windowed aggregations (``stretchAggregate(keys=..., agg=...)``)."""
+
+    kind: ClassVar[str] = "aggregate"
+    ts_column: str
+    delay_ms: int
+    key_kind: str                      # "scalar" | "array" | "pairs"
+    key_column: str
+    key_type: str                      # "string" | "long"
+    distance: Optional[int] = None     # pairs: largest j - i (None: every pair)
+    window_us: int
+    slide_us: int
+    aggs: List[Tuple[str, Optional[str]]]  # (fn, column), fn in count/sum/min/max/mean
+    value_types: Dict[str, str] = field(default_factory=dict)  # column -> "long" | "double"
+
+    @property
+    def value_columns(self) -> List[str]:
+        return sorted({c for _, c in self.aggs if c is not None})
+
+    def output_names(self) -> List[str]:
+        """Spark's names for the aggregations: ``count``, ``sum(x)``, ``avg(x)``, ..."""
+        return ["count" if fn == "count" else f"{'avg' if fn == 'mean' else fn}({col})"
+                for fn, col in self.aggs]
+
+
+@dataclass(kw_only=True)
+class StreamSpec:
+    """One input stream of an engine operator: its event time and the columns read, each as
+    ``(engine name, kind, input column)`` with kind ``long``, ``double``, ``string``,
+    ``timestamp`` or ``list``."""
+
+    name: str
+    ts_column: str
+    delay_ms: int
+    columns: List[Tuple[str, str, str]]
+
+
+@dataclass(kw_only=True)
+class OperatorSpec(QuerySpec):
+    """A user's O+ operator or a join (``stretchAggregate(agg=<operator>, others=...)``)."""
+
+    kind: ClassVar[str] = "operator"
+    operator: str                      # the operator, pickled (base64), kernels left behind
+    streams: List[StreamSpec]
+    output: List[Tuple[str, str, str]]  # (name, kind, engine column) per result column
+    window_us: Optional[int] = None
+    watermark_policy: str = "min"      # spark.sql.streaming.multipleWatermarkPolicy
+
+
+@dataclass(kw_only=True)
+class GroupedSpec(QuerySpec):
+    """The ``applyInPandasWithState`` drop-in (``groupBy(...).stretchAggregate(func, ...)``)."""
+
+    kind: ClassVar[str] = "grouped"
+    max_parallelism: int = 2
+    buckets: int = 256
+    key_columns: List[str]
+    columns: List[str]
+    out_schema: str                    # Spark JSON of outputStructType
+    state_schema: str                  # Spark JSON of stateStructType
+    output_mode: str                   # "Update" | "Append", as given
+    timeout_conf: str
+    ts_column: Optional[str] = None
+    delay_ms: int = 0
+    watermark_present: bool = False
+    runner_conf: Dict[str, object] = field(default_factory=dict)  # pyspark worker's settings
+    func: str = ""                     # the function, cloudpickled (base64)
+
+
+_KINDS = {c.kind: c for c in (AggregateSpec, OperatorSpec, GroupedSpec)}
+
+
+def spec_to_wire(spec: QuerySpec) -> dict:
+    """``spec`` as JSON-ready builtins, with its ``kind``."""
+    return {"kind": spec.kind, **msgspec.to_builtins(spec)}
+
+
+def spec_from_wire(d: dict) -> QuerySpec:
+    """The spec in a wire dict (BadRequest: another version, an unknown kind, a bad field)."""
+    if not isinstance(d, dict):
+        raise BadRequest(f"a query spec is an object, got {type(d).__name__}")
+    version = d.get("version")
+    if version != SPEC_VERSION:
+        raise BadRequest(f"query spec version {version!r}: this engine reads version "
+                         f"{SPEC_VERSION} (driver and engine of different spark-stretch versions?)")
+    cls = _KINDS.get(d.get("kind"))
+    if cls is None:
+        raise BadRequest(f"unknown query kind {d.get('kind')!r}; known: {sorted(_KINDS)}")
+    try:
+        return msgspec.convert({k: v for k, v in d.items() if k != "kind"}, cls)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{cls.kind} query spec: {e}") from None

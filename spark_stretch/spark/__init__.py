@@ -1,1 +1,0 @@
-"""Spark side: session set-up, the shim bridge and the streaming API."""

@@ -1,0 +1,275 @@
+"""One instance process of the ``applyInPandasWithState`` drop-in: the user's function per key.
+
+Started by the host engine (:mod:`spark_stretch.host.instances`) as ``python -m
+spark_stretch.worker``; it gets :class:`~spark_stretch.protocol.instances.Init`, then one
+:class:`~spark_stretch.protocol.instances.Batch` per step, on its socket. Like pyspark's own
+executor-side worker (``pyspark/sql/worker/``), it uses pyspark's pure-Python modules (the
+``GroupState`` class, the Arrow <-> pandas conversion, cloudpickle) so that the function sees
+exactly what it sees under native Spark; it never starts or talks to a JVM.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pyarrow as pa
+
+from ..protocol import instances as I
+from ..protocol.layout import bucket_file
+from .output import OutputBuffer
+
+__all__ = ["Instance", "NO_TIMESTAMP"]
+
+NO_TIMESTAMP = -1
+
+
+class Instance:
+    """Runs the user's function for the keys of the buckets this instance owns.
+
+    Per batch, as ``FlatMapGroupsInPandasWithStateExec`` does per partition:
+
+    1. every key with data, once, in key order: ``func(key, iter([pdf, ...]), state)``, the data
+       converted with pyspark's own Arrow-to-pandas code (session time zone, same dtypes), in
+       chunks of ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows;
+    2. then every key of the owned buckets whose timeout timestamp is set and earlier than the
+       threshold (the batch timestamp for ``ProcessingTimeTimeout``, the batch's event-time
+       watermark for ``EventTimeTimeout``), keys that had data included, with
+       ``hasTimedOut=True`` and ``[empty pdf]`` as the data.
+
+    The state object is pyspark's ``GroupState``, built as the JVM builds it for Python
+    (``GroupStateImpl.createForStreaming``): the stored value, the batch timestamp, the eviction
+    watermark, and *no* timeout (``timeoutTimestamp=-1``; the stored timeout is not carried in).
+    After the call Spark's rules decide what is stored: removed and no timeout set -> the key is
+    deleted; else the value (or none) and the new timeout are written if the state was updated,
+    removed or a timeout was set. A key whose function touched nothing keeps its old value *and
+    old timeout* (so a timed-out key that neither sets a timeout nor removes its state times out
+    again in the next batch, as in Spark).
+    """
+
+    def __init__(self, init: I.Init):
+        from pyspark import cloudpickle
+        from pyspark.sql.types import StructType, _parse_datatype_json_string
+
+        s = init.spec
+        self.spec = s
+        self.index = init.index
+        self.shm = Path(init.shm)
+        self.func = cloudpickle.loads(init.func)
+        self.out_schema = _parse_datatype_json_string(s.out_schema)
+        self.state_schema: StructType = _parse_datatype_json_string(s.state_schema)
+        self.state_needs_conversion = any(f.dataType.needConversion()
+                                          for f in self.state_schema.fields)
+        rc = s.runner_conf
+        self.tz = rc.get("timezone")
+        self.safecheck = rc.get("safecheck", False)
+        self.assign_cols_by_name = rc.get("assign_cols_by_name", True)
+        self.prefer_int_ext_dtype = rc.get("prefer_int_ext_dtype", False)
+        self.int_to_decimal = rc.get("int_to_decimal_coercion_enabled", False)
+        mr = int(rc.get("arrow_max_records_per_batch", 10000))
+        self.max_records = mr if mr > 0 else 2 ** 31 - 1
+        self.columns = list(s.columns)
+        self.key_columns = list(s.key_columns)
+        self.timeout_conf = s.timeout_conf
+        self.watermark_present = s.watermark_present
+        self.cache: Dict[int, dict] = {}
+        self.min_ts: Dict[int, int] = {}
+
+    # -- state buckets -----------------------------------------------------------------------
+    def _bucket(self, b: int) -> dict:
+        d = self.cache.get(b)
+        if d is None:
+            f = bucket_file(self.shm, b)
+            d = pickle.loads(f.read_bytes()) if f.exists() else {}
+            self.cache[b] = d
+            self.loads += 1
+            self.min_ts[b] = min((v[1] for v in d.values() if v[1] != NO_TIMESTAMP),
+                                 default=NO_TIMESTAMP)
+        return d
+
+    def _write_bucket(self, b: int) -> None:
+        d = self.cache[b]
+        with open(bucket_file(self.shm, b), "wb") as f:
+            f.write(pickle.dumps(d, protocol=5))
+        self.min_ts[b] = min((v[1] for v in d.values() if v[1] != NO_TIMESTAMP),
+                             default=NO_TIMESTAMP)
+
+    # -- one batch ---------------------------------------------------------------------------
+    def batch(self, msg: I.Batch) -> I.BatchDone:
+        import pandas as pd
+
+        t0 = time.perf_counter()
+        owned = set(int(b) for b in msg.owned)
+        for b in list(self.cache):
+            if b not in owned:
+                del self.cache[b]
+                self.min_ts.pop(b, None)
+        for b in msg.reload:
+            self.cache.pop(int(b), None)
+            self.min_ts.pop(int(b), None)
+        self.loads = 0
+        self.dirty = set()
+        self.ts_ms = int(msg.batch_ts_ms)
+        self.wm_ms = int(msg.watermark_ms)
+        calls = tcalls = 0
+        batches: List[pa.RecordBatch] = []
+        if msg.input:
+            table = pa.ipc.open_file(pa.memory_map(msg.input)).read_all()
+            pdf = self._to_pandas(table)
+            starts = np.asarray(msg.starts, dtype=np.int64)
+            ends = np.append(starts[1:], len(pdf))
+            gb = msg.group_buckets
+            kidx = [self.columns.index(k) for k in self.key_columns]
+            kvals = [pdf.iloc[:, j]._values for j in kidx]
+            out = OutputBuffer(self)
+            for g in range(len(starts)):
+                a, z = int(starts[g]), int(ends[g])
+                key = tuple(v[a] for v in kvals)
+                values = self._chunks(pdf, a, z)
+                self._call(key, values, int(gb[g]), False, out)
+                calls += 1
+            batches += out.finish()
+        t1 = time.perf_counter()
+        if self.timeout_conf != "NoTimeout":
+            threshold = self.ts_ms if self.timeout_conf == "ProcessingTimeTimeout" else self.wm_ms
+            empty = None
+            out = OutputBuffer(self)
+            for b in sorted(owned):
+                d = self._bucket(b)
+                mt = self.min_ts.get(b, NO_TIMESTAMP)
+                if b not in self.dirty and (mt == NO_TIMESTAMP or mt >= threshold):
+                    continue
+                due = [k for k, v in d.items() if v[1] != NO_TIMESTAMP and v[1] < threshold]
+                for key in due:
+                    if empty is None:
+                        empty = pd.DataFrame(columns=self.columns)
+                    # as pyspark's wrapper: a list with one empty DataFrame of the data columns
+                    self._call(key, [empty], b, True, out)
+                    tcalls += 1
+            batches += out.finish()
+        t2 = time.perf_counter()
+        for b in self.dirty:
+            self._write_bucket(b)
+        out_path = None
+        rows = sum(x.num_rows for x in batches)
+        if batches:
+            out_path = str(I.output_file(self.shm, msg.seq, self.index))
+            with pa.OSFile(out_path, "wb") as f:
+                with pa.ipc.new_file(f, batches[0].schema) as w:
+                    for rb in batches:
+                        w.write_batch(rb)
+        t3 = time.perf_counter()
+        return I.BatchDone(out=out_path, rows=rows, dirty=sorted(self.dirty), calls=calls,
+                           timeout_calls=tcalls, bucket_loads=self.loads,
+                           state_keys=sum(len(self._bucket(b)) for b in owned),
+                           times={"data_ms": (t1 - t0) * 1e3, "timeouts_ms": (t2 - t1) * 1e3,
+                                  "write_ms": (t3 - t2) * 1e3})
+
+    def _to_pandas(self, table: pa.Table):
+        import pandas as pd
+        from pyspark.sql.conversion import ArrowBatchTransformer
+
+        series = ArrowBatchTransformer.to_pandas(
+            table, timezone=self.tz, schema=None, struct_in_pandas="dict", ndarray_as_list=False,
+            prefer_int_ext_dtype=self.prefer_int_ext_dtype, df_for_struct=False)
+        pdf = pd.concat(series, axis=1)
+        # Native converts each group's rows on their own: an integer column with nulls elsewhere
+        # in the batch must not turn float for a group without nulls. Keep such tables per group.
+        self._per_group = None
+        for i, f in enumerate(table.schema):
+            t = f.type
+            if (pa.types.is_integer(t) or pa.types.is_boolean(t)) and table.column(i).null_count:
+                self._per_group = table
+                break
+        return pdf
+
+    def _chunks(self, pdf, a: int, z: int):
+        """The group's rows as pandas DataFrames of at most maxRecordsPerBatch rows."""
+        import pandas as pd
+
+        out = []
+        for lo in range(a, z, self.max_records):
+            hi = min(z, lo + self.max_records)
+            if self._per_group is not None:
+                out.append(self._to_pandas_exact(self._per_group.slice(lo, hi - lo)))
+            else:
+                part = pdf.iloc[lo:hi]
+                part.index = pd.RangeIndex(hi - lo)
+                out.append(part)
+        return iter(out)
+
+    def _to_pandas_exact(self, table: pa.Table):
+        import pandas as pd
+        from pyspark.sql.conversion import ArrowBatchTransformer
+
+        return pd.concat(ArrowBatchTransformer.to_pandas(
+            table, timezone=self.tz, schema=None, struct_in_pandas="dict", ndarray_as_list=False,
+            prefer_int_ext_dtype=self.prefer_int_ext_dtype, df_for_struct=False), axis=1)
+
+    def _call(self, key: tuple, values, b: int, timed_out: bool, out: OutputBuffer) -> None:
+        """One call of the function, as pyspark's ``wrap_grouped_map_pandas_udf_with_state``,
+        then Spark's rules for what is stored."""
+        import pandas as pd
+        from pyspark.errors import PySparkRuntimeError, PySparkTypeError
+        from pyspark.sql.streaming.state import GroupState
+
+        d = self._bucket(b)
+        old = d.get(key)
+        value = None
+        if old is not None and old[0] is not None:
+            value = self.state_schema.fromInternal(old[0])
+        state = GroupState(
+            optionalValue=value, batchProcessingTimeMs=self.ts_ms,
+            eventTimeWatermarkMs=self.wm_ms, timeoutConf=self.timeout_conf,
+            hasTimedOut=timed_out, watermarkPresent=self.watermark_present,
+            defined=value is not None, updated=False, removed=False,
+            timeoutTimestamp=NO_TIMESTAMP, keyAsUnsafe=b"", valueSchema=self.state_schema)
+        result_iter = self.func(key, values, state)
+        if isinstance(result_iter, pd.DataFrame):
+            raise PySparkTypeError(
+                errorClass="UDF_RETURN_TYPE",
+                messageParameters={"expected": "iterable of pandas.DataFrame",
+                                   "actual": type(result_iter).__name__})
+        try:
+            iter(result_iter)
+        except TypeError:
+            raise PySparkTypeError(
+                errorClass="UDF_RETURN_TYPE",
+                messageParameters={"expected": "iterable", "actual": type(result_iter).__name__})
+        n_out = len(self.out_schema)
+        for result in result_iter:
+            if not isinstance(result, pd.DataFrame):
+                raise PySparkTypeError(
+                    errorClass="UDF_RETURN_TYPE",
+                    messageParameters={"expected": "iterator of pandas.DataFrame",
+                                       "actual": "iterator of {}".format(type(result).__name__)})
+            if not (len(result.columns) == n_out or (len(result.columns) == 0 and result.empty)):
+                raise PySparkRuntimeError(
+                    errorClass="RESULT_COLUMN_SCHEMA_MISMATCH",
+                    messageParameters={"expected": str(n_out),
+                                       "actual": str(len(result.columns))})
+            out.add(result)
+        out.state_done()
+        # FlatMapGroupsInPandasWithStateExec.process / onIteratorCompletion
+        timeout = state._timeout_timestamp
+        if state._removed and timeout == NO_TIMESTAMP:
+            if key in d:
+                del d[key]
+                self.dirty.add(b)
+        elif state._updated or state._removed or timeout != state.oldTimeoutTimestamp:
+            stored = None
+            if state.exists:
+                v = state._value
+                if len(v) != len(self.state_schema.fields):
+                    raise PySparkRuntimeError(
+                        f"state value {tuple(v)!r} has {len(v)} fields, the state schema "
+                        f"{self.state_schema.simpleString()} has {len(self.state_schema.fields)}")
+                stored = tuple(self.state_schema.toInternal(v)) if self.state_needs_conversion \
+                    else tuple(v)
+            d[key] = (stored, int(timeout))
+            self.dirty.add(b)
+
+

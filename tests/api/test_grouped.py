@@ -1,0 +1,465 @@
+"""``groupBy(k).stretchAggregate(func, ...)``: the applyInPandasWithState drop-in.
+
+Oracles: the NATIVE ``applyInPandasWithState`` over the same file stream (availableNow, one file
+per micro-batch), both into Delta, compared with chispa; for processing-time timeouts (pyspark has
+no manual clock for native queries) a plain-Python sequential run of the same rules.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from chispa import assert_df_equality
+from pyspark.errors import StreamingQueryException
+from pyspark.sql.streaming.state import GroupStateTimeout
+
+from spark_stretch.host.faults import ENV
+from spark_stretch.testing import TWEETS, publish, write_tweets
+
+
+# The functions below are shipped by value (Python workers and stretch instances cannot import
+# this test module), native and stretch alike.
+from pyspark import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SESSION_OUT = "user string, start long, end long, n long, closed boolean, wm long"
+SESSION_STATE = "start long, end long, n long"
+GAP_MS = 5_000
+
+
+def _ms(ts) -> int:
+    return int(pd.Timestamp(ts).value // 1_000_000)
+
+
+def sessions(key, pdfs, state):
+    """Sessionization: a session closes GAP_MS of event time after its last event."""
+    wm = state.getCurrentWatermarkMs()
+    if state.hasTimedOut:
+        start, end, n = state.get
+        state.remove()
+        yield pd.DataFrame({"user": [key[0]], "start": [start], "end": [end], "n": [n],
+                            "closed": [True], "wm": [wm]})
+        return
+    start, end, n = state.get if state.exists else (None, None, 0)
+    for pdf in pdfs:
+        lo, hi = _ms(pdf["ts"].min()), _ms(pdf["ts"].max())
+        start = lo if start is None else min(start, lo)
+        end = hi if end is None else max(end, hi)
+        n += len(pdf)
+    state.update((start, end, n))
+    state.setTimeoutTimestamp(max(end + GAP_MS, wm))
+    yield pd.DataFrame({"user": [key[0]], "start": [start], "end": [end], "n": [n],
+                        "closed": [False], "wm": [wm]})
+
+
+def running_count(key, pdfs, state):
+    n = state.get[0] if state.exists else 0
+    words = 0
+    for pdf in pdfs:
+        n += len(pdf)
+        words += int(pdf["len"].sum())
+    state.update((n,))
+    yield pd.DataFrame({"user": [key[0]], "n": [n], "words": [words]})
+
+
+def source(spark, src, watermark=True):
+    df = spark.readStream.schema(TWEETS).option("maxFilesPerTrigger", 1).parquet(str(src))
+    return df.withWatermark("ts", "10 seconds") if watermark else df
+
+
+def run_native(native_df, out: Path, mode="update", checkpoint=None, expect_failure=False):
+    """The native query into Delta: update mode through foreachBatch (Delta's streaming sink has
+    no update mode) with txnAppId/txnVersion, append mode straight into Delta."""
+    ckpt = str(checkpoint or str(out) + "-ckpt")
+    w = native_df.writeStream.outputMode(mode).option("checkpointLocation", ckpt) \
+        .trigger(availableNow=True)
+    if mode == "update":
+        def write(batch, batch_id):
+            batch.write.format("delta").mode("append").option("txnAppId", "native") \
+                .option("txnVersion", batch_id).save(str(out))
+        q = w.foreachBatch(write).start()
+    else:
+        q = w.format("delta").start(str(out))
+    if expect_failure:
+        with pytest.raises(StreamingQueryException) as err:
+            q.awaitTermination(300)
+        return err.value
+    q.awaitTermination()
+    return None
+
+
+def start_stretch(g, out: Path, mode="update", checkpoint=None, **trigger):
+    return (g.writeStream.outputMode(mode).format("delta")
+            .option("checkpointLocation", str(checkpoint or str(out) + "-ckpt"))
+            .trigger(**(trigger or {"availableNow": True})).start(str(out)))
+
+
+def run_stretch(g, out: Path, mode="update", checkpoint=None):
+    q = start_stretch(g, out, mode, checkpoint)
+    q.awaitTermination()
+    return q
+
+
+def read(spark, out):
+    return spark.read.format("delta").load(str(out))
+
+
+def equal(got, want):
+    assert want.count() > 0
+    assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True,
+                       ignore_metadata=True)
+
+
+def _both(spark, src, args, tmp_path):
+    """(stretch, native) tables of ``groupBy("user")`` with ``args``, update mode, no watermark."""
+    run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(*args),
+               tmp_path / "n")
+    run_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    return read(spark, tmp_path / "o"), read(spark, tmp_path / "n")
+
+
+def _shm_dirs():
+    return set(Path("/dev/shm").glob("stretch-*")) if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.fixture(scope="module")
+def stream(spark, tmp_path_factory):
+    """Six one-file micro-batches with late rows, and native sessionization over them."""
+    tmp = tmp_path_factory.mktemp("grouped")
+    src = write_tweets(tmp / "src", 720, files=6, rate=12.0, users=150, vocab=30,
+                       late_fraction=0.04, late_by_s=20.0, jitter_s=4.0, seed=7)
+    args = (sessions, SESSION_OUT, SESSION_STATE, "Update", GroupStateTimeout.EventTimeTimeout)
+    run_native(source(spark, src).groupBy("user").applyInPandasWithState(*args), tmp / "native")
+    return src, args, read(spark, tmp / "native")
+
+
+def test_sessionization_event_time_timeout_equals_native(spark, stream, tmp_path):
+    src, args, want = stream
+    before = _shm_dirs()
+    q = run_stretch(source(spark, src).groupBy("user").stretchAggregate(*args, parallelism=2),
+                    tmp_path / "o")
+    got = read(spark, tmp_path / "o")
+    equal(got, want)
+    # timeouts fired (with data batches and in the final no-data batch), late rows were dropped,
+    # the watermark each call saw is Spark's
+    assert got.where("closed").count() > 0
+    m = q.metrics()
+    assert m["engine"]["late_rows"] > 0 and m["engine"]["timeout_calls"] > 0
+    assert m["batches"] == 6 and m.get("flushes") == 1
+    assert [p for p in m["plans"] if "Exchange" in p] == []
+    assert _shm_dirs() <= before  # the state directory in /dev/shm went with the query
+
+
+def test_running_count_no_timeout_equals_native(spark, tmp_path):
+    src = write_tweets(tmp_path / "src", 300, files=2, rate=10.0, users=30, vocab=30, seed=3)
+    args = (running_count, "user string, n long, words long", "n long", "Update",
+            GroupStateTimeout.NoTimeout)
+    equal(*_both(spark, src, args, tmp_path))
+
+
+def test_state_removal_and_multi_column_key_equal_native(spark, tmp_path):
+    # Key (user, len): a tuple of two numpy values; the state is removed every 2nd row of a key,
+    # so keys start again from nothing.
+    def fn(key, pdfs, state):
+        n = state.get[0] if state.exists else 0
+        rows = []
+        for pdf in pdfs:
+            for _ in range(len(pdf)):
+                n += 1
+                if n == 2:
+                    rows.append((key[0], int(key[1]), type(key[1]).__name__, n))
+                    n = 0
+        if n == 0:
+            state.remove()
+        else:
+            state.update((n,))
+        yield pd.DataFrame(rows, columns=["user", "len", "t", "n"])
+
+    src = write_tweets(tmp_path / "src", 400, files=2, rate=10.0, users=6, vocab=30,
+                       min_words=8, max_words=10, seed=4)
+    args = (fn, "user string, len long, t string, n long", "n long", "Update",
+            GroupStateTimeout.NoTimeout)
+    run_native(source(spark, src, False).groupBy("user", "len").applyInPandasWithState(*args),
+               tmp_path / "n")
+    q = run_stretch(source(spark, src, False).groupBy("user", "len").stretchAggregate(*args),
+                    tmp_path / "o")
+    want = read(spark, tmp_path / "n")
+    equal(read(spark, tmp_path / "o"), want)
+    assert {r.t for r in want.select("t").distinct().collect()} == {"int64"}
+    assert q.metrics()["engine"]["state_keys"] < 6 * 3  # removed keys are gone
+
+
+def test_append_mode_equals_native(spark, tmp_path):
+    src = write_tweets(tmp_path / "src", 300, files=2, rate=10.0, users=30, vocab=30, seed=5)
+    args = (running_count, "user string, n long, words long", "n long", "Append",
+            GroupStateTimeout.NoTimeout)
+    run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(*args),
+               tmp_path / "n", mode="append")
+    run_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args), tmp_path / "o",
+                mode="append")
+    equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
+    # the output mode must match the function's, as for native (Spark's own check and message)
+    g = source(spark, src, False).groupBy("user").stretchAggregate(*args)
+    with pytest.raises(Exception, match="applyInPandasWithState in append mode is not supported "
+                                        "with Update output mode"):
+        start_stretch(g, tmp_path / "x", mode="update")
+
+
+def timeout_soon_or_never(key, pdfs, state):
+    """A processing-time timeout whose outcome does not depend on the clock: users with an even
+    number time out 1 ms after their batch (so at the next batch without their data; batches are
+    far more than 1 ms apart), the others after a day (never, in a test)."""
+    if state.hasTimedOut:
+        (n,) = state.get
+        state.remove()
+        yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [True]})
+        return
+    n = (state.get[0] if state.exists else 0) + sum(len(p) for p in pdfs)
+    state.update((n,))
+    state.setTimeoutDuration(1 if int(key[0][1:]) % 2 == 0 else 86_400_000)
+    yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [False]})
+
+
+def test_processing_time_timeout_equals_native(spark, tmp_path):
+    # The real clock on both sides, processing-time triggers (native availableNow never ends with
+    # ProcessingTimeTimeout: every batch asks for another). Both run until the files are done and
+    # a no-data batch (native) / idle flush (stretch) has timed the even users out, then stop.
+    files = 3
+    src = write_tweets(tmp_path / "src", 180, files=files, rate=10.0, users=40, vocab=30, seed=8)
+    args = (timeout_soon_or_never, "user string, n long, timed_out boolean", "n long", "Update",
+            GroupStateTimeout.ProcessingTimeTimeout)
+
+    def write(batch, batch_id):
+        batch.write.format("delta").mode("append").option("txnAppId", "native") \
+            .option("txnVersion", batch_id).save(str(tmp_path / "n"))
+
+    def until(cond, what):
+        deadline = time.time() + 180
+        while not cond():
+            assert time.time() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    nq = (source(spark, src, False).groupBy("user").applyInPandasWithState(*args).writeStream
+          .outputMode("update").foreachBatch(write)
+          .option("checkpointLocation", str(tmp_path / "n-ckpt"))
+          .trigger(processingTime="300 milliseconds").start())
+    try:  # batches 0..files-1 have data; files and files+1 are no-data batches
+        until(lambda: (nq.lastProgress or {}).get("batchId", -1) >= files + 1, "native batches")
+    finally:
+        nq.stop()
+    sq = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args),
+                       tmp_path / "o", processingTime="300 milliseconds")
+    try:
+        until(lambda: sq.metrics()["batches"] >= files and sq.metrics().get("flushes", 0) >= 1,
+              "stretch batches and an idle flush")
+    finally:
+        sq.stop()
+    want = read(spark, tmp_path / "n")
+    assert want.where("timed_out").count() > 0 and want.where("NOT timed_out").count() > 0
+    equal(read(spark, tmp_path / "o"), want)
+
+
+def test_processing_time_timeout_against_sequential_oracle(spark, tmp_path):
+    start, step, duration = 1_000_000, 10_000, 15_000
+
+    def fn(key, pdfs, state):
+        now = state.getCurrentProcessingTimeMs()
+        if state.hasTimedOut:
+            (n,) = state.get
+            state.remove()
+            yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [True], "now": [now]})
+            return
+        n = (state.get[0] if state.exists else 0) + sum(len(p) for p in pdfs)
+        state.update((n,))
+        state.setTimeoutDuration(duration)
+        yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [False], "now": [now]})
+
+    files = 4
+    src = write_tweets(tmp_path / "src", 160, files=files, rate=10.0, users=60, vocab=30, seed=6)
+    spark.conf.set("spark.stretch.testClockMs", f"{start}+{step}")
+    try:
+        g = source(spark, src, False).groupBy("user").stretchAggregate(
+            fn, "user string, n long, timed_out boolean, now long", "n long", "Update",
+            GroupStateTimeout.ProcessingTimeTimeout)
+        run_stretch(g, tmp_path / "o")
+    finally:
+        spark.conf.unset("spark.stretch.testClockMs")
+    # The oracle: the rules of FlatMapGroupsWithState, one batch per file, then the no-data batch.
+    want, state = [], {}
+    for i in range(files + 1):
+        now = start + i * step
+        if i < files:
+            users = pq.read_table(sorted(Path(src).glob("*.parquet"))[i]).column("user").to_pylist()
+            for u in sorted(set(users)):
+                n = state.get(u, (0, None))[0] + users.count(u)
+                state[u] = (n, now + duration)
+                want.append((u, n, False, now))
+        for u, (n, timeout) in list(state.items()):
+            if timeout < now:
+                del state[u]
+                want.append((u, n, True, now))
+    got = sorted(tuple(r) for r in read(spark, tmp_path / "o").collect())
+    assert got == sorted(want)
+    assert any(w[2] for w in want)
+
+
+@pytest.mark.slow  # 4 / 1 query runs; with -m slow
+def test_restart_from_checkpoint_mid_stream_equals_native(spark, stream, tmp_path):
+    # Stop after 2 files, add 2 more, restart from the checkpoint: the same as native, run (and
+    # restarted) the same way.
+    src, args, _ = stream
+    live = tmp_path / "live"
+    live.mkdir()
+    files = sorted(Path(src).glob("*.parquet"))
+    for phase in (files[:2], files[2:4]):
+        for f in phase:
+            publish(f, live)
+        run_native(source(spark, live).groupBy("user").applyInPandasWithState(*args),
+                   tmp_path / "n")
+        run_stretch(source(spark, live).groupBy("user").stretchAggregate(*args),
+                    tmp_path / "o")
+    equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
+    assert sorted(int(p.name) for p in (tmp_path / "o-ckpt" / "commits").iterdir()
+                  if p.name.isdigit()) == list(range(4))
+
+
+def test_user_function_raises_fails_query_with_the_cause(spark, stream, tmp_path):
+    # The function misuses GroupState in batch 2 (get after remove): the query fails with a
+    # StreamingQueryException carrying the Python traceback, the same exception type and message
+    # as native, and the table holds exactly batches 0 and 1.
+    src, _, _ = stream
+
+    def fails_in_batch_2(key, pdfs, state):
+        n = sum(len(p) for p in pdfs)
+        state.update((n,))
+        yield pd.DataFrame({"user": [key[0]], "n": [n]})
+        # 10 s of events a file, 10 s delay: W_1 < 4 s, W_2 >= 10 s
+        if state.getCurrentWatermarkMs() >= 10_000:
+            state.remove()
+            state.get  # PySparkValueError: [STATE_NOT_EXISTS]
+
+    args = (fails_in_batch_2, "user string, n long", "n long", "Update",
+            GroupStateTimeout.EventTimeTimeout)
+    native_err = run_native(source(spark, src).groupBy("user").applyInPandasWithState(*args),
+                            tmp_path / "n", expect_failure=True)
+    q = start_stretch(source(spark, src).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    with pytest.raises(StreamingQueryException) as err:
+        q.awaitTermination(300)
+    msg = str(err.value)
+    line = ("PySparkValueError: [STATE_NOT_EXISTS] State is either not defined or has already "
+            "been removed.")
+    assert line in msg and line in str(native_err)
+    assert "in fails_in_batch_2" in msg and "state.get" in msg  # the user's frame
+    assert not q.isActive
+    got, want = read(spark, tmp_path / "o"), read(spark, tmp_path / "n")
+    equal(got, want)
+    committed = sorted(int(p.name) for p in (tmp_path / "o-ckpt" / "commits").iterdir()
+                       if p.name.isdigit())
+    assert committed == [0, 1]
+
+
+def test_group_state_misuse_same_errors_as_native(spark, tmp_path):
+    # Every misuse is caught inside the function and reported as a row: the same exception types
+    # and messages (pyspark's own GroupState), the same watermark, for every key and batch.
+    def misuse(key, pdfs, state):
+        for _ in pdfs:
+            pass
+        tries = {
+            "get": lambda: state.get,
+            "update_none": lambda: state.update(None),
+            "duration_without_ptt": lambda: state.setTimeoutDuration(1000),
+            "duration_str": lambda: state.setTimeoutDuration("1 hour"),
+            "timestamp_negative": lambda: state.setTimeoutTimestamp(-5),
+            "timestamp_before_wm": lambda: state.setTimeoutTimestamp(1),
+            "watermark": lambda: state.getCurrentWatermarkMs(),
+            "get_after_remove": lambda: (state.remove(), state.get),
+        }
+        rows = []
+        for name, call in tries.items():
+            try:
+                r = call()
+                rows.append((key[0], name, f"ok {r!r}"[:60]))
+            except Exception as e:  # noqa: BLE001
+                rows.append((key[0], name, f"{type(e).__module__}.{type(e).__name__}: {e}"))
+        state.update((1,))
+        yield pd.DataFrame(rows, columns=["user", "what", "result"])
+
+    src = write_tweets(tmp_path / "src", 60, files=2, rate=1.0, users=3, vocab=10, seed=8)
+    args = (misuse, "user string, what string, result string", "n long", "Update",
+            GroupStateTimeout.EventTimeTimeout)
+    run_native(source(spark, src).groupBy("user").applyInPandasWithState(*args), tmp_path / "n")
+    run_stretch(source(spark, src).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    want = read(spark, tmp_path / "n")
+    equal(read(spark, tmp_path / "o"), want)
+    results = {r.result.split(":")[0] for r in want.collect()}
+    assert {"pyspark.errors.exceptions.base.PySparkValueError",
+            "pyspark.errors.exceptions.base.PySparkTypeError",
+            "pyspark.errors.exceptions.base.PySparkRuntimeError"} <= results
+
+
+def _wait_batches(q, n, timeout=180):
+    deadline = time.time() + timeout
+    while q.metrics()["batches"] < n:
+        assert q.isActive or q.metrics()["batches"] >= n, q.exception()
+        assert time.time() < deadline, f"stuck before batch {n}"
+        time.sleep(0.05)
+
+
+def test_reconfigure_2_then_1_mid_stream_equals_native(spark, stream, tmp_path):
+    src, args, want = stream
+    g = source(spark, src).groupBy("user").stretchAggregate(*args, parallelism=1,
+                                                            max_parallelism=2, buckets=64)
+    q = start_stretch(g, tmp_path / "o")
+    recs = []
+    for after, k in ((2, 2), (4, 1)):  # while the query runs: no stop, no restart
+        _wait_batches(q, after)
+        recs.append(q.reconfigure(parallelism=k))
+    q.awaitTermination()
+    assert q.exception() is None
+    equal(read(spark, tmp_path / "o"), want)
+    assert [r["parallelism"] for r in recs] == [2, 1] and [r["epoch"] for r in recs] == [1, 2]
+    assert all(r["switch_ms"] < 100 and r["state_copied_bytes"] == 0 for r in recs), recs
+    assert recs[0]["moved_buckets"] == 32 and recs[1]["moved_buckets"] == 32
+    # batches run between the two switches used both instances
+    per = [b["instances"] for b in q.metrics()["batch_times"]
+           if recs[0]["after_batch"] < b["batch"] <= recs[1]["after_batch"]]
+    assert per and all(len(p) == 2 for p in per)
+
+
+@pytest.mark.slow  # 4 / 1 query runs; with -m slow
+def test_engine_killed_mid_batch_is_restarted_from_checkpoint(spark, stream, tmp_path,
+                                                              monkeypatch):
+    src, args, want = stream
+    monkeypatch.setenv(ENV, f"kill@step:3:{tmp_path / 'fired'}")
+    q = run_stretch(source(spark, src).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    assert (tmp_path / "fired").exists()
+    restarts = q.metrics()["engine_restarts"]
+    assert len(restarts) == 1 and restarts[0]["resumed_from"] == 2, restarts
+    assert f"died (exit status -{int(signal.SIGKILL)}) during batch 3" in restarts[0]["cause"]
+    equal(read(spark, tmp_path / "o"), want)
+
+
+def test_instance_process_death_fails_the_query(spark, tmp_path):
+    def dies(key, pdfs, state):
+        n = sum(len(p) for p in pdfs)
+        if state.exists:  # second batch of a key
+            os._exit(7)
+        state.update((n,))
+        yield pd.DataFrame({"user": [key[0]], "n": [n]})
+
+    src = write_tweets(tmp_path / "src", 60, files=2, rate=10.0, users=2, vocab=10, seed=9)
+    q = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(
+        dies, "user string, n long", "n long", "Update", GroupStateTimeout.NoTimeout),
+        tmp_path / "o")
+    with pytest.raises(StreamingQueryException, match=r"stretch instance \d \(pid \d+\) exited "
+                                                      r"with status 7 during batch 1"):
+        q.awaitTermination(300)
+    assert read(spark, tmp_path / "o").count() == 2  # batch 0, committed
