@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,bench]"
-	$(PY) -m spark_stretch.driver.shim
+	$(PY) -m spark_stretch.driver > $(VENV)/setup-jars.txt
 	touch $@
 
 demo: setup

@@ -7,7 +7,9 @@ time the rescale took.
 
 Run it::
 
-    python examples/wordcount_delta.py [--tweets 200000] [--out DIR]
+    python examples/wordcount_delta.py [--tweets 200000] [--out DIR] [--verbose]
+
+``--verbose`` (or ``SPARK_STRETCH_VERBOSE=1``) shows Spark's start-up output and its WARN lines.
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ def main() -> None:
     ap.add_argument("--tweets", type=int, default=200_000)
     ap.add_argument("--files", type=int, default=10, help="input files = micro-batches")
     ap.add_argument("--out", help="working folder (default: a temporary one, removed after)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show Spark's start-up output (Ivy, log banner) and its WARN lines")
     args = ap.parse_args()
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="stretch-wordcount-"))
     src, table, ckpt = work / "tweets", work / "wordcount", work / "checkpoint"
 
     print(f"generating {args.tweets:,} tweets into {src} ...")
     write_tweets(src, args.tweets, files=args.files, rate=500.0, late_fraction=0.001)
-    spark = spark_stretch.session(app_name="spark-stretch word count")
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = spark_stretch.session(app_name="spark-stretch word count", verbose=args.verbose or None)
     try:
         counts = (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(src))
                   .withWatermark("ts", "10 seconds")

@@ -1,14 +1,29 @@
-"""Session set-up: the shim jar, Delta, and the settings spark-stretch needs."""
+"""Session set-up: the shim jar, Delta, and the settings spark-stretch needs; quiet by default.
+
+``python -m spark_stretch.driver`` builds the shim jar and resolves Delta's jars once (``make
+setup`` runs it), printing where they are.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
 import sys
+import warnings
+from pathlib import Path
 from typing import Dict, List, Optional
+from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
-__all__ = ["configure_spark_with_stretch", "delta_package", "session"]
+__all__ = ["configure_spark_with_stretch", "delta_package", "delta_jars", "session"]
+
+# Spark's own log4j settings, at ERROR and without the banner (session(verbose=False)).
+QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
+# What Ivy resolves differently: with one of these set, Spark resolves Delta itself.
+_IVY_SETTINGS = ("spark.jars.packages", "spark.jars.repositories", "spark.jars.ivySettings",
+                 "spark.jars.excludes")
 
 # delta-spark 4.4.1 on PyPI has no 4.4.1 jar for Spark 4.2 on Maven Central (only 4.4.0 is
 # published as delta-spark_4.2_2.13); the Python package is a thin wrapper and works with it.
@@ -90,11 +105,15 @@ def delta_package() -> str:
 
 
 def session(master: str = "local[2]", app_name: str = "spark-stretch",
-            conf: Optional[Dict[str, str]] = None) -> SparkSession:
+            conf: Optional[Dict[str, str]] = None, verbose: Optional[bool] = None) -> SparkSession:
     """A ready SparkSession for demos and tests: local Spark, Delta, and the stretch shim.
 
     Sets ``SPARK_LOCAL_IP=127.0.0.1`` (unless set) and ``PYSPARK_PYTHON`` to this interpreter, so
-    executors and Python workers run the same environment.
+    executors and Python workers run the same environment. Quiet unless ``verbose``: Spark logs
+    errors only (a log4j configuration of the package's: no banner, no WARN lines;
+    ``spark.sparkContext.setLogLevel("WARN")`` shows more), and Delta's jars are those resolved
+    once (:func:`delta_jars`), so Spark's Ivy report is not printed at every start. What remains
+    is the JVM's own ``WARNING: Using incubator modules`` line, which no setting turns off.
 
     Parameters
     ----------
@@ -104,6 +123,9 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
         The application name.
     conf : dict, optional
         More Spark settings; they override the defaults here.
+    verbose : bool, optional
+        Spark as it starts by default: its Ivy resolution report, log banner and WARN lines.
+        Default: ``$SPARK_STRETCH_VERBOSE`` (``1``: verbose), else quiet.
 
     Examples
     --------
@@ -137,11 +159,80 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
         # Only Delta's own jars (Ivy names them org_artifact-version.jar): its transitive
         # dependencies (an older Jackson) must not shadow Spark's.
         group, artifact, version = delta_package().split(":")
-        delta_jars = [ivy / "jars" / f"{group}_{a}-{version}.jar"
-                      for a in (artifact, "delta-storage")]
-        settings["spark.executor.extraClassPath"] = ":".join(map(str, [*delta_jars, shim_jar()]))
+        delta_own = [ivy / "jars" / f"{group}_{a}-{version}.jar"
+                     for a in (artifact, "delta-storage")]
+        settings["spark.executor.extraClassPath"] = ":".join(map(str, [*delta_own, shim_jar()]))
+    if verbose is None:
+        verbose = os.environ.get("SPARK_STRETCH_VERBOSE", "").lower() in ("1", "true", "yes")
+    if not verbose:
+        settings["spark.driver.extraJavaOptions"] = \
+            f"-Dlog4j2.configurationFile={QUIET_LOG4J.as_uri()}"
     settings.update(conf or {})
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
-    return configure_spark_with_stretch(builder).getOrCreate()
+    if verbose or any(k in settings for k in _IVY_SETTINGS):
+        return configure_spark_with_stretch(builder).getOrCreate()
+    jars = delta_jars(ivy)
+    user = builder._options.get("spark.jars")  # keep the user's jars
+    builder = builder.config("spark.jars", ",".join([*([user] if user else []),
+                                                     str(shim_jar()), *jars]))
+    for key, value in _DELTA_CONF.items():
+        builder = builder.config(key, value)
+    with warnings.catch_warnings():
+        # pyspark warns that pandas 3 is new to it when its first JVM call imports its test
+        # utilities; only that warning, only here (the user's own calls still warn)
+        warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas",
+                                FutureWarning)
+        import pyspark.testing.utils  # noqa: F401
+
+    return builder.getOrCreate()
+
+
+def delta_jars(ivy: Path, package: Optional[str] = None) -> List[str]:
+    """The local jars of Delta (``package``, default :func:`delta_package`) and its
+    dependencies, resolved by Spark's own Ivy into ``ivy`` once and listed beside them.
+
+    The first call resolves them in a child process whose output is kept (one line says so; a
+    failure shows it all), later calls read the list. Delete ``<ivy>/spark-stretch-jars-*`` to
+    resolve again.
+    """
+    package = package or delta_package()
+    listed = Path(ivy) / f"spark-stretch-jars-{hashlib.sha256(package.encode()).hexdigest()[:16]}"
+    jars = listed.read_text().split() if listed.exists() else []
+    if jars and all(os.path.isfile(j) for j in jars):
+        return jars
+    print(f"spark-stretch: resolving {package} from Maven Central with Spark's Ivy into {ivy} "
+          "(once) ...", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, "-m", "spark_stretch.driver", "--resolve",
+                           str(ivy), package], capture_output=True, text=True,
+                          env=dict(os.environ, SPARK_LOCAL_IP=os.environ.get(
+                              "SPARK_LOCAL_IP", "127.0.0.1"), PYSPARK_PYTHON=sys.executable))
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("JARS ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"resolving {package} failed (Spark's Ivy, into {ivy}):\n"
+                           + (proc.stdout + proc.stderr)[-6000:])
+    jars = lines[-1][len("JARS "):].split(",")
+    tmp = listed.with_name(f".{listed.name}.tmp")
+    tmp.write_text("\n".join(jars) + "\n")
+    os.replace(tmp, listed)
+    return jars
+
+
+def resolve(ivy: str, package: str) -> List[str]:
+    """Have Spark's Ivy resolve ``package`` into ``ivy`` (a throwaway local session); the
+    resolved local jars (spark-submit puts them in ``spark.repl.local.jars``)."""
+    spark = (SparkSession.builder.master("local[1]").appName("spark-stretch resolve")
+             .config("spark.ui.enabled", "false").config("spark.jars.ivy", ivy)
+             .config("spark.jars.packages", package).getOrCreate())
+    try:
+        local = spark.sparkContext.getConf().get("spark.repl.local.jars", "") or ""
+    finally:
+        spark.stop()
+    here = Path(ivy) / "jars"
+    jars = [p for p in (urlparse(u).path for u in local.split(",") if u)
+            if Path(p).parent == here and os.path.isfile(p)]
+    if not jars:
+        raise RuntimeError(f"Spark resolved no jars of {package} into {here}")
+    return jars
+
