@@ -30,7 +30,7 @@ import base64
 import dataclasses
 import pickle
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F

@@ -39,12 +39,24 @@ class QueryRun:
 
     def __init__(self, kind, fmt: str, options: Dict[str, str], path: Optional[str],
                  table: Optional[str]):
-        spark = kind.session
-        self.settings = settings = read_settings(spark.conf)  # (a bad one: before anything)
-        _check_one_host(spark)
+        self.settings = read_settings(kind.session.conf)  # (a bad one: before anything)
+        _check_one_host(kind.session)
         self._own_checkpoint = "checkpointLocation" not in options
         checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
         self.layout = QueryLayout(checkpoint)
+        try:
+            self._build(kind, fmt, options, path, table)
+        except BaseException:
+            if getattr(self, "recovery", None) is not None:
+                self.recovery.release()
+            if self._own_checkpoint:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+            raise
+
+    def _build(self, kind, fmt: str, options: Dict[str, str], path: Optional[str],
+               table: Optional[str]) -> None:
+        spark, settings, checkpoint = kind.session, self.settings, self.layout.checkpoint
+        self.recovery: Optional[Recovery] = None
         self.stretch_id, app_id = recovery.query_ids(self.layout)
         resume = recovery.last_committed(checkpoint)  # Spark resumes after its last commit
         self.kind = kind

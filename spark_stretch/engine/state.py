@@ -202,15 +202,7 @@ class BucketState:
     def cap(self):
         return self.rec.shape[1]
 
-    # views of the record array: key, window start, int accumulators
-    @property
-    def tkey(self):
-        return self.rec[:, :, 0]
-
-    @property
-    def tl(self):
-        return self.rec[:, :, 1]
-
+    # view of the record array: its int accumulators (after the key and the window start)
     @property
     def acc_i(self):
         return self.rec[:, :, 2:2 + self.init_i.shape[0]]

@@ -291,6 +291,3 @@ class JoinEngine(Engine):
 
     def _apply_state_delta(self, arrs):
         self._load_state_arrays(arrs)
-
-    def _init_kernels(self):
-        pass

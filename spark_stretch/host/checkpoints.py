@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 
 from ..protocol.errors import StateError
-from ..protocol.layout import CHECKPOINT_FORMATS, check_format
+from ..protocol.layout import CHECKPOINT_FORMATS, check_format, lock_of
 from ..protocol.specs import Checkpointing
 from . import faults
 
@@ -82,8 +82,8 @@ class CheckpointStore:
         restart of the query waits for it instead of writing beside it."""
         if self.dir is None:
             return
-        self.dir.parent.mkdir(parents=True, exist_ok=True)
-        path = self.dir.parent / "engine.lock"
+        path = lock_of(self.dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         deadline = time.monotonic() + timeout
         while True:

@@ -27,7 +27,6 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -36,6 +35,7 @@ import pyarrow.compute as pc
 
 from ..protocol import messages as M
 from ..protocol.errors import StateError
+from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
 from . import faults
 from .checkpoints import CheckpointStore
@@ -73,7 +73,7 @@ class Runtime(ABC):
         self._stepper: Optional[ThreadPoolExecutor] = None  # submit(): steps off the request
         self._inflight: Dict[int, Future] = {}
         state_dir = spec.checkpoint.state_dir
-        self.log = InputLog(Path(state_dir).parent / "input") if state_dir else None
+        self.log = InputLog(input_log_of(state_dir)) if state_dir else None
         self.store = CheckpointStore(spec.checkpoint, self.META,
                                      on_saved=self.log.drop_through if self.log else None)
         # Set by an engine whose driver died: the lock is dropped when the process exits, not at

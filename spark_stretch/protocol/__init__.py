@@ -6,6 +6,7 @@ through what is defined here:
 
 - :mod:`.framing`: a frame on a stretch socket (a length, a JSON header, maybe Arrow IPC);
 - :mod:`.messages`: one typed message per operation, with its typed reply, versioned;
+- :mod:`.instances`: the messages between the host engine and the drop-in's instances;
 - :mod:`.errors`: error codes carried by a failed reply, and the exceptions they map to;
 - :mod:`.specs`: the versioned spec of a query, as the driver sends it to its host engine;
 - :mod:`.placement`: key -> bucket -> instance, the one placement policy of every runtime;

@@ -30,7 +30,8 @@ from pathlib import Path
 from .errors import StateError
 
 __all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS",
-           "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "FLUSH_FORMAT", "check_format", "shm_root",
+           "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "FLUSH_FORMAT", "check_format",
+           "input_log_of", "lock_of", "shm_root",
            "shm_prefix", "bucket_file", "write_json"]
 
 # A checkpoint directory's meta file, written last (its presence marks a whole directory), per
@@ -64,11 +65,11 @@ class QueryLayout:
 
     @property
     def input_log(self) -> Path:
-        return self.root / "input"
+        return input_log_of(self.state_dir)
 
     @property
     def lock(self) -> Path:
-        return self.root / "engine.lock"
+        return lock_of(self.state_dir)
 
     @property
     def query_file(self) -> Path:
@@ -77,6 +78,16 @@ class QueryLayout:
     @property
     def flush_file(self) -> Path:
         return self.root / "flush.json"
+
+
+def input_log_of(state_dir) -> Path:
+    """The input log beside a query's state directory (the host knows only the latter)."""
+    return Path(state_dir).parent / "input"
+
+
+def lock_of(state_dir) -> Path:
+    """The one-writer lock beside a query's state directory."""
+    return Path(state_dir).parent / "engine.lock"
 
 
 def check_format(found, known: int, where) -> None:

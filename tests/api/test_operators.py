@@ -36,7 +36,7 @@ def _run(agg, out, checkpoint, wait_and_reconfigure=()):
          .trigger(availableNow=True).start(str(out)))
     recs = []
     for after, change in wait_and_reconfigure:
-        from test_rescale import _wait_batches
+        from tests.api.test_rescale import _wait_batches
         _wait_batches(q, after)
         recs.append(q.reconfigure(**change))
     q.awaitTermination()
