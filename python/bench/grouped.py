@@ -161,6 +161,7 @@ def main() -> None:
         t0 = time.perf_counter()
         q, _ = run_stretch(spark, src, tmp / "stretch", tmp / "stretch-ckpt",
                            processingTime="1 second")
+        q.metrics()  # waits until the query is open on its engine (state restored)
         res["stretch_restart_open_s"] = time.perf_counter() - t0
         recs = [q.reconfigure(parallelism=1), q.reconfigure(parallelism=2)]
         q.stop()
