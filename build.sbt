@@ -1,5 +1,5 @@
 // For sbt users only: set-up, tests and CI build the same jar without sbt
-// (python -m spark_stretch.spark.shim compiles jvm_shim/ with the Scala compiler the pyspark wheel ships).
+// (python -m spark_stretch.driver.shim compiles jvm_shim/ with the Scala compiler the pyspark wheel ships).
 ThisBuild / scalaVersion := "2.13.18"
 ThisBuild / organization := "io.github.spark-stretch"
 ThisBuild / version      := "0.1.0"

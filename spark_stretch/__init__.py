@@ -17,9 +17,10 @@ import os as _os
 
 __version__ = "0.1.0"
 
-if _os.environ.get("SPARK_STRETCH_HOSTD") == "1":
-    # The host engine process (spark_stretch.host.daemon) runs the engine, never Spark: importing
-    # PySpark there would only add a fifth of a second to every engine start.
+if _os.environ.get("SPARK_STRETCH_PROCESS") in ("host", "worker"):
+    # A process the driver or its engine started (spark_stretch.host.daemon, spark_stretch.worker)
+    # runs no driver code: the host engine never imports PySpark (a fifth of a second more at
+    # every engine start), and neither imports the driver's API.
     __all__ = ["__version__"]
 else:
     from pyspark.sql.streaming.state import GroupState, GroupStateTimeout

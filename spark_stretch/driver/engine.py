@@ -45,7 +45,7 @@ class HostEngine:
         self._refs = 0
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
-        env["SPARK_STRETCH_HOSTD"] = "1"  # the engine process does not import PySpark
+        env["SPARK_STRETCH_PROCESS"] = "host"  # (the package root attaches no driver API there)
         self.proc = spawn_child(
             [sys.executable, "-m", "spark_stretch.host.daemon", "--socket", self.socket_path,
              "--parent", str(os.getpid()), "--nice", str(niceness)],

@@ -17,6 +17,7 @@ ValueError: spark.stretch.checkpoint.interval='0': must be an integer >= 1 (batc
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -28,8 +29,8 @@ class Setting:
     """One session setting.
 
     ``kind`` is ``bool``, ``int`` (within ``least``..``most``), ``choice`` (one of ``choices``,
-    each with what it means) or ``text`` (free, checked where it is used); ``doc`` is the
-    README's sentence for it.
+    each with what it means) or ``text`` (matching ``pattern``, as ``choices[0]`` says, if it is
+    set); ``doc`` is the README's sentence for it.
     """
 
     key: str
@@ -39,6 +40,7 @@ class Setting:
     least: Optional[int] = None
     most: Optional[int] = None
     choices: Tuple[Tuple[str, str], ...] = ()
+    pattern: Optional[str] = None
 
     def parse(self, raw: Optional[str]):
         """The typed value of ``raw`` (None: the default), or a ValueError naming the key."""
@@ -66,6 +68,8 @@ class Setting:
                 said = " or ".join(f"'{c}' ({what})" for c, what in self.choices)
                 raise ValueError(f"{self.key}='{value}': must be {said}")
             return value.lower()
+        if value and self.pattern and not re.fullmatch(self.pattern, value):
+            raise ValueError(f"{self.key}='{value}': must be {self.choices[0][1]}")
         return value
 
 
@@ -113,7 +117,9 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
          "the host engine's nice value (0-19): its work is off Spark's critical path"),
     Setting("spark.stretch.testClockMs", "", "text",
             "tests only: `<start>[+<step>]` makes the drop-in's batch N run at processing time "
-            "`start + N * step` ms"),
+            "`start + N * step` ms",
+            choices=(("", "'<start>[+<step>]' in milliseconds, e.g. '0+1000' (tests only)"),),
+            pattern=r"\d+(\+\d+)?"),
 )}
 
 

@@ -10,8 +10,8 @@ the host engine process, :mod:`spark_stretch.host.daemon`).
 Exactly once is Delta's own rule, as Spark's writer applies it for ``txnAppId``/``txnVersion``:
 the commit carries a ``txn`` action ``(app_id, version)``, and a batch whose version the table
 already holds for ``app_id`` is skipped. The driver uses this path only for a path-based Delta sink
-without writer options, and only once the table exists (Spark creates it empty, with the session's
-Delta defaults, when the first batch finds none); anything ``deltalake`` cannot open or write (a
+without writer options, and only once the table exists (:func:`create` makes it empty when the
+query starts, or Spark does, with the session's Delta defaults where there are some); anything ``deltalake`` cannot open or write (a
 path it has no credentials for, a table feature it does not support, a schema it cannot cast to)
 is reported as ``unsupported`` and the driver goes back to Spark's writer.
 

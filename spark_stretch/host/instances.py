@@ -33,7 +33,7 @@ class InstanceHandle:
         self.log = shm / f"instance-{index}.log"
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
-        env.pop("SPARK_STRETCH_HOSTD", None)  # user functions may use the whole spark_stretch API
+        env["SPARK_STRETCH_PROCESS"] = "worker"  # (the package root attaches no driver API there)
         with open(self.log, "wb") as log:
             self.proc = spawn_child(
                 [sys.executable, "-m", "spark_stretch.worker", "--fd", str(theirs.fileno()),

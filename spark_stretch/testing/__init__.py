@@ -1,4 +1,5 @@
-"""Test helpers, shipped: synthetic streams (:mod:`.data`) and native comparisons (:mod:`.native`).
+"""Test helpers, shipped: synthetic streams (:mod:`.data`), native comparisons (:mod:`.native`) and
+engine-script oracles (:mod:`.engine`, imported on its own: it loads the numba engine).
 
 Examples
 --------

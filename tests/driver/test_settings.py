@@ -46,6 +46,7 @@ def test_defaults_read_from_an_empty_session():
     ("spark.stretch.maxEngineRestarts", "x", "must be an integer >= 0"),
     ("spark.stretch.engine.niceness", "20", "must be an integer from 0 to 19"),
     ("spark.stretch.checkpoint.fsync", "yes", "must be 'true' (fsync each engine checkpoint"),
+    ("spark.stretch.testClockMs", "soon", "must be '<start>[+<step>]' in milliseconds"),
 ])
 def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, needle):
     with pytest.raises(ValueError) as e:
