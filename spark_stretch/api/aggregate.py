@@ -107,10 +107,6 @@ class StretchAggregation(StretchResult):
         """Output schema: ``window``, ``key`` and one column per aggregation."""
         return output_schema(self.spec)
 
-    @property
-    def max_parallelism(self) -> int:
-        return self.spec.max_parallelism
-
     def native(self) -> DataFrame:
         """The equivalent native Spark query (same rows in append mode), e.g. for comparison."""
         return native_equivalent(self._df, self.spec)

@@ -210,10 +210,6 @@ class StretchGroupedAggregation(StretchResult):
         """The output schema (``outputStructType``)."""
         return self._schema
 
-    @property
-    def max_parallelism(self) -> int:
-        return self.spec.max_parallelism
-
     def native(self) -> DataFrame:
         """The native ``applyInPandasWithState`` DataFrame over the same input (for comparison)."""
         return self._native

@@ -228,10 +228,6 @@ class StretchOperatorAggregation(StretchResult):
     def schema(self) -> T.StructType:
         return self.call.output_schema()
 
-    @property
-    def max_parallelism(self) -> int:
-        return self.spec.max_parallelism
-
     def engine_spec(self) -> OperatorSpec:
         return self.spec
 

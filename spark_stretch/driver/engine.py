@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,11 @@ __all__ = ["HostEngine", "EngineDiedError"]
 
 class EngineDiedError(RuntimeError):
     """The host engine process is gone (killed, crashed or stopped) while a query needed it."""
+
+
+def local_host() -> str:
+    """This host's name as its executors report it: ``$SPARK_LOCAL_IP``, else the host name."""
+    return os.environ.get("SPARK_LOCAL_IP") or socket.gethostname()
 
 
 class HostEngine:
@@ -41,7 +47,7 @@ class HostEngine:
     def __init__(self, start_timeout: float = 180.0, niceness: int = 0):
         self._dir = tempfile.mkdtemp(prefix="stretch-engine-")
         self.socket_path = os.path.join(self._dir, "engine.sock")
-        self.host = os.environ.get("SPARK_LOCAL_IP") or __import__("socket").gethostname()
+        self.host = local_host()
         self._refs = 0
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
@@ -114,6 +120,11 @@ class HostEngine:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def death(self, when: str) -> str:
+        """What happened to the (dead) engine, ``when`` saying at what point."""
+        return (f"the stretch host engine (pid {self.pid}) died (exit status "
+                f"{self.proc.returncode}) {when}")
 
     def call(self, msg: M.Request, timeout: float = 600.0):
         """Send a control request; its typed reply. A failed request raises

@@ -45,7 +45,8 @@ class Ingest:
     columnar, read_files : bool
         ``spark.stretch.ingest.columnar`` and ``spark.stretch.ingest.files``.
     input_schema : str, optional
-        The input's Arrow schema (base64): files are read to it.
+        The input's Arrow schema (``schema_to_wire``): files are read to it. None (a kind that is
+        not pipelined, whose functions see Spark's row order): the files path is off.
     """
 
     def __init__(self, spark, qid: str, engine: Callable, opened: Callable,
@@ -91,8 +92,7 @@ class Ingest:
         except Exception as e:
             if not eng.alive():  # say what really happened, not just "socket refused"
                 raise EngineDiedError(
-                    f"the stretch host engine (pid {eng.pid}) died (exit status "
-                    f"{eng.proc.returncode}) before batch {batch_id} could be ingested") from e
+                    eng.death(f"before batch {batch_id} could be ingested")) from e
             raise
 
     def _files(self, plan, batch_id: int) -> bool:

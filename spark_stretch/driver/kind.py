@@ -37,9 +37,9 @@ class QueryKind(ABC):
         """The output schema."""
 
     @property
-    @abstractmethod
     def max_parallelism(self) -> int:
         """Instances created; ``reconfigure`` moves between 1 and this many."""
+        return self.engine_spec().max_parallelism
 
     @abstractmethod
     def engine_spec(self) -> QuerySpec:

@@ -34,14 +34,13 @@ class Pipeline:
     """The micro-batches of one query (``kind.pipelined``: overlapped, see the module doc)."""
 
     def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: Sink,
-                 metrics: QueryMetrics, checkpoint: str):
+                 metrics: QueryMetrics):
         self._qid = qid
         self._kind = kind
         self._rec = rec
         self._ingest = ingest
         self._sink = sink
         self._metrics = metrics
-        self._checkpoint = checkpoint
         self.pipelined = kind.pipelined
         self._step_lock = threading.Lock()   # one micro-batch or flush at a time
         self._inflight: Optional[threading.Thread] = None  # finishing the last submitted batch
@@ -152,7 +151,8 @@ class Pipeline:
         the flush that ends a one-shot run.
         """
         with self._step_lock:
-            self._rec.realign(recovery.last_committed(self._checkpoint))  # (no batch ran)
+            # (no batch ran in this run)
+            self._rec.realign(recovery.last_committed(self._rec.layout.checkpoint))
             return self._rec.with_engine("a flush", lambda: self._flush(final))
 
     def _flush(self, final: bool) -> int:

@@ -211,8 +211,7 @@ class Recovery:
             what = f"batch {e.stretch_batch}"
         elif self.in_flight() is not None:  # maybe while stepping that one
             what += f" (batch {self.in_flight()} in flight)"
-        cause = (f"the stretch host engine (pid {dead.pid}) died (exit status "
-                 f"{dead.proc.returncode}) during {what}")
+        cause = dead.death(f"during {what}")
         remove_shm(self.qid)  # what its instances left in /dev/shm
         policy = self.settings.on_failure
         if policy == "fail" or attempt > self.settings.max_restarts:

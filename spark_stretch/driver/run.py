@@ -9,9 +9,7 @@ one-shot run ends, and releases the engine (and the query's shared memory) when 
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -24,6 +22,7 @@ from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
 from ..protocol.specs import Checkpointing
 from . import jvm, recovery
+from .engine import local_host
 from .ingest import Ingest
 from .metrics import QueryMetrics
 from .pipeline import Pipeline
@@ -80,9 +79,9 @@ class QueryRun:
                                  self.metrics, resume)
         ingest = Ingest(spark, self.stretch_id, lambda: self.recovery.engine,
                         self.recovery.opened, self._batch_plan, settings.columnar,
-                        settings.read_files and kind.pipelined, schema, self.metrics)
+                        settings.read_files, schema, self.metrics)
         self.pipeline = Pipeline(self.stretch_id, kind, self.recovery, ingest, self.sink,
-                                 self.metrics, checkpoint)
+                                 self.metrics)
         self.recovery.open_in_background()
 
     @classmethod
@@ -228,8 +227,7 @@ class QueryRun:
 
 def _check_one_host(spark) -> None:
     """This version runs one host engine, on the driver's host: refuse executors elsewhere."""
-    here = os.environ.get("SPARK_LOCAL_IP") or socket.gethostname()
-    others = jvm.executor_hosts(spark) - {here, "localhost", "127.0.0.1"}
+    others = jvm.executor_hosts(spark) - {local_host(), "localhost", "127.0.0.1"}
     if others:
         raise NotImplementedError(
             f"executors on hosts {sorted(others)}: this version runs one host engine, on the "

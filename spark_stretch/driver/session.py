@@ -68,17 +68,23 @@ def configure_spark_with_stretch(
     Like ``configure_spark_with_delta_pip`` this sets ``spark.jars.packages``; pass your other
     packages through ``extra_packages``. An existing ``spark.jars`` setting is kept.
     """
-    from .shim import shim_jar
-
     if type(builder) is not SparkSession.Builder:
         raise TypeError(
             "configure_spark_with_stretch needs a SparkSession.Builder, got "
             f"{type(builder).__name__}; pass SparkSession.builder")
-    packages = [delta_package(), *(extra_packages or [])]
-    builder = builder.config("spark.jars.packages", ",".join(packages))
-    jars = builder._options.get("spark.jars")  # keep the user's jars
-    jar = str(shim_jar())
-    builder = builder.config("spark.jars", f"{jars},{jar}" if jars else jar)
+    return _with_stretch(builder, packages=[delta_package(), *(extra_packages or [])])
+
+
+def _with_stretch(builder: SparkSession.Builder, packages=(), jars=()) -> SparkSession.Builder:
+    """``builder`` with Delta's ``packages`` for Spark's Ivy and/or jars already resolved, the
+    shim jar after the user's own jars, and Delta's SQL extension and catalog."""
+    from .shim import shim_jar
+
+    if packages:
+        builder = builder.config("spark.jars.packages", ",".join(packages))
+    user = builder._options.get("spark.jars")  # keep the user's jars
+    builder = builder.config("spark.jars", ",".join([*([user] if user else []),
+                                                     str(shim_jar()), *jars]))
     for key, value in _DELTA_CONF.items():
         builder = builder.config(key, value)
     return builder
@@ -173,12 +179,7 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
         builder = builder.config(key, value)
     if verbose or any(k in settings for k in _IVY_SETTINGS):
         return configure_spark_with_stretch(builder).getOrCreate()
-    jars = delta_jars(ivy)
-    user = builder._options.get("spark.jars")  # keep the user's jars
-    builder = builder.config("spark.jars", ",".join([*([user] if user else []),
-                                                     str(shim_jar()), *jars]))
-    for key, value in _DELTA_CONF.items():
-        builder = builder.config(key, value)
+    builder = _with_stretch(builder, jars=delta_jars(ivy))
     with warnings.catch_warnings():
         # pyspark warns that pandas 3 is new to it when its first JVM call imports its test
         # utilities; only that warning, only here (the user's own calls still warn)

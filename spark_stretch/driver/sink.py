@@ -9,7 +9,6 @@ whenever deltalake cannot write the table, the executors read the rows back from
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 from pathlib import Path
@@ -36,8 +35,7 @@ def arrow_schema(schema) -> Optional[str]:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     try:
-        return base64.b64encode(
-            to_arrow_schema(schema, timezone="UTC").serialize().to_pybytes()).decode()
+        return M.schema_to_wire(to_arrow_schema(schema, timezone="UTC"))
     except Exception:
         return None
 

@@ -20,7 +20,6 @@ and the next watermark is ahead, the windows it closes are emitted (``<query>:fl
 
 from __future__ import annotations
 
-import base64
 import json
 import pickle
 import time
@@ -96,7 +95,7 @@ class AggregateRuntime(Runtime):
         from ..protocol.specs import Checkpointing
 
         try:
-            schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.spec.input_schema)))
+            schema = M.schema_from_wire(self.spec.input_schema)
             rows = pa.table({f.name: sample(f.type) for f in schema}, schema=schema)
             rt = type(self)(f"{self.qid}:warm-up", replace(
                 self.spec, checkpoint=Checkpointing(), resume_batch=None, parallelism=1,

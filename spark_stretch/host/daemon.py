@@ -13,7 +13,6 @@ driver) is gone, removing its socket. No PySpark import in this process.
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import shutil
 import signal
@@ -21,8 +20,6 @@ import sys
 import threading
 import traceback
 from typing import Dict, Optional
-
-import pyarrow as pa
 
 from ..protocol import messages as M
 from ..protocol.errors import UnknownQuery
@@ -122,8 +119,7 @@ class HostDaemon:
         # The sink's table, empty, instead of a Spark job making it.
         from .delta import create
 
-        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(msg.schema)))
-        return M.DeltaCreated(**create(msg.path, schema))
+        return M.DeltaCreated(**create(msg.path, M.schema_from_wire(msg.schema)))
 
     def _metrics(self, msg: M.Metrics) -> M.Figures:
         # writer_pids: the executor JVMs that wrote to this host engine (one engine, many JVMs)

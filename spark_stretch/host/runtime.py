@@ -119,14 +119,16 @@ class Runtime(ABC):
 
     # -- restart -------------------------------------------------------------------------------
     def _resume_from(self, resume: Optional[int]) -> Optional[int]:
-        """The checkpoint to continue after Spark's batch ``resume`` from (the latest at or before
-        it), and the batches after it to redo (``self.replay``): the logged inputs, and the
-        checkpoint's own batch if it kept its output (the sink may not have it yet)."""
+        """The checkpoint to continue after Spark's batch ``resume`` from: the latest at or before
+        it (None: from the start), kept as ``self.checkpoint``."""
         start = self.store.latest(resume) if resume is not None and self.store.enabled else None
         self.checkpoint = start
         return start
 
     def _set_replay(self, resume: Optional[int], first: int) -> None:
+        """The batches the driver steps again after the restart, ``first`` to ``resume``: the
+        logged inputs, with the checkpoint's own batch first if it kept its output (the sink
+        may not have it yet)."""
         self.replay = [] if resume is None else list(range(first, resume + 1))
 
     def _restore_common(self, meta: dict) -> None:
@@ -162,11 +164,8 @@ class Runtime(ABC):
         statistics of each watermark column (ms), or ``unsupported``: why Spark must read them
         (:func:`~spark_stretch.host.parquet.read_like_spark`). Rows the engine cannot take
         (null keys) raise, as in the batch's ingest job."""
-        import base64
-
         faults.inject("files", msg.batch)
-        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(msg.schema)))
-        got = read_like_spark(msg.files, msg.columns, schema)
+        got = read_like_spark(msg.files, msg.columns, M.schema_from_wire(msg.schema))
         if isinstance(got, str):
             return M.FilesIngested(unsupported=got)
         self.ingest(f"in:{msg.batch}", "files", got)

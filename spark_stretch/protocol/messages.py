@@ -25,15 +25,17 @@ spark_stretch.protocol.errors.BadRequest: 'step': Expected `int`, got `str` - at
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, List, Optional, Tuple
 
 import msgspec
+import pyarrow as pa
 
 from .errors import BadRequest
 
 __all__ = ["PROTOCOL_VERSION", "Request", "Reply", "decode_request", "encode_request",
-           "decode_reply", "encode_reply", "Write", "Commit", "Abort", "Schema", "Read", "Ping",
+           "decode_reply", "encode_reply", "schema_to_wire", "schema_from_wire", "Write", "Commit", "Abort", "Schema", "Read", "Ping",
            "Open", "IngestFiles", "Step", "Submit", "Result", "Saved", "Flush", "Flushed",
            "WriteDelta", "CreateDelta", "Reconfigure", "Metrics", "Close", "Shutdown",
            "Empty", "Staged", "Pong", "Opened", "FilesIngested", "StepResult", "Submitted",
@@ -389,6 +391,16 @@ class Shutdown(Request):
 
 
 # -- the wire --------------------------------------------------------------------------------
+def schema_to_wire(schema: pa.Schema) -> str:
+    """An Arrow schema as a message field: its IPC serialization, base64."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def schema_from_wire(text: str) -> pa.Schema:
+    """The Arrow schema of a message field (:func:`schema_to_wire`)."""
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
 def encode_request(msg: Request) -> dict:
     """The header of ``msg``."""
     return {"v": PROTOCOL_VERSION, "op": msg.op, **msgspec.to_builtins(msg)}
