@@ -25,14 +25,16 @@ if _os.environ.get("SPARK_STRETCH_PROCESS") in ("host", "worker"):
 else:
     from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
-    from .api import (StretchAggregation, StretchGroupedAggregation, StretchQuery, install,
-                      pairs, stretch_aggregate, stretch_apply_in_pandas_with_state)
+    from .api import (FallbackWarning, StretchAggregation, StretchControl,
+                      StretchGroupedAggregation, StretchQuery, control, install, pairs, stretch,
+                      stretch_aggregate, stretch_apply_in_pandas_with_state)
     from .driver.session import configure_spark_with_stretch, session
     from .host.receiver import Receiver
 
     install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
 
-    __all__ = ["GroupState", "GroupStateTimeout", "Receiver", "StretchAggregation",
-               "StretchGroupedAggregation", "StretchQuery", "configure_spark_with_stretch",
+    __all__ = ["FallbackWarning", "GroupState", "GroupStateTimeout", "Receiver",
+               "StretchAggregation", "StretchControl", "StretchGroupedAggregation", "control",
+               "stretch", "StretchQuery", "configure_spark_with_stretch",
                "pairs", "session", "stretch_aggregate", "stretch_apply_in_pandas_with_state",
                "__version__"]

@@ -5,7 +5,10 @@
   :mod:`.native`) or the engine's own operators and joins (:mod:`.operators`);
 - :func:`~.grouped.stretch_apply_in_pandas_with_state` (``df.groupBy(...).stretchAggregate``):
   the ``applyInPandasWithState`` drop-in (:mod:`.grouped`);
-- ``.writeStream`` (:mod:`.writer`) starts a :class:`~.query.StretchQuery`.
+- ``.writeStream`` (:mod:`.writer`) starts a :class:`~.query.StretchQuery`;
+- :func:`~.native_spelling.stretch` (``df.groupBy(...).stretchAgg``): a native aggregation as
+  written for Spark, on the engine inside Spark's plan, a streaming DataFrame back
+  (:mod:`.native_spelling`), and :func:`~.native_spelling.control` for its running query.
 
 :func:`install` attaches the two ``stretchAggregate`` methods to pyspark's classes, once.
 """
@@ -17,11 +20,12 @@ from pyspark.sql.group import GroupedData
 
 from .aggregate import StretchAggregation, stretch_aggregate
 from .grouped import StretchGroupedAggregation, stretch_apply_in_pandas_with_state
+from .native_spelling import FallbackWarning, StretchControl, control, stretch, stretch_agg
 from .operators import StretchOperatorAggregation
 from .query import StretchQuery
 from .specs import pairs
 
-__all__ = ["StretchAggregation", "StretchGroupedAggregation", "StretchOperatorAggregation",
+__all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "StretchAggregation", "StretchGroupedAggregation", "StretchOperatorAggregation",
            "StretchQuery", "install", "pairs", "stretch_aggregate",
            "stretch_apply_in_pandas_with_state"]
 
@@ -46,4 +50,5 @@ def install() -> None:
     groupedStretchAggregate.__doc__ = stretch_apply_in_pandas_with_state.__doc__
     groupedStretchAggregate.__name__ = "stretchAggregate"
     GroupedData.stretchAggregate = groupedStretchAggregate
+    GroupedData.stretchAgg = stretch_agg
     DataFrame._stretch_installed = True

@@ -13,7 +13,8 @@ from typing import List, Optional, Set, Tuple
 
 from pyspark.sql import Column, DataFrame, SparkSession
 
-__all__ = ["executor_hosts", "batch_plan", "plan_string", "watermarks", "interval_us",
+__all__ = ["executor_hosts", "batch_plan", "plan_string", "watermarks", "interval_us", "ShimPlans",
+           "dataframe", "splits_for", "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
 
 
@@ -143,3 +144,60 @@ class ShimIngest:
     def record_event_times(self, plan, i: int, top: int, low: int, avg: float, n: int) -> None:
         """Watermark ``i``'s event-time statistics, as ``EventTimeWatermarkExec`` would add."""
         self._j.recordEventTimes(plan, i, int(top), int(low), float(avg), int(n))
+
+
+class ShimPlans:
+    """The shim's ``org.apache.spark.sql.stretch.StretchPlans`` (jvm_shim/StretchPlan.scala):
+    a native aggregation read for the engine and marked in Spark's plan, one method each.
+
+    Examples
+    --------
+    >>> plans = ShimPlans(spark)                          # doctest: +SKIP
+    >>> plans.analyze(df, "a1")["ok"]                     # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, spark: SparkSession):
+        self._spark = spark
+        self._j = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchPlans
+
+    def install(self) -> None:
+        """Have the session plan stretch markers (once per session)."""
+        self._j.install(self._spark._jsparkSession)
+
+    def analyze(self, df: DataFrame, agg_id: str) -> dict:
+        """``{"ok": True, "spec": {...}}`` (the translation kept as ``agg_id``) or
+        ``{"ok": False, "reason": ...}``."""
+        import json
+
+        return json.loads(self._j.analyze(df._jdf, agg_id))
+
+    def mark(self, df: DataFrame, agg_id: str) -> DataFrame:
+        """``df`` with the stretch marker over its aggregation."""
+        return DataFrame(self._j.mark(df._jdf, agg_id), df.sparkSession)
+
+    def register(self, agg_id: str, handler) -> None:
+        """The py4j callback (``StretchBatchHandler``) that runs ``agg_id``'s micro-batches."""
+        from pyspark.java_gateway import ensure_callback_server_started
+
+        ensure_callback_server_started(self._spark.sparkContext._gateway)
+        self._j.register(agg_id, handler)
+
+    def marked(self, query) -> bool:
+        """Whether a running ``StreamingQuery`` has a stretch aggregation in its plan."""
+        return bool(self._j.marked(query._jsq.streamingQuery().logicalPlan()))
+
+
+def dataframe(jdf, spark: SparkSession) -> DataFrame:
+    """A JVM Dataset (handed over by the shim) as a DataFrame of ``spark``."""
+    return DataFrame(jdf, spark)
+
+
+def session_key(spark: SparkSession) -> int:
+    """An id of the JVM session behind ``spark`` (Python wrappers of one session share it)."""
+    return int(spark._jsparkSession.hashCode())
+
+
+def splits_for(spark: SparkSession, rows: int, per_split: int = 50_000) -> int:
+    """Read partitions for ``rows`` output rows: one per ``per_split``, at most the cores."""
+    return max(1, min(spark.sparkContext.defaultParallelism, rows // per_split))

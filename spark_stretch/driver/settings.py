@@ -115,6 +115,11 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
          "0: the engine's threads compete with Spark's as equals; 19: they run only when Spark "
          "leaves a core idle",
          "the host engine's nice value (0-19): its work is off Spark's critical path"),
+    _bool("spark.stretch.fallback", "true",
+          "an aggregation the engine cannot run runs natively, with a FallbackWarning",
+          "stretch() raises an error naming the reason",
+          "`stretch(df)`: an aggregation the engine cannot run yet runs natively with a "
+          "`FallbackWarning` naming the reason; `false`: an error naming it"),
     Setting("spark.stretch.testClockMs", "", "text",
             "tests only: `<start>[+<step>]` makes the drop-in's batch N run at processing time "
             "`start + N * step` ms",
@@ -135,6 +140,7 @@ class QuerySettings:
     read_files: bool
     columnar: bool
     niceness: int
+    fallback: bool
     test_clock: str
     # Spark's own state store settings, followed by the engine's checkpoints
     min_deltas: int
@@ -154,6 +160,7 @@ def read_settings(conf) -> QuerySettings:
         read_files=v["spark.stretch.ingest.files"],
         columnar=v["spark.stretch.ingest.columnar"],
         niceness=v["spark.stretch.engine.niceness"],
+        fallback=v["spark.stretch.fallback"],
         test_clock=v["spark.stretch.testClockMs"],
         min_deltas=int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
         min_batches_to_retain=int(conf.get("spark.sql.streaming.minBatchesToRetain", "100")))

@@ -254,6 +254,8 @@ class AggregateRuntime(Runtime):
     def _columns(self, table: pa.Table) -> dict:
         """The engine's columns of a batch (checked by :meth:`_validate` when it arrived)."""
         s: AggregateSpec = self.spec
+        if s.drop_null_ts and table.column(s.ts_column).null_count:
+            table = table.filter(pc.is_valid(table.column(s.ts_column)))
         cols = {"ts": pc.cast(table.column(s.ts_column), pa.int64()).to_numpy()}
         key = table.column(s.key_column).combine_chunks()
         if s.key_kind == "scalar":
@@ -288,6 +290,8 @@ class AggregateRuntime(Runtime):
 
     def _decode_keys(self, keys: np.ndarray) -> pa.Array:
         s: AggregateSpec = self.spec
+        if s.key_type == "binary":
+            return self.codec.binaries(keys)
         strings = s.key_type == "string"
         decode = self.codec.strings if strings else self.codec.longs
         if s.key_kind == "pairs":
@@ -350,7 +354,7 @@ def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
     """Raise InputRejected, naming the column, for rows the aggregations cannot take: a null
     event time, key or aggregated value."""
     ts = table.column(s.ts_column)
-    if ts.null_count:
+    if ts.null_count and not s.drop_null_ts:
         raise InputRejected(f"event-time column '{s.ts_column}' has {ts.null_count} nulls in "
                             f"batch {batch}")
     key = table.column(s.key_column)

@@ -53,12 +53,16 @@ class KeyCodec:
 
     def ids(self, arr: pa.Array, force_intern: bool = False) -> np.ndarray:
         """Exact int64 ids: strings interned (each distinct string once per batch), longs as is."""
-        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type) or force_intern:
+        if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+                or pa.types.is_binary(arr.type) or force_intern):
             return self.interner.intern(arr)
         return pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)
 
     def strings(self, ids: np.ndarray) -> pa.Array:
         return self._dictionary(pa.string()).take(pa.array(ids))
+
+    def binaries(self, ids: np.ndarray) -> pa.Array:
+        return self._dictionary(pa.binary()).take(pa.array(ids))
 
     def longs(self, ids: np.ndarray) -> pa.Array:
         return self._dictionary(pa.int64()).take(pa.array(ids))

@@ -68,12 +68,14 @@ class AggregateSpec(QuerySpec):
     delay_ms: int
     key_kind: str                      # "scalar" | "array" | "pairs"
     key_column: str
-    key_type: str                      # "string" | "long"
+    key_type: str                      # "string" | "long" | "binary" (several columns, encoded)
     distance: Optional[int] = None     # pairs: largest j - i (None: every pair)
     window_us: int
     slide_us: int
     aggs: List[Tuple[str, Optional[str]]]  # (fn, column), fn in count/sum/min/max/mean
     value_types: Dict[str, str] = field(default_factory=dict)  # column -> "long" | "double"
+    drop_null_ts: bool = False         # rows without an event time are in no window (Spark's
+    #                                    window); False: an error naming the column
 
     @property
     def value_columns(self) -> List[str]:

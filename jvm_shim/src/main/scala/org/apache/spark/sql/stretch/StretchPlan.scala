@@ -1,0 +1,476 @@
+package org.apache.spark.sql.stretch
+
+import java.util.concurrent.ConcurrentHashMap
+
+import scala.collection.mutable.ArrayBuffer
+import scala.jdk.CollectionConverters._
+
+import com.fasterxml.jackson.databind.ObjectMapper
+import com.fasterxml.jackson.databind.node.ObjectNode
+
+import org.apache.spark.{Partition, SparkContext, TaskContext}
+import org.apache.spark.rdd.RDD
+import org.apache.spark.sql.Row
+import org.apache.spark.sql.catalyst.InternalRow
+import org.apache.spark.sql.catalyst.analysis.{UnresolvedAlias, UnresolvedAttribute, UnresolvedFunction}
+import org.apache.spark.sql.catalyst.expressions._
+import org.apache.spark.sql.catalyst.expressions.aggregate._
+import org.apache.spark.sql.catalyst.expressions.codegen.CodegenFallback
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, BinaryNode, EventTimeWatermark, Generate, LogicalPlan, Project}
+import org.apache.spark.sql.catalyst.types.DataTypeUtils
+import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
+import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan, SparkStrategy}
+import org.apache.spark.sql.execution.streaming.operators.stateful.StateStoreSaveExec
+import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
+import org.apache.spark.sql.types._
+import org.apache.spark.sql.util.CaseInsensitiveStringMap
+import org.apache.spark.unsafe.types.UTF8String
+
+/**
+ * `spark_stretch.stretch(df)`: a native streaming aggregation, run by the host engine inside
+ * Spark's own plan.
+ *
+ * [[StretchPlans.analyze]] reads the user's `groupBy(window(ts, ...), keys...).agg(...)` and
+ * either says why the engine cannot run it (the caller then leaves it to Spark) or keeps a
+ * [[Translation]]: the engine's input (a projection of the aggregation's input: the event time,
+ * one key column and the aggregates' inputs) and how the engine's output rows become the
+ * aggregation's rows. [[StretchPlans.mark]] returns the DataFrame with a [[StretchMarker]] over
+ * the aggregation: a node with two children, Spark's own aggregation (planned as Spark plans it,
+ * so the micro-batch has its state info, output mode, watermarks and no-data batches exactly as
+ * natively) and the engine's input. [[StretchStrategy]] plans it as [[StretchExec]], whose
+ * `doExecute` hands the batch's input to the driver's handler (Python, over py4j), which ingests
+ * it, steps the engine and answers where the output is offered; the exec then reads it on the
+ * executors and projects it into the aggregation's rows. The native chain under it never runs,
+ * unless the handler answers `native` (an output mode the engine does not run yet).
+ */
+case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
+                         keep: Seq[Attribute]) extends BinaryNode {
+  // `keep`, every column of both children, is what the marker refers to: the optimizer must
+  // prune neither the aggregation's results (the exec fills them by position) nor the input.
+  override def left: LogicalPlan = native
+  override def right: LogicalPlan = input
+  override def output: Seq[Attribute] = native.output
+  override protected def withNewChildrenInternal(
+      newLeft: LogicalPlan, newRight: LogicalPlan): StretchMarker =
+    copy(native = newLeft, input = newRight)
+}
+
+object StretchStrategy extends SparkStrategy {
+  override def apply(plan: LogicalPlan): Seq[SparkPlan] = plan match {
+    case StretchMarker(id, native, input, _) => StretchExec(id, planLater(native), planLater(input)) :: Nil
+    case _ => Nil
+  }
+}
+
+/** What the driver's handler (Python) does with a micro-batch: a JSON answer, either
+ * `{"native": reason}` or `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`. */
+trait StretchBatchHandler {
+  def onBatch(id: String, batchId: Long, outputMode: String, stateDir: String, runId: String,
+              input: ClassicDataset[Row], inputPlan: SparkPlan): String
+}
+
+case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) extends BinaryExecNode {
+  override def left: SparkPlan = native
+  override def right: SparkPlan = input
+  override def output: Seq[Attribute] = native.output
+  override def nodeName: String = "StretchAggregate"
+  override protected def withNewChildrenInternal(
+      newLeft: SparkPlan, newRight: SparkPlan): StretchExec = copy(native = newLeft, input = newRight)
+
+  override protected def doExecute(): RDD[InternalRow] = {
+    val save = native.collectFirst { case s: StateStoreSaveExec => s }.getOrElse(
+      throw new IllegalStateException("stretch: Spark planned no StateStoreSaveExec under " +
+        s"the aggregation: ${native.treeString}"))
+    val info = save.stateInfo.getOrElse(
+      throw new IllegalStateException("stretch: the aggregation has no state info (not run " +
+        "by a streaming query?)"))
+    val id = aggId
+    val t = StretchPlans.translation(id)
+    val spark = session.asInstanceOf[ClassicSession]
+    val rdd = input.execute()
+    val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
+    val answer = StretchPlans.mapper.readTree(StretchPlans.handler(id).onBatch(
+      id, info.storeVersion, save.outputMode.map(_.toString).getOrElse("Append"),
+      info.checkpointLocation, info.queryRunId.toString, df, input))
+    if (answer.has("native")) return native.execute()
+    // Spark's state stores of the native chain never run: for the commit check a foreachBatch
+    // sink gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
+    val coordinator = spark.streams.stateStoreCoordinator
+    for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
+      coordinator.reportStateStoreCommit(StateStoreProviderId(
+        StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
+        info.storeVersion + 1, name)
+    }
+    val rows = answer.get("rows").asLong()
+    if (rows == 0) return sparkContext.emptyRDD[InternalRow]
+    val opts = StretchOptions.parse(new CaseInsensitiveStringMap(Map(
+      "endpoints" -> answer.get("endpoint").asText(), "stream" -> answer.get("stream").asText(),
+      "splits" -> answer.get("splits").asText()).asJava))
+    val factory = StretchReaderFactory(t.engineSchema, opts)
+    val parts = opts.endpoints.zipWithIndex.flatMap { case ((host, path), i) =>
+      (0 until opts.splits).map(j => StretchInputPartition(i * opts.splits + j, host, path, j, opts.splits))
+    }.toArray
+    val result = t.result
+    new StretchOutputRDD(sparkContext, parts, factory).mapPartitionsWithIndexInternal { (i, it) =>
+      val proj = UnsafeProjection.create(result)
+      proj.initialize(i)
+      it.map(proj)
+    }
+  }
+}
+
+/** The engine's output of one micro-batch, read on the host of its receiver. */
+class StretchOutputRDD(sc: SparkContext, parts: Array[StretchInputPartition],
+                       factory: StretchReaderFactory) extends RDD[InternalRow](sc, Nil) {
+  private case class Part(index: Int, p: StretchInputPartition) extends Partition
+
+  override protected def getPartitions: Array[Partition] =
+    parts.zipWithIndex.map { case (p, i) => Part(i, p): Partition }
+
+  override protected def getPreferredLocations(split: Partition): Seq[String] =
+    split.asInstanceOf[Part].p.preferredLocations().toSeq
+
+  override def compute(split: Partition, context: TaskContext): Iterator[InternalRow] = {
+    val reader = factory.createReader(split.asInstanceOf[Part].p)
+    context.addTaskCompletionListener[Unit](_ => reader.close())
+    new Iterator[InternalRow] {
+      private var ready = false
+      private var more = false
+      override def hasNext: Boolean = {
+        if (!ready) { more = reader.next(); ready = true }
+        more
+      }
+      override def next(): InternalRow = {
+        if (!hasNext) throw new NoSuchElementException("end of the stretch output")
+        ready = false
+        reader.get()
+      }
+    }
+  }
+}
+
+/** Several grouping columns as one key: their unsafe row's bytes (Spark's own grouping key). */
+case class StretchKeyEncode(children: Seq[Expression]) extends Expression with CodegenFallback {
+  override def nullable: Boolean = false
+  override def dataType: DataType = BinaryType
+  @transient private lazy val proj = UnsafeProjection.create(children)
+  override def eval(input: InternalRow): Any = proj(input).getBytes
+  override protected def withNewChildrenInternal(c: IndexedSeq[Expression]): Expression =
+    copy(children = c)
+}
+
+/** The grouping columns of a key made by [[StretchKeyEncode]]. */
+case class StretchKeyDecode(child: Expression, schema: StructType)
+  extends UnaryExpression with CodegenFallback {
+  override def dataType: DataType = schema
+  override protected def nullSafeEval(v: Any): Any = {
+    val bytes = v.asInstanceOf[Array[Byte]]
+    val row = new UnsafeRow(schema.length)
+    row.pointTo(bytes, bytes.length)
+    row
+  }
+  override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
+}
+
+/** How one aggregation runs on the engine. */
+case class Translation(native: LogicalPlan, input: LogicalPlan, engineSchema: StructType,
+                       result: Seq[Expression], spec: ObjectNode)
+
+class Unsupported(val reason: String) extends Exception(reason)
+
+object StretchPlans {
+  private[stretch] val mapper = new ObjectMapper()
+  private val translations = new ConcurrentHashMap[String, Translation]()
+  private val handlers = new ConcurrentHashMap[String, StretchBatchHandler]()
+
+  def translation(id: String): Translation = Option(translations.get(id)).getOrElse(
+    throw new IllegalStateException(s"stretch: aggregation $id is unknown to this driver"))
+  def handler(id: String): StretchBatchHandler = Option(handlers.get(id)).getOrElse(
+    throw new IllegalStateException(s"stretch: no handler for aggregation $id (its session " +
+      "was stopped?)"))
+
+  /** Plan the marker (once per session). */
+  def install(spark: ClassicSession): Unit = synchronized {
+    val methods = spark.experimental
+    if (!methods.extraStrategies.contains(StretchStrategy)) {
+      methods.extraStrategies = methods.extraStrategies :+ StretchStrategy
+    }
+  }
+
+  def register(id: String, h: StretchBatchHandler): Unit = handlers.put(id, h)
+
+  /** The aggregation `df` on the engine, as `df` with the marker over it. */
+  def mark(df: ClassicDataset[Row], id: String): ClassicDataset[Row] = {
+    val t = translation(id)
+    ClassicDataset.ofRows(df.sparkSession,
+      StretchMarker(id, t.native, t.input, t.native.output ++ t.input.output))
+  }
+
+  /** Whether a streaming query's plan has a stretch aggregation. */
+  def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])
+
+  /** Read `df` as a windowed aggregation the engine runs: `{"ok": true, "spec": ...}` (the
+   * translation kept under `id`), or `{"ok": false, "reason": ...}`. */
+  def analyze(df: ClassicDataset[Row], id: String): String = {
+    val out = mapper.createObjectNode()
+    try {
+      val t = translate(df)
+      translations.put(id, t)
+      out.put("ok", true)
+      out.set[ObjectNode]("spec", t.spec)
+    } catch {
+      case u: Unsupported =>
+        out.put("ok", false)
+        out.put("reason", u.reason)
+    }
+    out.toString
+  }
+
+  private def unsupported(reason: String): Nothing = throw new Unsupported(reason)
+
+  private def strip(e: Expression): Expression = e match {
+    case Alias(c, _) => strip(c)
+    case UnresolvedAlias(c, _) => strip(c)
+    case o => o
+  }
+
+  private val integral = Set[DataType](ByteType, ShortType, IntegerType, LongType)
+  private def isIntegral(t: DataType) = integral.contains(t)
+  private def isFloating(t: DataType) = t == FloatType || t == DoubleType
+
+  private def translate(df: ClassicDataset[Row]): Translation = {
+    val qe = df.queryExecution
+    val u = qe.logical match {
+      case a: Aggregate => a
+      case other => unsupported(s"the DataFrame's last step is ${other.nodeName}, not " +
+        "groupBy(...).agg(...)")
+    }
+    val a = qe.analyzed match {
+      case a: Aggregate => a
+      case other => unsupported(s"the analyzed plan ends in ${other.nodeName}, not an Aggregate")
+    }
+    if (!a.isStreaming) unsupported("the DataFrame is not streaming")
+    val x = u.child
+    val windowAt = u.groupingExpressions.indexWhere { e => strip(e) match {
+      case f: UnresolvedFunction => Set("window", "session_window", "window_time")
+        .contains(f.nameParts.last.toLowerCase)
+      case _ => false
+    }}
+    if (windowAt < 0) unsupported("no window(...) among the grouping columns (an aggregation " +
+      "without event-time windows is not on the engine yet)")
+    val fn = strip(u.groupingExpressions(windowAt)).asInstanceOf[UnresolvedFunction]
+    val fname = fn.nameParts.last.toLowerCase
+    if (fname == "session_window") unsupported("session_window: session windows are not on " +
+      "the engine yet")
+    if (fname != "window") unsupported(s"$fname among the grouping columns")
+    if (u.groupingExpressions.size != a.groupingExpressions.size) {
+      unsupported("the grouping columns changed in analysis")
+    }
+    val tsName = fn.arguments.head match {
+      case UnresolvedAttribute(parts) => parts.last
+      case at: Attribute => at.name
+      case other => unsupported(s"window over the expression ${other.sql} (use a column)")
+    }
+    val durations = fn.arguments.drop(1).map {
+      case Literal(v: UTF8String, _: StringType) => v.toString
+      case other => unsupported(s"window duration ${other.sql} is not a literal interval string")
+    }
+    val resolver = df.sparkSession.sessionState.conf.resolver
+    val ts = x.output.find(at => resolver(at.name, tsName)).getOrElse(
+      unsupported(s"window column '$tsName' is not a column of the aggregation's input"))
+    if (ts.dataType != TimestampType) {
+      unsupported(s"window column '$tsName' has type ${ts.dataType.simpleString} (the engine " +
+        "takes timestamp)")
+    }
+    if (!ts.metadata.contains(EventTimeWatermark.delayKey)) {
+      unsupported(s"no withWatermark on the window column '$tsName'")
+    }
+    val delayMs = ts.metadata.getLong(EventTimeWatermark.delayKey)
+    val windowAttr = a.groupingExpressions(windowAt)
+    val keys = a.groupingExpressions.zipWithIndex.filter(_._2 != windowAt).map(_._1)
+    if (keys.isEmpty) unsupported("no grouping column besides the window")
+    keys.foreach { k =>
+      if (!k.deterministic) unsupported(s"grouping column ${k.sql} is not deterministic")
+      if (!k.references.subsetOf(x.outputSet)) unsupported(s"grouping column ${k.sql}")
+    }
+
+    // aggregates -> the engine's primitives over value columns
+    val values = ArrayBuffer[(Expression, String)]()   // (expression, "long" | "double")
+    val prims = ArrayBuffer[(String, Option[Int])]()     // (count|sum|min|max, value index)
+    def value(e: Expression, kind: String): Int = {
+      val i = values.indexWhere { case (v, k) => k == kind && v.semanticEquals(e) }
+      if (i >= 0) i else { values += ((e, kind)); values.size - 1 }
+    }
+    def prim(fn: String, v: Option[Int]): Int = {
+      val i = prims.indexOf((fn, v))
+      if (i >= 0) i else { prims += ((fn, v)); prims.size - 1 }
+    }
+    // result expressions refer to prims by index; bound once the engine schema is known
+    case class PrimRef(i: Int) extends LeafExpression with Unevaluable {
+      override def dataType: DataType = prims(i) match {
+        case ("count", _) => LongType
+        case (_, Some(v)) => if (values(v)._2 == "long") LongType else DoubleType
+        case _ => LongType
+      }
+      override def nullable: Boolean = false
+    }
+    def nonNull(cs: Seq[Expression]): PrimRef =
+      if (cs.forall(!_.nullable)) PrimRef(prim("count", None))
+      else PrimRef(prim("sum", Some(value(If(cs.map(IsNull(_): Expression).reduce(Or(_, _)),
+        Literal(0L), Literal(1L)), "long"))))
+    def orNull(nn: Expression, v: Expression, t: DataType): Expression =
+      If(EqualTo(nn, Literal(0L)), Literal(null, t), v)
+    def numeric(c: Expression, what: String): String =
+      if (isIntegral(c.dataType)) "long" else if (isFloating(c.dataType)) "double"
+      else unsupported(s"$what over ${c.dataType.simpleString} (the engine takes integral and " +
+        "floating-point columns so far)")
+
+    def aggregate(ae: AggregateExpression): Expression = {
+      if (ae.isDistinct) unsupported(s"${ae.sql}: distinct aggregates are not on the engine yet")
+      if (ae.filter.isDefined) unsupported(s"${ae.sql}: aggregate FILTER is not on the engine yet")
+      ae.aggregateFunction match {
+        case Count(cs) =>
+          val nn = nonNull(cs)
+          nn
+        case s @ Sum(c, _) =>
+          val k = numeric(c, "sum")
+          val zero = if (k == "long") Literal(0L) else Literal(0.0)
+          val t = if (k == "long") LongType else DoubleType
+          val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, t), zero)), k))))
+          orNull(nonNull(Seq(c)), Cast(sum, s.dataType), s.dataType)
+        case av @ Average(c, _) =>
+          numeric(c, "avg")
+          val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, DoubleType),
+            Literal(0.0))), "double"))))
+          val nn = nonNull(Seq(c))
+          orNull(nn, Cast(Divide(sum, Cast(nn, DoubleType)), av.dataType), av.dataType)
+        case m @ (_: Min | _: Max) =>
+          val c = m.children.head
+          val isMin = m.isInstanceOf[Min]
+          val k = numeric(c, m.prettyName)
+          val (t, sentinel) = (k, isMin) match {
+            case ("long", true) => (LongType, Literal(Long.MaxValue))
+            case ("long", false) => (LongType, Literal(Long.MinValue))
+            case (_, true) => (DoubleType, Literal(Double.PositiveInfinity))
+            case (_, false) => (DoubleType, Literal(Double.NegativeInfinity))
+          }
+          val v = PrimRef(prim(if (isMin) "min" else "max",
+            Some(value(Coalesce(Seq(Cast(c, t), sentinel)), k))))
+          orNull(nonNull(Seq(c)), Cast(v, c.dataType), c.dataType)
+        case other => unsupported(s"${other.prettyName}: this aggregate function is not on " +
+          "the engine yet")
+      }
+    }
+
+    sealed trait Out
+    case object WindowOut extends Out
+    case class KeyOut(j: Int) extends Out
+    case class AggOut(e: Expression) extends Out
+    val outs: Seq[Out] = a.aggregateExpressions.map { ne =>
+      val e = strip(ne)
+      if (e.semanticEquals(windowAttr)) WindowOut
+      else keys.indexWhere(_.semanticEquals(e)) match {
+        case j if j >= 0 => KeyOut(j)
+        case _ => e match {
+          case ae: AggregateExpression => AggOut(aggregate(ae))
+          case other => unsupported(s"the result column ${ne.sql} (an expression over " +
+            "aggregates or grouping columns is not on the engine yet)")
+        }
+      }
+    }
+
+    // the engine's key: an exploded array (multi-key), one plain column, or the encoded tuple
+    val exploded: Option[(Expression, LogicalPlan)] = keys match {
+      case Seq(k: Attribute) =>
+        val below = x match {
+          case Project(list, child) if list.forall(_.isInstanceOf[Attribute]) => child
+          case o => o
+        }
+        below match {
+          case Generate(Explode(arr), _, false, _, Seq(out), gchild)
+              if out.exprId == k.exprId && gchild.outputSet.contains(ts) &&
+                values.forall(_._1.references.subsetOf(gchild.outputSet)) =>
+            arr.dataType match {
+              case ArrayType(el, _) if el == StringType || isIntegral(el) => Some((arr, gchild))
+              case _ => None
+            }
+          case _ => None
+        }
+      case _ => None
+    }
+    val (keyKind, keyExpr, keyType, base) = exploded match {
+      case Some((arr, g)) =>
+        val el = arr.dataType.asInstanceOf[ArrayType].elementType
+        ("array", arr, if (el == StringType) "string" else "long", g)
+      case None => keys match {
+        case Seq(k) if !k.nullable && (k.dataType == StringType || isIntegral(k.dataType)) =>
+          ("scalar", k, if (k.dataType == StringType) "string" else "long", x)
+        case _ => ("scalar", StretchKeyEncode(keys), "binary", x)
+      }
+    }
+    val keyNamed: NamedExpression = keyExpr match {
+      case at: Attribute => at
+      case e => Alias(e, "__stretch_key")()
+    }
+    val valueNamed: Seq[NamedExpression] = values.zipWithIndex.map {
+      case ((at: Attribute, _), _) => at
+      case ((e, _), i) => Alias(e, s"__stretch_v$i")()
+    }.toSeq
+    val inputCols = (Seq[NamedExpression](ts, keyNamed) ++ valueNamed)
+    val names = inputCols.map(_.name)
+    if (names.distinct.size != names.size) unsupported(s"input columns collide: $names")
+    val input = Project(inputCols, base)
+
+    // the engine's output: window, key, one column per primitive (named as the engine names them)
+    val valueName = valueNamed.map(_.name)
+    val primNames = prims.map {
+      case ("count", _) => "count"
+      case (f, Some(v)) => s"$f(${valueName(v)})"
+      case (f, None) => f
+    }
+    val windowType = StructType(Seq(StructField("start", TimestampType),
+      StructField("end", TimestampType)))
+    val engineKeyType: DataType = keyType match {
+      case "string" => StringType
+      case "long" => LongType
+      case _ => BinaryType
+    }
+    val engineSchema = StructType(Seq(StructField("window", windowType),
+      StructField("key", engineKeyType)) ++ prims.indices.map(i =>
+      StructField(primNames(i), PrimRef(i).dataType)))
+    val keyStruct = StructType(keys.zipWithIndex.map { case (k, j) =>
+      StructField(s"_$j", k.dataType, k.nullable) })
+    val keyRef = BoundReference(1, engineKeyType, nullable = true)
+    def castTo(e: Expression, t: DataType): Expression = if (e.dataType == t) e else Cast(e, t)
+    val result: Seq[Expression] = outs.zip(a.output).map {
+      case (WindowOut, at) => castTo(BoundReference(0, windowType, nullable = true), at.dataType)
+      case (KeyOut(j), at) => keyType match {
+        case "binary" => GetStructField(StretchKeyDecode(keyRef, keyStruct), j)
+        case _ => castTo(keyRef, at.dataType)
+      }
+      case (AggOut(e), _) => e.transform {
+        case PrimRef(i) => BoundReference(2 + i, PrimRef(i).dataType, nullable = true)
+      }
+    }
+
+    val spec = mapper.createObjectNode()
+    spec.put("ts_column", ts.name)
+    spec.put("delay_ms", delayMs)
+    spec.put("key_kind", keyKind)
+    spec.put("key_column", keyNamed.name)
+    spec.put("key_type", keyType)
+    val w = spec.putArray("window")
+    durations.foreach(d => w.add(d))
+    val aggs = spec.putArray("aggs")
+    prims.foreach { case (f, v) =>
+      val p = aggs.addArray()
+      p.add(f)
+      v match { case Some(i) => p.add(valueName(i)); case None => p.addNull() }
+    }
+    val vt = spec.putObject("value_types")
+    values.zipWithIndex.foreach { case ((_, k), i) => vt.put(valueName(i), k) }
+    val outNames = spec.putArray("output_names")
+    primNames.foreach(n => outNames.add(n))
+    Translation(a, input, engineSchema, result, spec)
+  }
+}

@@ -1,0 +1,164 @@
+"""``spark_stretch.stretch(df)`` and ``df.groupBy(...).stretchAgg(...)``: a query as Spark users
+write it, run on the host engine, and a real streaming DataFrame back.
+
+The aggregation stays in Spark's plan: the shim marks it (``StretchPlans``), Spark plans and runs
+the query with its own sink, trigger and checkpoint, and in each micro-batch the engine takes the
+batch's input in place of Spark's state store (:mod:`spark_stretch.driver.inplan`). What the
+engine cannot run yet runs natively, with a :class:`FallbackWarning` naming the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+import warnings
+from typing import Optional
+
+from pyspark.sql import DataFrame, GroupedData, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from ..driver import jvm
+from ..driver.inplan import FallbackWarning, handler_for, run_of
+from ..driver.settings import read_settings
+from ..protocol.specs import AggregateSpec
+from .specs import check_sizes, parse_interval_us
+
+__all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "stretch_agg"]
+
+
+def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
+            buckets: int = 4096) -> DataFrame:
+    """The streaming aggregation ``df`` (as written for Spark) running on the host's VSN engine.
+
+    ``df`` is ``groupBy(window(ts, size[, slide]), *keys).agg(*aggregates)`` over a stream with
+    ``withWatermark`` on ``ts``, optionally over ``select(explode(array).alias(k), ...)``,
+    filters and projections. The result is a streaming DataFrame with exactly ``df``'s rows:
+    select, filter, join and write it with any ``writeStream`` sink.
+
+    Parameters
+    ----------
+    df : DataFrame
+        A streaming aggregation, as written for native Spark.
+    parallelism : int
+        Instances updating state at the start (m).
+    max_parallelism : int
+        Instances created (n); ``control(q).reconfigure`` moves between 1 and n while running.
+    buckets : int
+        State buckets (B).
+
+    Returns
+    -------
+    DataFrame
+        ``df`` with its aggregation on the engine (``isStreaming`` is True), or ``df`` itself
+        with a :class:`FallbackWarning` naming the reason when the engine cannot run it
+        (an error instead when ``spark.stretch.fallback=false``).
+
+    Examples
+    --------
+    >>> import spark_stretch
+    >>> from pyspark.sql import functions as F
+    >>> counts = spark_stretch.stretch(                                    # doctest: +SKIP
+    ...     events.withWatermark("ts", "10 seconds")
+    ...     .groupBy(F.window("ts", "1 minute"), "country", "device")
+    ...     .agg(F.sum("x").alias("s"), F.count("*").alias("n")))
+    >>> q = counts.where("n > 1").writeStream.format("memory").queryName("c").start()  # doctest: +SKIP
+    >>> spark_stretch.control(q).reconfigure(parallelism=2)              # doctest: +SKIP
+
+    Notes
+    -----
+    Runs on the engine so far: tumbling and sliding ``window`` (start offset 0) with any
+    number of grouping columns of any type (nulls grouped as Spark groups them; an exploded
+    array column as the only key is never expanded), ``count``, ``sum``, ``avg``, ``min``,
+    ``max`` over integral and floating-point expressions, append output mode. Anything else
+    (session windows, other aggregate functions, update mode, ...) runs natively.
+    """
+    if not isinstance(df, DataFrame):
+        raise TypeError(f"stretch() takes a DataFrame, got {type(df).__name__}")
+    check_sizes(parallelism, max_parallelism, buckets)
+    spark = df.sparkSession
+    fallback = read_settings(spark.conf).fallback
+    handler = handler_for(spark)
+    plans = jvm.ShimPlans(spark)
+    agg_id = uuid.uuid4().hex
+    got = plans.analyze(df, agg_id)
+    reason = None if got["ok"] else got["reason"]
+    spec = None
+    if reason is None:
+        spec, reason = _spec(spark, got["spec"], parallelism, max_parallelism, buckets)
+    if reason is not None:
+        if not fallback:
+            raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
+        warnings.warn(f"stretch: {reason}; Spark runs this aggregation", FallbackWarning,
+                      stacklevel=2)
+        return df
+    handler.add(agg_id, spec)
+    return plans.mark(df, agg_id)
+
+
+def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):
+    """The engine's spec from the shim's translation, or the reason it cannot be."""
+    window = got["window"]
+    size = parse_interval_us(spark, window[0], "window size")
+    slide = parse_interval_us(spark, window[1], "window slide") if len(window) > 1 else size
+    if len(window) > 2 and not re.fullmatch(r"\s*0+(\.0*)?\s*[a-z]*\s*", window[2].lower()):
+        return None, f"window start offset '{window[2]}' (only 0 is on the engine yet)"
+    if slide > size:
+        return None, "window slide longer than its size"
+    spec = AggregateSpec(
+        ts_column=got["ts_column"], delay_ms=int(got["delay_ms"]), key_kind=got["key_kind"],
+        key_column=got["key_column"], key_type=got["key_type"], window_us=size, slide_us=slide,
+        aggs=[(fn, col) for fn, col in got["aggs"]], value_types=got["value_types"],
+        drop_null_ts=True, parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets)
+    if spec.output_names() != got["output_names"]:
+        raise AssertionError(f"engine output names {spec.output_names()} != the shim's "
+                             f"{got['output_names']}")
+    return spec, None
+
+
+def stretch_agg(self: GroupedData, *exprs, **kwargs) -> DataFrame:
+    """``df.groupBy(...).stretchAgg(*exprs)``: ``stretch(df.groupBy(...).agg(*exprs))``.
+
+    Examples
+    --------
+    >>> counts = (events.withWatermark("ts", "10 seconds")                 # doctest: +SKIP
+    ...           .groupBy(F.window("ts", "1 minute"), "country").stretchAgg(F.count("*")))
+    """
+    return stretch(self.agg(*exprs), **kwargs)
+
+
+class StretchControl:
+    """The stretch side of a running ``StreamingQuery``: rescale it, read its figures."""
+
+    def __init__(self, query: StreamingQuery):
+        self._query = query
+
+    def _run(self):
+        run = run_of(str(self._query.runId), wait=60.0)
+        if run is None:
+            raise RuntimeError("the query has run no micro-batch on the engine yet")
+        return run
+
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+        """Change the parallelism and/or owner map between two micro-batches; no state moves."""
+        return self._run().reconfigure(parallelism, owner_map)
+
+    def metrics(self) -> dict:
+        """The engine's figures for this run (batches, rows, reconfigurations, ...)."""
+        return self._run().figures()
+
+
+def control(query: StreamingQuery) -> Optional[StretchControl]:
+    """The stretch handle of ``query`` (from ``writeStream.start()``), or None if its plan has
+    no stretch aggregation.
+
+    Examples
+    --------
+    >>> q = spark_stretch.stretch(agg).writeStream.format("memory").queryName("t").start()  # doctest: +SKIP
+    >>> spark_stretch.control(q).reconfigure(parallelism=2)["parallelism"]  # doctest: +SKIP
+    2
+    """
+    if not isinstance(query, StreamingQuery):
+        raise TypeError(f"control() takes a StreamingQuery, got {type(query).__name__}")
+    if not jvm.ShimPlans(SparkSession.getActiveSession()).marked(query):
+        return None
+    return StretchControl(query)

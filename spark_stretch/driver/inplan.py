@@ -1,0 +1,253 @@
+"""A stretch aggregation inside Spark's plan: the driver's side of the shim's ``StretchExec``.
+
+``spark_stretch.stretch(df)`` marks a native aggregation in Spark's plan (the shim's
+``StretchPlans``); Spark then runs the query as usual, with its own sink, trigger, checkpoint,
+watermark and no-data batches. In each micro-batch the shim's ``StretchExec`` calls
+:class:`BatchHandler` (a py4j callback, as ``foreachBatch`` is) with the batch's input: it is
+ingested on the host engine (:mod:`.ingest`: files, columnar or rows), the engine steps it and
+offers its output, and the answer tells the exec where to read it. The engine's state follows
+Spark's commit log exactly as for ``stretchAggregate`` (:mod:`.recovery`: checkpoints and the
+input log under ``<checkpointLocation>/stretch/``); the output goes through Spark's sink, so
+its exactly-once guarantee is the sink's own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, Optional
+
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming.listener import StreamingQueryListener
+
+from ..protocol import messages as M
+from ..protocol.layout import QueryLayout
+from ..protocol.specs import AggregateSpec, Checkpointing
+from . import jvm, recovery
+from .ingest import Ingest
+from .metrics import QueryMetrics
+from .recovery import Recovery
+from .settings import read_settings
+from .sink import arrow_schema
+
+__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "handler_for", "run_of"]
+
+
+class FallbackWarning(UserWarning):
+    """A stretch aggregation runs natively: the engine cannot run it yet (the message says why)."""
+
+
+_LOCK = threading.Lock()
+_HANDLERS: Dict[int, "BatchHandler"] = {}   # per JVM session
+_RUNS: Dict[str, "PlanRun"] = {}             # per Spark run id
+
+
+def handler_for(spark: SparkSession) -> "BatchHandler":
+    """The session's batch handler (made, and the shim's strategy installed, once)."""
+    key = jvm.session_key(spark)
+    with _LOCK:
+        h = _HANDLERS.get(key)
+        if h is None:
+            h = _HANDLERS[key] = BatchHandler(spark)
+            plans = jvm.ShimPlans(spark)
+            plans.install()
+            ends = _Ends()
+            spark.streams.addListener(ends)
+            # A query that ends while Python exits would call back into a gone interpreter.
+            atexit.register(_quietly, lambda: spark.streams.removeListener(ends))
+    return h
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def run_of(run_id: str, wait: float = 0.0) -> Optional["PlanRun"]:
+    """The stretch run of a Spark query run (it exists from its first micro-batch)."""
+    deadline = time.monotonic() + wait
+    while True:
+        run = _RUNS.get(run_id)
+        if run is not None or time.monotonic() >= deadline:
+            return run
+        time.sleep(0.05)
+
+
+class _Ends(StreamingQueryListener):
+    """Releases a run's engine when Spark's query ends (stopped, failed or finished)."""
+
+    def onQueryStarted(self, event) -> None:
+        pass
+
+    def onQueryProgress(self, event) -> None:
+        pass
+
+    def onQueryIdle(self, event) -> None:
+        pass
+
+    def onQueryTerminated(self, event) -> None:
+        with _LOCK:  # kept (released) for its figures: control(q).metrics() after the end
+            run = _RUNS.get(str(event.runId))
+        if run is not None:
+            run.release()
+
+
+class BatchHandler:
+    """The shim's ``StretchBatchHandler``: one per session, for every stretch aggregation in it."""
+
+    def __init__(self, spark: SparkSession):
+        self._spark = spark
+        self._specs: Dict[str, AggregateSpec] = {}
+
+    def add(self, agg_id: str, spec: AggregateSpec) -> None:
+        self._specs[agg_id] = spec
+        jvm.ShimPlans(self._spark).register(agg_id, self)
+
+    def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan) -> str:  # noqa: N802
+        """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON)."""
+        if mode != "Append":
+            reason = (f"output mode {mode}: the engine emits a window once, when the watermark "
+                      "passes its end (append); Spark runs this aggregation")
+            if not read_settings(self._spark.conf).fallback:
+                raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                warnings.warn(reason, FallbackWarning, stacklevel=1)
+            return json.dumps({"native": reason})
+        with _LOCK:
+            run = _RUNS.get(run_id)
+            if run is None:
+                run = _RUNS[run_id] = PlanRun(self._spark, agg_id, self._specs[agg_id],
+                                              str(Path(state_dir).parent), jdf)
+        if run.agg_id != agg_id:
+            raise ValueError("stretch: one stretch aggregation per streaming query so far; this "
+                             "query has two")
+        return json.dumps(run.batch(int(batch_id), jdf, jplan))
+
+    class Java:
+        implements = ["org.apache.spark.sql.stretch.StretchBatchHandler"]
+
+
+class _NoSink:
+    """Spark's sink writes the output: batches the engine redoes after a restart were written."""
+
+    idempotent_path = False
+
+    def emit(self, *args, **kwargs):
+        return None
+
+    def holds_flush(self, batch: int) -> bool:
+        return False
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+class _Kind:
+    def flush_time(self, query, replay: bool = False):
+        return None
+
+
+class PlanRun:
+    """One run of a streaming query with a stretch aggregation in its plan."""
+
+    def __init__(self, spark: SparkSession, agg_id: str, spec: AggregateSpec, checkpoint: str,
+                 jdf):
+        self.agg_id = agg_id
+        self._spark = spark
+        settings = read_settings(spark.conf)
+        self.layout = QueryLayout(checkpoint)
+        qid, _ = recovery.query_ids(self.layout)
+        self.qid = qid
+        schema = arrow_schema(jvm.dataframe(jdf, spark).schema)
+        spec = replace(spec, input_schema=schema, checkpoint=Checkpointing(
+            state_dir=str(self.layout.state_dir), interval=settings.checkpoint_interval,
+            min_deltas=settings.min_deltas, min_batches_to_retain=settings.min_batches_to_retain,
+            fsync=settings.fsync))
+        self.spec = spec
+        self.metrics = QueryMetrics()
+        self.recovery = Recovery(qid, spec, self.layout, settings, _NoSink(), _Kind(),
+                                 self.metrics, recovery.last_committed(checkpoint))
+        self._plan = None
+        self._ingest = Ingest(spark, qid, lambda: self.recovery.engine, self.recovery.opened,
+                              lambda batch_id: self._plan, settings.columnar,
+                              settings.read_files, schema, self.metrics)
+        self._lock = threading.Lock()
+        self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
+        self._engine_figures: Optional[dict] = None
+        self.recovery.open_in_background()
+
+    def batch(self, batch_id: int, jdf, jplan) -> dict:
+        """Ingest and step micro-batch ``batch_id``; where its output is offered."""
+        with self._lock:
+            if self._last is not None and self._last[0] == batch_id:
+                return self._last[1]  # the sink ran the batch's plan again: the same rows
+            self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
+            df = jvm.dataframe(jdf, self._spark)
+            self._plan = jplan
+            t0 = time.perf_counter()
+            reply = self.recovery.with_engine(f"batch {batch_id}",
+                                              lambda: self._step(df, batch_id), opened=False)
+            self.recovery.last_done = batch_id
+            eng = self.recovery.engine
+            answer = {"endpoint": eng.endpoint, "stream": reply.stream, "rows": reply.rows,
+                      "splits": jvm.splits_for(self._spark, reply.rows)}
+            self.metrics.record_batch({"batch": batch_id, "step_s": time.perf_counter() - t0,
+                                       "rows_out": reply.rows, **reply.metrics}, reply.rows, [])
+            self._last = (batch_id, answer)
+            return answer
+
+    def _step(self, df, batch_id: int) -> M.StepResult:
+        self._ingest(df, batch_id)
+        eng = self.recovery.engine
+        eng.call(M.Submit(query=self.qid, batch=batch_id))
+        return eng.call(M.Result(query=self.qid, batch=batch_id))
+
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+        """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
+        max_parallelism``)."""
+        top = self.spec.max_parallelism
+        if parallelism is not None and not (1 <= parallelism <= top):
+            raise ValueError(f"parallelism={parallelism}: must be between 1 and "
+                             f"max_parallelism={top}")
+        if parallelism is None and owner_map is None:
+            raise ValueError("reconfigure() needs parallelism= or owner_map=")
+        t0 = time.perf_counter()
+        msg = M.Reconfigure(query=self.qid, parallelism=parallelism,
+                            owner_map=None if owner_map is None else [int(x) for x in owner_map])
+        with self._lock:
+            reply = self.recovery.with_engine("a reconfiguration",
+                                              lambda: self.recovery.engine.call(msg))
+        rec = dict(reply.to_dict(), request_ms=(time.perf_counter() - t0) * 1e3)
+        self.metrics.append("reconfigurations", rec)
+        self.recovery.reconfigured(msg, reply)
+        return rec
+
+    def figures(self) -> dict:
+        """The run's figures, with the engine's own (the last ones, also after the end)."""
+        out = self.metrics.snapshot()
+        if not self.recovery.released and self.recovery.engine.alive():
+            try:
+                self.recovery.opened()
+                self._engine_figures = self.recovery.engine.call(
+                    M.Metrics(query=self.qid)).figures
+            except Exception as e:  # metrics must not throw on a dying query
+                out["engine_error"] = str(e)
+        if self._engine_figures is not None:
+            out["engine"] = self._engine_figures
+        return out
+
+    def release(self) -> None:
+        """Close the query on the engine and release it (Spark's query ended)."""
+        self.recovery.join(timeout=60)
+        with self._lock:
+            figures = self.recovery.release()
+            if figures is not None:
+                self._engine_figures = figures
