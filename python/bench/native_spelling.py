@@ -1,0 +1,127 @@
+"""``stretch(df)`` (a native query as written, on the engine inside Spark's plan) vs native Spark
+vs ``stretchAggregate``, side by side in one run, into Delta.
+
+    python python/bench/native_spelling.py [--tweets 1000000] [--files 10] [--repeat 3]
+
+Queries over the same tweet stream (``--files`` files = micro-batches, availableNow, local[2],
+window 120 s sliding by 60 s, watermark 10 s):
+
+- ``wordcount``: ``select(explode(words).alias(word), ts).groupBy(window, word).count()``;
+  native, ``stretch(...)`` of the same DataFrame, and ``stretchAggregate(keys="words")`` (whose
+  engine appends to Delta itself);
+- ``composite``: ``groupBy(window, user, size(words)).agg(sum(len), avg(len), max(len))``;
+  native and ``stretch(...)``.
+
+Every run's table is checked equal to native's (exceptAll both ways). Runs alternate (native,
+stretch, ...) ``--repeat`` times; medians reported. Fair set-up for native Spark as in
+``spark.py``: spark.driver.memory=4g, spark.sql.shuffle.partitions=2, the default state store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pyspark.sql import functions as F
+
+import spark_stretch
+from spark_stretch.testing import write_tweets
+
+SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
+def _window():
+    return F.window("ts", "120 seconds", "60 seconds")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tweets", type=int, default=1_000_000)
+    ap.add_argument("--files", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="stretch-bench-native-"))
+    src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
+    spark = spark_stretch.session(app_name="bench native spelling",
+                                  conf={"spark.sql.shuffle.partitions": "2"})
+    spark.sparkContext.setLogLevel("ERROR")
+
+    def source():
+        return (spark.readStream.option("maxFilesPerTrigger", 1).schema(SCHEMA)
+                .parquet(str(src)).withWatermark("ts", "10 seconds"))
+
+    def wordcount():
+        return (source().select(F.explode("words").alias("word"), "ts")
+                .groupBy(_window(), "word").count())
+
+    def composite():
+        return (source().groupBy(_window(), "user", F.size("words").alias("n_words"))
+                .agg(F.sum("len").alias("s"), F.avg("len").alias("a"), F.max("len").alias("m")))
+
+    def run(df, name, i):
+        out = work / f"{name}-{i}"
+        t0 = time.perf_counter()
+        q = (df.writeStream.format("delta").option("checkpointLocation", f"{out}-ckpt")
+             .trigger(availableNow=True).start(str(out)))
+        q.awaitTermination()
+        if q.exception():
+            raise RuntimeError(q.exception())
+        return time.perf_counter() - t0, out
+
+    def same(a, b):
+        x, y = spark.read.format("delta").load(str(a)), spark.read.format("delta").load(str(b))
+        return x.count() == y.count() and x.exceptAll(y).isEmpty() and y.exceptAll(x).isEmpty()
+
+    variants = {
+        "wordcount": {
+            "native": wordcount,
+            "stretch(df)": lambda: spark_stretch.stretch(wordcount(), max_parallelism=2,
+                                                         parallelism=2),
+            "stretchAggregate": lambda: source().stretchAggregate(
+                keys="words", window=("120 seconds", "60 seconds"), agg="count",
+                parallelism=2, max_parallelism=2),
+        },
+        "composite": {
+            "native": composite,
+            "stretch(df)": lambda: spark_stretch.stretch(composite(), max_parallelism=2,
+                                                         parallelism=2),
+        },
+    }
+    ok = True
+    try:
+        for query, kinds in variants.items():
+            times = {k: [] for k in kinds}
+            outs = {}
+            for k, make in kinds.items():  # an untimed warm-up of each (JIT, class loading)
+                run(make(), f"{query}-{k}-warmup", 0)
+            for i in range(args.repeat):
+                for k, make in kinds.items():
+                    s, outs[k] = run(make(), f"{query}-{k}".replace("(", "").replace(")", ""), i)
+                    times[k].append(s)
+            # stretchAggregate's columns are window, key, count: compare it renamed
+            equal = {}
+            for k, out in outs.items():
+                if k == "stretchAggregate":
+                    a = spark.read.format("delta").load(str(out)).toDF("window", "word", "count")
+                    b = spark.read.format("delta").load(str(outs["native"]))
+                    equal[k] = a.exceptAll(b).isEmpty() and b.exceptAll(a).isEmpty()
+                else:
+                    equal[k] = same(out, outs["native"])
+            ok = ok and all(equal.values())
+            med = {k: statistics.median(v) for k, v in times.items()}
+            for k in kinds:
+                print(f"{query:<10} {k:<17} {med[k]:6.2f} s  {args.tweets / med[k]:>10,.0f} "
+                      f"tweets/s  {med['native'] / med[k]:5.2f}x native  equal={equal[k]}  "
+                      f"runs={[round(t, 2) for t in times[k]]}", flush=True)
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if not ok:
+        sys.exit("outputs differ from native Spark's")
+
+
+if __name__ == "__main__":
+    main()
