@@ -25,9 +25,9 @@ from .operators import StretchOperatorAggregation
 from .query import StretchQuery
 from .specs import pairs
 
-__all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "StretchAggregation", "StretchGroupedAggregation", "StretchOperatorAggregation",
-           "StretchQuery", "install", "pairs", "stretch_aggregate",
-           "stretch_apply_in_pandas_with_state"]
+__all__ = ["FallbackWarning", "StretchAggregation", "StretchControl", "StretchGroupedAggregation",
+           "StretchOperatorAggregation", "StretchQuery", "control", "install", "pairs", "stretch",
+           "stretch_aggregate", "stretch_apply_in_pandas_with_state"]
 
 
 def install() -> None:

@@ -77,7 +77,6 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     check_sizes(parallelism, max_parallelism, buckets)
     spark = df.sparkSession
     fallback = read_settings(spark.conf).fallback
-    handler = handler_for(spark)
     plans = jvm.ShimPlans(spark)
     agg_id = uuid.uuid4().hex
     got = plans.analyze(df, agg_id)
@@ -91,7 +90,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
         warnings.warn(f"stretch: {reason}; Spark runs this aggregation", FallbackWarning,
                       stacklevel=2)
         return df
-    handler.add(agg_id, spec)
+    handler_for(spark).add(agg_id, spec)
     return plans.mark(df, agg_id)
 
 

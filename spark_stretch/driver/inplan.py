@@ -27,7 +27,7 @@ from pyspark.sql.streaming.listener import StreamingQueryListener
 
 from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
-from ..protocol.specs import AggregateSpec, Checkpointing
+from ..protocol.specs import AggregateSpec
 from . import jvm, recovery
 from .ingest import Ingest
 from .metrics import QueryMetrics
@@ -167,10 +167,8 @@ class PlanRun:
         qid, _ = recovery.query_ids(self.layout)
         self.qid = qid
         schema = arrow_schema(jvm.dataframe(jdf, spark).schema)
-        spec = replace(spec, input_schema=schema, checkpoint=Checkpointing(
-            state_dir=str(self.layout.state_dir), interval=settings.checkpoint_interval,
-            min_deltas=settings.min_deltas, min_batches_to_retain=settings.min_batches_to_retain,
-            fsync=settings.fsync))
+        spec = replace(spec, input_schema=schema,
+                       checkpoint=recovery.checkpointing(self.layout, settings))
         self.spec = spec
         self.metrics = QueryMetrics()
         self.recovery = Recovery(qid, spec, self.layout, settings, _NoSink(), _Kind(),
@@ -181,7 +179,6 @@ class PlanRun:
                               settings.read_files, schema, self.metrics)
         self._lock = threading.Lock()
         self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
-        self._engine_figures: Optional[dict] = None
         self.recovery.open_in_background()
 
     def batch(self, batch_id: int, jdf, jplan) -> dict:
@@ -213,41 +210,19 @@ class PlanRun:
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
         """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
         max_parallelism``)."""
-        top = self.spec.max_parallelism
-        if parallelism is not None and not (1 <= parallelism <= top):
-            raise ValueError(f"parallelism={parallelism}: must be between 1 and "
-                             f"max_parallelism={top}")
-        if parallelism is None and owner_map is None:
-            raise ValueError("reconfigure() needs parallelism= or owner_map=")
+        msg = recovery.reconfiguration(self.qid, parallelism, owner_map, self.spec.max_parallelism)
         t0 = time.perf_counter()
-        msg = M.Reconfigure(query=self.qid, parallelism=parallelism,
-                            owner_map=None if owner_map is None else [int(x) for x in owner_map])
         with self._lock:
             reply = self.recovery.with_engine("a reconfiguration",
                                               lambda: self.recovery.engine.call(msg))
-        rec = dict(reply.to_dict(), request_ms=(time.perf_counter() - t0) * 1e3)
-        self.metrics.append("reconfigurations", rec)
-        self.recovery.reconfigured(msg, reply)
-        return rec
+        return self.recovery.reconfigured(msg, reply, t0)
 
     def figures(self) -> dict:
         """The run's figures, with the engine's own (the last ones, also after the end)."""
-        out = self.metrics.snapshot()
-        if not self.recovery.released and self.recovery.engine.alive():
-            try:
-                self.recovery.opened()
-                self._engine_figures = self.recovery.engine.call(
-                    M.Metrics(query=self.qid)).figures
-            except Exception as e:  # metrics must not throw on a dying query
-                out["engine_error"] = str(e)
-        if self._engine_figures is not None:
-            out["engine"] = self._engine_figures
-        return out
+        return {**self.metrics.snapshot(), **self.recovery.figures()}
 
     def release(self) -> None:
         """Close the query on the engine and release it (Spark's query ended)."""
         self.recovery.join(timeout=60)
         with self._lock:
-            figures = self.recovery.release()
-            if figures is not None:
-                self._engine_figures = figures
+            self.recovery.release()

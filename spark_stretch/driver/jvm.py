@@ -199,5 +199,6 @@ def session_key(spark: SparkSession) -> int:
 
 
 def splits_for(spark: SparkSession, rows: int, per_split: int = 50_000) -> int:
-    """Read partitions for ``rows`` output rows: one per ``per_split``, at most the cores."""
+    """Read partitions for ``rows`` output rows: one per ``per_split`` (below it one task reads,
+    and writes, the batch), at most the cores, so every core writes a large output."""
     return max(1, min(spark.sparkContext.defaultParallelism, rows // per_split))

@@ -184,15 +184,10 @@ class Pipeline:
         if t is not None:
             t.join(timeout)
 
-    def reconfigure(self, parallelism: Optional[int], owner_map) -> dict:
+    def reconfigure(self, msg: M.Reconfigure) -> dict:
         """Switch the engine's epoch between two micro-batches, none in flight."""
         t0 = time.perf_counter()
-        msg = M.Reconfigure(query=self._qid, parallelism=parallelism,
-                            owner_map=None if owner_map is None else [int(x) for x in owner_map])
         with self._step_lock:
             self._rec.with_engine("the last batch", self._drain)
             reply = self._rec.engine.call(msg)
-        rec = dict(reply.to_dict(), request_ms=(time.perf_counter() - t0) * 1e3)
-        self._metrics.append("reconfigurations", rec)
-        self._rec.reconfigured(msg, reply)
-        return rec
+        return self._rec.reconfigured(msg, reply, t0)

@@ -25,13 +25,14 @@ from typing import Callable, List, Optional, Tuple
 from ..protocol import messages as M
 from ..protocol.layout import QUERY_FORMAT, QueryLayout, check_format, shm_prefix, shm_root, \
     write_json
-from ..protocol.specs import QuerySpec, spec_to_wire
+from ..protocol.specs import Checkpointing, QuerySpec, spec_to_wire
 from .engine import EngineDiedError, HostEngine
 from .metrics import QueryMetrics
 from .settings import QuerySettings
 from .sink import Sink
 
-__all__ = ["Recovery", "last_committed", "query_ids", "remove_shm"]
+__all__ = ["Recovery", "checkpointing", "last_committed", "query_ids", "reconfiguration",
+           "remove_shm"]
 
 
 def last_committed(checkpoint) -> Optional[int]:
@@ -39,6 +40,28 @@ def last_committed(checkpoint) -> Optional[int]:
     commits = Path(checkpoint) / "commits"
     done = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
     return max(done) if done else None
+
+
+def checkpointing(layout: QueryLayout, settings: QuerySettings) -> Checkpointing:
+    """Where and how the engine checkpoints the query: under its checkpoint, with the session's
+    settings and Spark's own state store settings."""
+    return Checkpointing(
+        state_dir=str(layout.state_dir), interval=settings.checkpoint_interval,
+        min_deltas=settings.min_deltas, min_batches_to_retain=settings.min_batches_to_retain,
+        fsync=settings.fsync)
+
+
+def reconfiguration(qid: str, parallelism: Optional[int], owner_map,
+                    max_parallelism: int) -> M.Reconfigure:
+    """The request a user's ``reconfigure(parallelism=, owner_map=)`` makes (checked here:
+    ``1 <= parallelism <= max_parallelism``, one of the two given)."""
+    if parallelism is not None and not (1 <= parallelism <= max_parallelism):
+        raise ValueError(f"parallelism={parallelism}: must be between 1 and "
+                         f"max_parallelism={max_parallelism}")
+    if parallelism is None and owner_map is None:
+        raise ValueError("reconfigure() needs parallelism= or owner_map=")
+    return M.Reconfigure(query=qid, parallelism=parallelism,
+                         owner_map=None if owner_map is None else [int(x) for x in owner_map])
 
 
 def query_ids(layout: QueryLayout) -> Tuple[str, str]:
@@ -87,6 +110,7 @@ class Recovery:
         self._open_error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self.released = False
+        self._figures: Optional[dict] = None  # the engine's last figures (also after the end)
         #: set by the pipeline: the batch in flight (or None), and how to forget it
         self.in_flight: Callable[[], Optional[int]] = lambda: None
         self.discard_in_flight: Callable[[], None] = lambda: None
@@ -175,10 +199,28 @@ class Recovery:
         self._metrics.set("realigned", {"opened_after": was, "continued_after": committed,
                                         "checkpoint": start})
 
-    def reconfigured(self, msg: M.Reconfigure, reply: M.Reconfigured) -> None:
-        """Remember a reconfiguration, to apply it again after a restart."""
+    def reconfigured(self, msg: M.Reconfigure, reply: M.Reconfigured, t0: float) -> dict:
+        """Record a reconfiguration requested at ``t0`` (``perf_counter``) in the figures, and
+        remember it, to apply it again after a restart; its record."""
+        rec = dict(reply.to_dict(), request_ms=(time.perf_counter() - t0) * 1e3)
+        self._metrics.append("reconfigurations", rec)
         self._reconfigs.append({"parallelism": msg.parallelism, "owner_map": msg.owner_map,
                                 "after_batch": reply.after_batch})
+        return rec
+
+    def figures(self) -> dict:
+        """The engine's figures for the query: ``{"engine": ...}`` (the last ones, also after
+        the end), with ``engine_error`` if a live engine could not say."""
+        out = {}
+        if not self.released and self.engine.alive():
+            try:
+                self.opened()
+                self._figures = self.engine.call(M.Metrics(query=self.qid)).figures
+            except Exception as e:  # metrics must not throw on a dying query
+                out["engine_error"] = str(e)
+        if self._figures is not None:
+            out["engine"] = self._figures
+        return out
 
     # -- engine death --------------------------------------------------------------------------
     def _engine_failed(self) -> bool:
@@ -244,6 +286,7 @@ class Recovery:
         try:
             if self.engine.alive():
                 figures = self.engine.call(M.Metrics(query=self.qid), timeout=30).figures
+                self._figures = figures
                 self.engine.call(M.Close(query=self.qid), timeout=30)
         except Exception:
             pass

@@ -18,9 +18,7 @@ from typing import Dict, Optional
 
 from pyspark.sql.streaming import StreamingQuery
 
-from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
-from ..protocol.specs import Checkpointing
 from . import jvm, recovery
 from .engine import local_host
 from .ingest import Ingest
@@ -66,12 +64,9 @@ class QueryRun:
         self.finish_error: Optional[BaseException] = None
         self.one_shot = False              # availableNow / once: flush when the run ends
         self.stopped = False
-        self._engine_figures: Optional[dict] = None
         schema = arrow_schema(kind.input_df().schema) if kind.pipelined else None
-        spec = replace(kind.engine_spec(), input_schema=schema, checkpoint=Checkpointing(
-            state_dir=str(self.layout.state_dir), interval=settings.checkpoint_interval,
-            min_deltas=settings.min_deltas, min_batches_to_retain=settings.min_batches_to_retain,
-            fsync=settings.fsync))
+        spec = replace(kind.engine_spec(), input_schema=schema,
+                       checkpoint=recovery.checkpointing(self.layout, settings))
         sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
         self.sink = Sink(kind, fmt, sink_options, path, table, self.stretch_id, app_id,
                          settings.direct_write, lambda: self.recovery.engine, self.metrics)
@@ -165,9 +160,7 @@ class QueryRun:
         self.recovery.join(timeout=60)  # (normally done by now)
         self.pipeline.join(timeout=60)
         self.sink.join(timeout=60)
-        figures = self.recovery.release()
-        if figures is not None:
-            self._engine_figures = figures
+        self.recovery.release()
         if self._own_checkpoint:
             shutil.rmtree(self.layout.checkpoint, ignore_errors=True)
 
@@ -202,27 +195,12 @@ class QueryRun:
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
         """Change the parallelism and/or the owner map between two micro-batches (checked
         here: ``1 <= parallelism <= max_parallelism``)."""
-        top = self.kind.max_parallelism
-        if parallelism is not None and not (1 <= parallelism <= top):
-            raise ValueError(f"parallelism={parallelism}: must be between 1 and "
-                             f"max_parallelism={top}")
-        if parallelism is None and owner_map is None:
-            raise ValueError("reconfigure() needs parallelism= or owner_map=")
-        return self.pipeline.reconfigure(parallelism, owner_map)
+        return self.pipeline.reconfigure(recovery.reconfiguration(
+            self.stretch_id, parallelism, owner_map, self.kind.max_parallelism))
 
     def figures(self) -> dict:
         """The query's figures, with the engine's own (the last ones, also after the end)."""
-        out = self.metrics.snapshot()
-        if not self.recovery.released and self.recovery.engine.alive():
-            try:
-                self.recovery.opened()
-                self._engine_figures = self.recovery.engine.call(
-                    M.Metrics(query=self.stretch_id)).figures
-            except Exception as e:  # metrics must not throw on a dying query
-                out["engine_error"] = str(e)
-        if self._engine_figures is not None:
-            out["engine"] = self._engine_figures
-        return out
+        return {**self.metrics.snapshot(), **self.recovery.figures()}
 
 
 def _check_one_host(spark) -> None:

@@ -17,6 +17,7 @@ from typing import Callable, Dict, Optional
 from pyspark.sql import DataFrame
 
 from ..protocol import messages as M
+from . import jvm
 from .metrics import QueryMetrics
 
 __all__ = ["Sink", "SINK_FORMATS", "arrow_schema"]
@@ -24,7 +25,6 @@ __all__ = ["Sink", "SINK_FORMATS", "arrow_schema"]
 IDEMPOTENT = {"delta"}
 FILE_FORMATS = {"parquet", "json", "csv", "orc"}
 SINK_FORMATS = IDEMPOTENT | FILE_FORMATS | {"console", "noop"}
-_ROWS_PER_SPLIT = 50_000  # below this an output batch is read (and written) by one task
 # Session settings that shape a new Delta table (Delta's DeltaConfigs and protocol defaults).
 _DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
                          "spark.databricks.delta.protocol.")
@@ -162,7 +162,7 @@ class Sink:
     def _read_output(self, stream: str, rows: int) -> DataFrame:
         """The rows the engine offers on ``stream``, read by the executors of its host: large
         outputs in up to ``defaultParallelism`` slices, so every core writes the sink."""
-        splits = max(1, min(self._spark.sparkContext.defaultParallelism, rows // _ROWS_PER_SPLIT))
+        splits = jvm.splits_for(self._spark, rows)
         return (self._spark.read.format("stretch").schema(self._kind.schema)
                 .option("endpoints", self._engine().endpoint).option("stream", stream)
                 .option("splits", splits).load())

@@ -107,11 +107,8 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) exten
       "endpoints" -> answer.get("endpoint").asText(), "stream" -> answer.get("stream").asText(),
       "splits" -> answer.get("splits").asText()).asJava))
     val factory = StretchReaderFactory(t.engineSchema, opts)
-    val parts = opts.endpoints.zipWithIndex.flatMap { case ((host, path), i) =>
-      (0 until opts.splits).map(j => StretchInputPartition(i * opts.splits + j, host, path, j, opts.splits))
-    }.toArray
     val result = t.result
-    new StretchOutputRDD(sparkContext, parts, factory).mapPartitionsWithIndexInternal { (i, it) =>
+    new StretchOutputRDD(sparkContext, StretchInputPartition.all(opts), factory).mapPartitionsWithIndexInternal { (i, it) =>
       val proj = UnsafeProjection.create(result)
       proj.initialize(i)
       it.map(proj)
@@ -329,9 +326,7 @@ object StretchPlans {
       if (ae.isDistinct) unsupported(s"${ae.sql}: distinct aggregates are not on the engine yet")
       if (ae.filter.isDefined) unsupported(s"${ae.sql}: aggregate FILTER is not on the engine yet")
       ae.aggregateFunction match {
-        case Count(cs) =>
-          val nn = nonNull(cs)
-          nn
+        case Count(cs) => nonNull(cs)
         case s @ Sum(c, _) =>
           val k = numeric(c, "sum")
           val zero = if (k == "long") Literal(0L) else Literal(0.0)

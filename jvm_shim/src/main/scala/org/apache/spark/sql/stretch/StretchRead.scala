@@ -15,15 +15,19 @@ class StretchScanBuilder(schema: StructType, opts: StretchOptions) extends ScanB
     override def readSchema(): StructType = schema
     override def toBatch: Batch = this
     override def description(): String = s"stretch[${opts.stream}]"
-    // `splits` partitions per host receiver, placed on that host so rows never leave it.
     override def planInputPartitions(): Array[InputPartition] =
-      opts.endpoints.zipWithIndex.flatMap { case ((host, path), i) =>
-        (0 until opts.splits).map { j =>
-          StretchInputPartition(i * opts.splits + j, host, path, j, opts.splits): InputPartition
-        }
-      }.toArray
+      StretchInputPartition.all(opts).map(p => p: InputPartition)
     override def createReaderFactory(): PartitionReaderFactory = StretchReaderFactory(schema, opts)
   }
+}
+
+object StretchInputPartition {
+  /** `splits` partitions per host receiver, placed on that host so rows never leave it. */
+  def all(opts: StretchOptions): Array[StretchInputPartition] =
+    opts.endpoints.zipWithIndex.flatMap { case ((host, path), i) =>
+      (0 until opts.splits).map(j => StretchInputPartition(i * opts.splits + j, host, path, j,
+        opts.splits))
+    }.toArray
 }
 
 case class StretchInputPartition(
