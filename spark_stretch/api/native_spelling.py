@@ -21,6 +21,7 @@ from ..driver import jvm
 from ..driver.inplan import FallbackWarning, handler_for, run_of
 from ..driver.settings import read_settings
 from ..protocol.specs import AggregateSpec
+from .frame import StretchFrame
 from .specs import check_sizes, parse_interval_us
 
 __all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "stretch_agg"]
@@ -91,7 +92,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
                       stacklevel=2)
         return df
     handler_for(spark).add(agg_id, spec)
-    return plans.mark(df, agg_id)
+    return StretchFrame(plans.mark(df, agg_id)._jdf, spark)._stretch_init(spec.finish is not None)
 
 
 def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):
@@ -107,7 +108,7 @@ def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int
         ts_column=got["ts_column"], delay_ms=int(got["delay_ms"]), key_kind=got["key_kind"],
         key_column=got["key_column"], key_type=got["key_type"], window_us=size, slide_us=slide,
         aggs=[(fn, col) for fn, col in got["aggs"]], value_types=got["value_types"],
-        drop_null_ts=True, parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets)
+        drop_null_ts=True, finish=got.get("finish"), parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets)
     if spec.output_names() != got["output_names"]:
         raise AssertionError(f"engine output names {spec.output_names()} != the shim's "
                              f"{got['output_names']}")

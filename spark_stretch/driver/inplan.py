@@ -24,6 +24,7 @@ from typing import Dict, Optional
 
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.listener import StreamingQueryListener
+from pyspark.sql.types import StructType
 
 from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
@@ -31,9 +32,10 @@ from ..protocol.specs import AggregateSpec
 from . import jvm, recovery
 from .ingest import Ingest
 from .metrics import QueryMetrics
+from .pipeline import Pipeline
 from .recovery import Recovery
 from .settings import read_settings
-from .sink import arrow_schema
+from .sink import Sink, arrow_schema
 
 __all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "handler_for", "run_of"]
 
@@ -110,8 +112,10 @@ class BatchHandler:
         self._specs[agg_id] = spec
         jvm.ShimPlans(self._spark).register(agg_id, self)
 
-    def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan) -> str:  # noqa: N802
-        """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON)."""
+    def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
+                sink) -> str:
+        """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
+        ``sink``: "" (the exec reads the output), or the Delta table the engine appends to."""
         if mode != "Append":
             reason = (f"output mode {mode}: the engine emits a window once, when the watermark "
                       "passes its end (append); Spark runs this aggregation")
@@ -125,7 +129,8 @@ class BatchHandler:
             run = _RUNS.get(run_id)
             if run is None:
                 run = _RUNS[run_id] = PlanRun(self._spark, agg_id, self._specs[agg_id],
-                                              str(Path(state_dir).parent), jdf)
+                                              str(Path(state_dir).parent), jdf,
+                                              json.loads(sink) if sink else None)
         if run.agg_id != agg_id:
             raise ValueError("stretch: one stretch aggregation per streaming query so far; this "
                              "query has two")
@@ -140,6 +145,9 @@ class _NoSink:
 
     idempotent_path = False
 
+    def start(self) -> None:
+        pass
+
     def emit(self, *args, **kwargs):
         return None
 
@@ -151,6 +159,15 @@ class _NoSink:
 
 
 class _Kind:
+    """What the recovery, pipeline and sink ask of a query kind (Spark runs the no-data
+    batches here: no flush of the engine's own)."""
+
+    pipelined = True
+
+    def __init__(self, spark: SparkSession, schema=None):
+        self.session = spark
+        self.schema = schema   # the aggregation's rows (a Spark StructType), for a new table
+
     def flush_time(self, query, replay: bool = False):
         return None
 
@@ -159,26 +176,42 @@ class PlanRun:
     """One run of a streaming query with a stretch aggregation in its plan."""
 
     def __init__(self, spark: SparkSession, agg_id: str, spec: AggregateSpec, checkpoint: str,
-                 jdf):
+                 jdf, delta: Optional[dict] = None):
         self.agg_id = agg_id
         self._spark = spark
         settings = read_settings(spark.conf)
         self.layout = QueryLayout(checkpoint)
-        qid, _ = recovery.query_ids(self.layout)
+        qid, app_id = recovery.query_ids(self.layout)
         self.qid = qid
         schema = arrow_schema(jvm.dataframe(jdf, spark).schema)
-        spec = replace(spec, input_schema=schema,
+        # The engine's own rows for the exec to project, or (appending to Delta itself) the
+        # aggregation's rows.
+        spec = replace(spec, input_schema=schema, finish=spec.finish if delta else None,
                        checkpoint=recovery.checkpointing(self.layout, settings))
         self.spec = spec
         self.metrics = QueryMetrics()
-        self.recovery = Recovery(qid, spec, self.layout, settings, _NoSink(), _Kind(),
-                                 self.metrics, recovery.last_committed(checkpoint))
         self._plan = None
-        self._ingest = Ingest(spark, qid, lambda: self.recovery.engine, self.recovery.opened,
+        engine = lambda: self.recovery.engine  # noqa: E731
+        if delta is not None:
+            kind = _Kind(spark, StructType.fromJson(json.loads(delta["schema"])))
+            self._sink = Sink(kind, "delta", {}, delta["path"], None, qid, app_id, True, engine,
+                              self.metrics)
+        else:
+            kind, self._sink = _Kind(spark), _NoSink()
+        self.recovery = Recovery(qid, spec, self.layout, settings, self._sink, kind,
+                                 self.metrics, recovery.last_committed(checkpoint))
+        self._ingest = Ingest(spark, qid, engine, self.recovery.opened,
                               lambda batch_id: self._plan, settings.columnar,
                               settings.read_files, schema, self.metrics)
+        # Appending to Delta itself, the engine steps and writes a batch while Spark commits it
+        # and plans the next (the pipeline of stretchAggregate; the engine logs the batch's
+        # input before Spark may commit it).
+        self._pipeline = (Pipeline(qid, kind, self.recovery, self._ingest, self._sink,
+                                   self.metrics) if delta is not None else None)
         self._lock = threading.Lock()
         self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
+        if delta is not None:
+            self._sink.start()
         self.recovery.open_in_background()
 
     def batch(self, batch_id: int, jdf, jplan) -> dict:
@@ -186,9 +219,13 @@ class PlanRun:
         with self._lock:
             if self._last is not None and self._last[0] == batch_id:
                 return self._last[1]  # the sink ran the batch's plan again: the same rows
-            self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
             df = jvm.dataframe(jdf, self._spark)
             self._plan = jplan
+            if self._pipeline is not None:
+                self._pipeline.run_batch(df, batch_id)
+                self._last = (batch_id, {"rows": 0, "direct": True})
+                return self._last[1]
+            self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
             t0 = time.perf_counter()
             reply = self.recovery.with_engine(f"batch {batch_id}",
                                               lambda: self._step(df, batch_id), opened=False)
@@ -211,11 +248,19 @@ class PlanRun:
         """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
         max_parallelism``)."""
         msg = recovery.reconfiguration(self.qid, parallelism, owner_map, self.spec.max_parallelism)
+        if self._pipeline is not None:
+            return self._pipeline.reconfigure(msg)
         t0 = time.perf_counter()
         with self._lock:
             reply = self.recovery.with_engine("a reconfiguration",
                                               lambda: self.recovery.engine.call(msg))
         return self.recovery.reconfigured(msg, reply, t0)
+
+    def settle(self) -> None:
+        """Wait until the last batch is written (the engine appends to Delta after Spark has
+        committed it); raise what writing it raised."""
+        if self._pipeline is not None:
+            self._pipeline.wait()
 
     def figures(self) -> dict:
         """The run's figures, with the engine's own (the last ones, also after the end)."""
@@ -224,5 +269,8 @@ class PlanRun:
     def release(self) -> None:
         """Close the query on the engine and release it (Spark's query ended)."""
         self.recovery.join(timeout=60)
+        if self._pipeline is not None:
+            self._pipeline.join(timeout=60)
+            self._sink.join(timeout=60)
         with self._lock:
             self.recovery.release()

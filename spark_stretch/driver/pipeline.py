@@ -178,6 +178,12 @@ class Pipeline:
         with self._step_lock:
             self._rec.with_engine("the last batch", self._drain)
 
+    def wait(self) -> None:
+        """Wait until the batch in flight, if any, is written; raise its error (no engine
+        restart: the query has ended, or its next batch redoes it)."""
+        with self._step_lock:
+            self._drain()
+
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the batch in flight (if any) to finish, raising nothing."""
         t = self._inflight

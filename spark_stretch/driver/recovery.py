@@ -111,6 +111,7 @@ class Recovery:
         self._lock = threading.Lock()
         self.released = False
         self._figures: Optional[dict] = None  # the engine's last figures (also after the end)
+        self._release_done = threading.Event()
         #: set by the pipeline: the batch in flight (or None), and how to forget it
         self.in_flight: Callable[[], Optional[int]] = lambda: None
         self.discard_in_flight: Callable[[], None] = lambda: None
@@ -212,7 +213,9 @@ class Recovery:
         """The engine's figures for the query: ``{"engine": ...}`` (the last ones, also after
         the end), with ``engine_error`` if a live engine could not say."""
         out = {}
-        if not self.released and self.engine.alive():
+        if self.released:  # (being released on another thread: its figures come last)
+            self._release_done.wait(timeout=35)
+        elif self.engine.alive():
             try:
                 self.opened()
                 self._figures = self.engine.call(M.Metrics(query=self.qid)).figures
@@ -290,6 +293,8 @@ class Recovery:
                 self.engine.call(M.Close(query=self.qid), timeout=30)
         except Exception:
             pass
+        finally:
+            self._release_done.set()
         self.engine.release()
         remove_shm(self.qid)
         return figures

@@ -37,7 +37,7 @@ from ..protocol.layout import AGGREGATE_META
 from ..protocol.specs import AggregateSpec
 from . import faults
 from .checkpoints import arrow_bytes, read_arrow
-from .columns import KeyCodec, list_parts, sample, window_array
+from .columns import KeyCodec, finish, list_parts, sample, window_array
 from .runtime import Runtime
 
 __all__ = ["AggregateRuntime"]
@@ -286,7 +286,8 @@ class AggregateRuntime(Runtime):
             else:
                 arrays.append(pa.array(v.astype(np.float64)))
             names.append(name)
-        return pa.Table.from_arrays(arrays, names=names)
+        table = pa.Table.from_arrays(arrays, names=names)
+        return table if s.finish is None else finish(table, s.finish)
 
     def _decode_keys(self, keys: np.ndarray) -> pa.Array:
         s: AggregateSpec = self.spec

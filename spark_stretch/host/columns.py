@@ -91,3 +91,96 @@ def sample(t: pa.DataType) -> pa.Array:
     if pa.types.is_floating(t):
         return pa.array([0.5, 1.5], t)
     raise TypeError(f"no sample values of {t}")
+
+
+_FINISH_TYPES = {"long": pa.int64(), "int": pa.int32(), "short": pa.int16(), "byte": pa.int8(),
+                 "double": pa.float64(), "float": pa.float32(), "string": pa.string(),
+                 "bool": pa.bool_(), "date": pa.date32(), "timestamp": pa.timestamp("us", "UTC"),
+                 "binary": pa.binary()}
+
+
+def unsafe_row_field(keys: pa.Array, fields: int, j: int, typ: str) -> pa.Array:
+    """Field ``j`` of Spark ``UnsafeRow`` s of ``fields`` fields (the bytes of a composite key,
+    the shim's ``StretchKeyEncode``), as an Arrow array of ``typ`` (a ``_FINISH_TYPES`` name).
+
+    The row format (Spark's ``UnsafeRow``): a null bit set of 8-byte words, one 8-byte slot per
+    field (fixed-width values in place, little-endian; strings and binaries as the offset from
+    the row's start and the size, ``offset << 32 | size``), then the variable-length bytes.
+    """
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    n = len(keys)
+    offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4).astype(np.int64)
+    data = np.frombuffer(keys.buffers()[2], np.uint8)
+    base = offsets[:-1]
+
+    def word(pos: int) -> np.ndarray:
+        return np.ascontiguousarray(data[(base + pos)[:, None] + np.arange(8)]).view("<i8")[:, 0]
+
+    null = ((word(8 * (j // 64)) >> (j % 64)) & 1).astype(bool)
+    v = word(((fields + 63) // 64) * 8 + 8 * j)
+    t = _FINISH_TYPES[typ]
+    if typ in ("string", "binary"):
+        size = np.where(null, 0, v & 0xFFFFFFFF)
+        start = base + (v >> 32)
+        ends = np.cumsum(size)
+        out_offsets = np.concatenate([[0], ends]).astype(np.int32)
+        idx = np.repeat(start - (ends - size), size) + np.arange(int(ends[-1]) if n else 0)
+        valid = pa.array(~null, pa.bool_()).buffers()[1]
+        return pa.Array.from_buffers(t, n, [valid, pa.py_buffer(out_offsets),
+                                            pa.py_buffer(np.ascontiguousarray(data[idx]))])
+    if typ == "double":
+        vals = v.view(np.float64)
+    elif typ == "float":
+        vals = (v & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    elif typ == "bool":
+        vals = (v & 0xFF) != 0
+    elif typ in ("int", "date"):
+        vals = v.astype(np.int32)
+    elif typ == "short":
+        vals = v.astype(np.int16)
+    elif typ == "byte":
+        vals = v.astype(np.int8)
+    else:  # long, timestamp (microseconds)
+        vals = v
+    raw = pa.array(vals, mask=null)
+    return raw if raw.type == t else raw.cast(t)
+
+
+def finish(table: pa.Table, columns: list) -> pa.Table:
+    """The engine's output columns (window, key, primitives) as a query's result columns.
+
+    ``columns`` is the shim's translation of Spark's result expressions (``StretchPlans.finish``):
+    ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}`` (output column i),
+    ``{"lit": v, "type": t}``, ``{"cast": e, "type": t}``, ``{"if": [p, a, b]}``,
+    ``{"eq": [a, b]}``, ``{"div": [a, b]}``, ``{"keyfield": j, "fields": n, "type": t}`` (field
+    ``j`` of the composite key, :func:`unsafe_row_field`), evaluated with Arrow compute as Spark evaluates them
+    (a division's zero divisor is guarded by an ``if`` in every expression the shim makes).
+    """
+    def ev(e):
+        if "ref" in e:
+            return table.column(e["ref"])
+        if "keyfield" in e:
+            return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
+        if "lit" in e:
+            return pa.scalar(e["lit"], _FINISH_TYPES[e["type"]])
+        if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
+            #               taken may hold a min/max sentinel out of the target's range)
+            return pc.cast(ev(e["cast"]), _FINISH_TYPES[e["type"]], safe=False)
+        if "if" in e:
+            p, a, b = (ev(x) for x in e["if"])
+            return pc.if_else(p, a, b)
+        if "eq" in e:
+            return pc.equal(*(ev(x) for x in e["eq"]))
+        if "div" in e:
+            a, b = (pc.cast(ev(x), pa.float64()) for x in e["div"])
+            return pc.divide(a, b)
+        raise ValueError(f"unknown result expression {e}")
+
+    arrays = []
+    for c in columns:
+        v = ev(c["expr"])
+        if isinstance(v, pa.Scalar):
+            v = pa.array([v.as_py()] * table.num_rows, v.type)
+        arrays.append(v)
+    return pa.Table.from_arrays(arrays, names=[c["name"] for c in columns])

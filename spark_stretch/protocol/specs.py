@@ -76,6 +76,8 @@ class AggregateSpec(QuerySpec):
     value_types: Dict[str, str] = field(default_factory=dict)  # column -> "long" | "double"
     drop_null_ts: bool = False         # rows without an event time are in no window (Spark's
     #                                    window); False: an error naming the column
+    finish: Optional[list] = None      # the output as Spark's result columns ({"name", "expr"}
+    #                                    each, host/columns.finish), or the engine's own columns
 
     @property
     def value_columns(self) -> List[str]:

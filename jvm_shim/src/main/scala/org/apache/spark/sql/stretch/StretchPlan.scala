@@ -6,7 +6,8 @@ import scala.collection.mutable.ArrayBuffer
 import scala.jdk.CollectionConverters._
 
 import com.fasterxml.jackson.databind.ObjectMapper
-import com.fasterxml.jackson.databind.node.ObjectNode
+import com.fasterxml.jackson.databind.JsonNode
+import com.fasterxml.jackson.databind.node.{ArrayNode, ObjectNode}
 
 import org.apache.spark.{Partition, SparkContext, TaskContext}
 import org.apache.spark.rdd.RDD
@@ -63,10 +64,13 @@ object StretchStrategy extends SparkStrategy {
 }
 
 /** What the driver's handler (Python) does with a micro-batch: a JSON answer, either
- * `{"native": reason}` or `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`. */
+ * `{"native": reason}` or `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`.
+ * `sink` is empty, or (from [[StretchDeltaSink]]) the JSON of the Delta table the engine
+ * appends the batch's rows to itself (`{"path": ..., "schema": ...}`; the answer then offers
+ * nothing). */
 trait StretchBatchHandler {
   def onBatch(id: String, batchId: Long, outputMode: String, stateDir: String, runId: String,
-              input: ClassicDataset[Row], inputPlan: SparkPlan): String
+              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String): String
 }
 
 case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) extends BinaryExecNode {
@@ -77,30 +81,39 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) exten
   override protected def withNewChildrenInternal(
       newLeft: SparkPlan, newRight: SparkPlan): StretchExec = copy(native = newLeft, input = newRight)
 
-  override protected def doExecute(): RDD[InternalRow] = {
+  /** Hand this micro-batch's input to the driver's handler (with `sink` for the engine's own
+   * Delta append, or ""): its answer, with the native chain's state stores reported committed
+   * unless the answer is `native`. */
+  def step(sink: String): JsonNode = {
     val save = native.collectFirst { case s: StateStoreSaveExec => s }.getOrElse(
       throw new IllegalStateException("stretch: Spark planned no StateStoreSaveExec under " +
         s"the aggregation: ${native.treeString}"))
     val info = save.stateInfo.getOrElse(
       throw new IllegalStateException("stretch: the aggregation has no state info (not run " +
         "by a streaming query?)"))
-    val id = aggId
-    val t = StretchPlans.translation(id)
     val spark = session.asInstanceOf[ClassicSession]
     val rdd = input.execute()
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
-    val answer = StretchPlans.mapper.readTree(StretchPlans.handler(id).onBatch(
-      id, info.storeVersion, save.outputMode.map(_.toString).getOrElse("Append"),
-      info.checkpointLocation, info.queryRunId.toString, df, input))
-    if (answer.has("native")) return native.execute()
-    // Spark's state stores of the native chain never run: for the commit check a foreachBatch
-    // sink gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
-    val coordinator = spark.streams.stateStoreCoordinator
-    for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
-      coordinator.reportStateStoreCommit(StateStoreProviderId(
-        StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
-        info.storeVersion + 1, name)
+    val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
+      aggId, info.storeVersion, save.outputMode.map(_.toString).getOrElse("Append"),
+      info.checkpointLocation, info.queryRunId.toString, df, input, sink))
+    if (!answer.has("native")) {
+      // Spark's state stores of the native chain never run: for the commit check a foreachBatch
+      // sink gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
+      val coordinator = spark.streams.stateStoreCoordinator
+      for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
+        coordinator.reportStateStoreCommit(StateStoreProviderId(
+          StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
+          info.storeVersion + 1, name)
+      }
     }
+    answer
+  }
+
+  override protected def doExecute(): RDD[InternalRow] = {
+    val t = StretchPlans.translation(aggId)
+    val answer = step("")
+    if (answer.has("native")) return native.execute()
     val rows = answer.get("rows").asLong()
     if (rows == 0) return sparkContext.emptyRDD[InternalRow]
     val opts = StretchOptions.parse(new CaseInsensitiveStringMap(Map(
@@ -466,6 +479,68 @@ object StretchPlans {
     values.zipWithIndex.foreach { case ((_, k), i) => vt.put(valueName(i), k) }
     val outNames = spec.putArray("output_names")
     primNames.foreach(n => outNames.add(n))
+    finish(result, a.output).foreach(f => spec.set[JsonNode]("finish", f))
     Translation(a, input, engineSchema, result, spec)
+  }
+
+  private val finishTypes = Map[DataType, String](LongType -> "long", IntegerType -> "int",
+    ShortType -> "short", ByteType -> "byte", DoubleType -> "double", FloatType -> "float",
+    StringType -> "string", BooleanType -> "bool", DateType -> "date",
+    TimestampType -> "timestamp", BinaryType -> "binary")
+
+  /** The result expressions as the engine evaluates them itself (Arrow compute over its output
+   * columns), for its own Delta append: one `{"name", "expr"}` per result column, or None when
+   * an expression is beyond this small language (a decimal, say). */
+  private def finish(result: Seq[Expression], out: Seq[Attribute]): Option[ArrayNode] = {
+    def node(op: String, args: Option[JsonNode]*): Option[JsonNode] =
+      if (args.exists(_.isEmpty)) None else {
+        val o = mapper.createObjectNode()
+        val a = o.putArray(op)
+        args.foreach(x => a.add(x.get))
+        Some(o)
+      }
+    def typed(op: String, t: DataType, arg: Option[JsonNode]): Option[JsonNode] =
+      (finishTypes.get(t), arg) match {
+        case (Some(n), Some(x)) =>
+          val o = mapper.createObjectNode()
+          o.set[JsonNode](op, x)
+          o.put("type", n)
+          Some(o)
+        case _ => None
+      }
+    def js(e: Expression): Option[JsonNode] = e match {
+      case BoundReference(i, _, _) => Some(mapper.getNodeFactory.numberNode(i)).map { n =>
+        val o = mapper.createObjectNode(); o.set[JsonNode]("ref", n); o }
+      case Literal(null, t) => typed("lit", t, Some(mapper.getNodeFactory.nullNode()))
+      case Literal(v: Long, t) => typed("lit", t, Some(mapper.getNodeFactory.numberNode(v)))
+      case Literal(v: Int, t) => typed("lit", t, Some(mapper.getNodeFactory.numberNode(v)))
+      case Literal(v: Double, t) => typed("lit", t, Some(mapper.getNodeFactory.numberNode(v)))
+      case Cast(c, t, _, _) => typed("cast", t, js(c))
+      case If(p, x, y) => node("if", js(p), js(x), js(y))
+      case EqualTo(x, y) => node("eq", js(x), js(y))
+      case Divide(x, y, _) => node("div", js(x), js(y))
+      case GetStructField(StretchKeyDecode(BoundReference(1, _, _), schema), j, _) =>
+        finishTypes.get(schema(j).dataType).map { t =>
+          val o = mapper.createObjectNode()
+          o.put("keyfield", j)
+          o.put("fields", schema.length)
+          o.put("type", t)
+          o
+        }
+      case _ => None
+    }
+    val cols = result.zip(out).map { case (e, at) =>
+      js(e).map { j =>
+        val o = mapper.createObjectNode()
+        o.put("name", at.name)
+        o.set[JsonNode]("expr", j)
+        o
+      }
+    }
+    if (cols.exists(_.isEmpty)) None else {
+      val arr = mapper.createArrayNode()
+      cols.foreach(c => arr.add(c.get))
+      Some(arr)
+    }
   }
 }

@@ -1,0 +1,49 @@
+package org.apache.spark.sql.stretch
+
+import org.apache.spark.sql.{Dataset, Row, SQLContext}
+import org.apache.spark.sql.classic.{Dataset => ClassicDataset}
+import org.apache.spark.sql.execution.datasources.DataSource
+import org.apache.spark.sql.execution.streaming.Sink
+import org.apache.spark.sql.sources.StreamSinkProvider
+import org.apache.spark.sql.streaming.OutputMode
+
+/**
+ * A Delta table written by the host engine itself, for a stretch aggregation written straight
+ * to it (`spark_stretch.stretch(df).writeStream.format("delta").start(path)`; the Python
+ * writer chooses this sink then).
+ *
+ * Each micro-batch's plan is the shim's [[StretchExec]] over the aggregation's input: the sink
+ * has it step the batch with the table as its sink, and the engine appends the batch's rows to
+ * the table in one Delta commit carrying the batch's `txn` (app id and version, as Spark's
+ * Delta writer adds them), so a batch replayed after a restart lands once. Any other plan, and
+ * a batch the handler leaves to Spark, goes to Delta's own sink with the same options.
+ */
+class StretchDeltaSinkProvider extends StreamSinkProvider {
+  override def createSink(sqlContext: SQLContext, parameters: Map[String, String],
+                          partitionColumns: Seq[String], outputMode: OutputMode): Sink =
+    new StretchDeltaSink(sqlContext, parameters, partitionColumns, outputMode)
+}
+
+class StretchDeltaSink(sqlContext: SQLContext, parameters: Map[String, String],
+                       partitionColumns: Seq[String], outputMode: OutputMode) extends Sink {
+  private val path = parameters.getOrElse("path",
+    throw new IllegalArgumentException("stretch: the Delta sink needs a path"))
+
+  // Delta's own sink, made only if a batch needs it
+  private lazy val delta: Sink = DataSource(sqlContext.sparkSession, className = "delta",
+    options = parameters, partitionColumns = partitionColumns).createSink(outputMode)
+
+  override def addBatch(batchId: Long, data: Dataset[Row]): Unit = {
+    val plan = data.asInstanceOf[ClassicDataset[Row]].queryExecution.executedPlan
+    val exec = plan.collectFirst { case e: StretchExec => e }
+    val sink = StretchPlans.mapper.createObjectNode()
+    sink.put("path", path)
+    sink.put("schema", data.schema.json)
+    // The exec must be the whole plan (at most a projection of its columns over it): what
+    // the engine writes is the aggregation's rows.
+    val whole = exec.exists(e => e.output == plan.output)
+    if (!whole || exec.get.step(sink.toString).has("native")) delta.addBatch(batchId, data)
+  }
+
+  override def toString: String = s"StretchDeltaSink[$path]"
+}
