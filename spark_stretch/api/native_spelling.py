@@ -50,7 +50,8 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     Returns
     -------
     DataFrame
-        ``df`` with its aggregation on the engine (``isStreaming`` is True), or ``df`` itself
+        ``df`` with its aggregation on the engine (``isStreaming`` is True; a
+        :class:`~spark_stretch.api.frame.StretchFrame`, a ``pyspark.sql.DataFrame``), or ``df`` itself
         with a :class:`FallbackWarning` naming the reason when the engine cannot run it
         (an error instead when ``spark.stretch.fallback=false``).
 
@@ -69,9 +70,17 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     -----
     Runs on the engine so far: tumbling and sliding ``window`` (start offset 0) with any
     number of grouping columns of any type (nulls grouped as Spark groups them; an exploded
-    array column as the only key is never expanded), ``count``, ``sum``, ``avg``, ``min``,
-    ``max`` over integral and floating-point expressions, append output mode. Anything else
-    (session windows, other aggregate functions, update mode, ...) runs natively.
+    array column as the only key is never expanded); ``count``, ``count_if``, ``sum``,
+    ``avg``, ``min``, ``max``, ``stddev``/``variance`` (samp and pop) over integral and
+    floating-point expressions, and expressions over these aggregates; append output mode.
+    Anything else (session windows, other aggregate functions, update mode, ...) runs
+    natively.
+
+    Written unchanged to a Delta path (``.writeStream.format("delta").start(path)``, append),
+    the engine appends each batch's rows to the table itself, exactly once per batch (the
+    shim's ``StretchDeltaSink`` in place of Delta's, see :mod:`spark_stretch.api.frame`); the
+    returned query's ``awaitTermination``/``processAllAvailable`` also wait for the engine's
+    last append. Any other use goes through Spark's sink.
     """
     if not isinstance(df, DataFrame):
         raise TypeError(f"stretch() takes a DataFrame, got {type(df).__name__}")

@@ -101,10 +101,11 @@ class Pipeline:
 
     def _drain(self) -> None:
         """Wait for the batch in flight, if any, to be stepped and written; raise its error."""
-        t, self._inflight = self._inflight, None
+        t = self._inflight
         if t is None:
             return
         t.join()
+        self._inflight = None  # (only now: join() on another thread waits for it meanwhile)
         e, self._inflight_error = self._inflight_error, None
         if e is not None:
             raise e

@@ -147,13 +147,18 @@ def unsafe_row_field(keys: pa.Array, fields: int, j: int, typ: str) -> pa.Array:
     return raw if raw.type == t else raw.cast(t)
 
 
+# Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do
+_FINISH_OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "lt": pc.less,
+               "gt": pc.greater, "sqrt": pc.sqrt}
+
+
 def finish(table: pa.Table, columns: list) -> pa.Table:
     """The engine's output columns (window, key, primitives) as a query's result columns.
 
     ``columns`` is the shim's translation of Spark's result expressions (``StretchPlans.finish``):
     ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}`` (output column i),
     ``{"lit": v, "type": t}``, ``{"cast": e, "type": t}``, ``{"if": [p, a, b]}``,
-    ``{"eq": [a, b]}``, ``{"div": [a, b]}``, ``{"keyfield": j, "fields": n, "type": t}`` (field
+    ``{"eq": [a, b]}``, ``{"div": [a, b]}`` (and add, sub, mul, lt, gt, sqrt), ``{"keyfield": j, "fields": n, "type": t}`` (field
     ``j`` of the composite key, :func:`unsafe_row_field`), evaluated with Arrow compute as Spark evaluates them
     (a division's zero divisor is guarded by an ``if`` in every expression the shim makes).
     """
@@ -175,6 +180,9 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
         if "div" in e:
             a, b = (pc.cast(ev(x), pa.float64()) for x in e["div"])
             return pc.divide(a, b)
+        for op, fn in _FINISH_OPS.items():
+            if op in e:
+                return fn(*(ev(x) for x in e[op]))
         raise ValueError(f"unknown result expression {e}")
 
     arrays = []

@@ -365,6 +365,33 @@ object StretchPlans {
           val v = PrimRef(prim(if (isMin) "min" else "max",
             Some(value(Coalesce(Seq(Cast(c, t), sentinel)), k))))
           orNull(nonNull(Seq(c)), Cast(v, c.dataType), c.dataType)
+        case CountIf(p) =>  // rows where p is true (null counts as false)
+          PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
+            Literal(0L)), "long"))))
+        case cm @ (VarianceSamp(_, _) | VariancePop(_, _) | StddevSamp(_, _) | StddevPop(_, _)) =>
+          // from sum, sum of squares and count: m2 = sum(x^2) - sum(x)^2 / n (clamped at 0
+          // against rounding), over n - 1 (samp) or n (pop); Spark's null (or NaN, with
+          // spark.sql.legacy.statisticalAggregate) for a sample of one
+          val c = cm.children.head
+          numeric(c, cm.prettyName)
+          val x = Cast(c, DoubleType)
+          val s = PrimRef(prim("sum", Some(value(Coalesce(Seq(x, Literal(0.0))), "double"))))
+          val q = PrimRef(prim("sum", Some(value(Coalesce(Seq(Multiply(x, x), Literal(0.0))),
+            "double"))))
+          val nn = nonNull(Seq(c))
+          val n = Cast(nn, DoubleType)
+          val m2raw = Subtract(q, Divide(Multiply(s, s), n))
+          val m2 = If(LessThan(m2raw, Literal(0.0)), Literal(0.0), m2raw)
+          val (samp, nullOnOne) = cm match {
+            case VarianceSamp(_, z) => (true, z)
+            case StddevSamp(_, z) => (true, z)
+            case _ => (false, true)
+          }
+          val v0 = Divide(m2, if (samp) Subtract(n, Literal(1.0)) else n)
+          val v = if (cm.isInstanceOf[StddevSamp] || cm.isInstanceOf[StddevPop]) Sqrt(v0) else v0
+          val one = if (samp) If(EqualTo(nn, Literal(1L)),
+            if (nullOnOne) Literal(null, DoubleType) else Literal(Double.NaN), v) else v
+          orNull(nn, one, DoubleType)
         case other => unsupported(s"${other.prettyName}: this aggregate function is not on " +
           "the engine yet")
       }
@@ -381,8 +408,13 @@ object StretchPlans {
         case j if j >= 0 => KeyOut(j)
         case _ => e match {
           case ae: AggregateExpression => AggOut(aggregate(ae))
-          case other => unsupported(s"the result column ${ne.sql} (an expression over " +
-            "aggregates or grouping columns is not on the engine yet)")
+          case other =>  // an expression over aggregates (and literals)
+            val r = other.transformDown { case ae: AggregateExpression => aggregate(ae) }
+            if (r.references.nonEmpty || !r.deterministic) {
+              unsupported(s"the result column ${ne.sql} (an expression over grouping columns " +
+                "is not on the engine yet)")
+            }
+            AggOut(r)
         }
       }
     }
@@ -519,6 +551,13 @@ object StretchPlans {
       case If(p, x, y) => node("if", js(p), js(x), js(y))
       case EqualTo(x, y) => node("eq", js(x), js(y))
       case Divide(x, y, _) => node("div", js(x), js(y))
+      case Add(x, y, _) => node("add", js(x), js(y))
+      case Subtract(x, y, _) => node("sub", js(x), js(y))
+      case Multiply(x, y, _) => node("mul", js(x), js(y))
+      case LessThan(x, y) => node("lt", js(x), js(y))
+      case GreaterThan(x, y) => node("gt", js(x), js(y))
+      case Sqrt(x) => node("sqrt", js(x))
+      case Literal(v: Boolean, t) => typed("lit", t, Some(mapper.getNodeFactory.booleanNode(v)))
       case GetStructField(StretchKeyDecode(BoundReference(1, _, _), schema), j, _) =>
         finishTypes.get(schema(j).dataType).map { t =>
           val o = mapper.createObjectNode()
