@@ -13,13 +13,15 @@ travel through Spark. ``spark.stretch.delta.directWrite=false`` turns that off.
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Union
 
 from pyspark.sql.classic.dataframe import DataFrame as ClassicDataFrame
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from ..driver.inplan import run_of
+from ..driver import jvm
+from ..driver.inplan import FallbackWarning, fallback_reason, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -38,17 +40,17 @@ class StretchFrame(ClassicDataFrame):
 
     @property
     def writeStream(self) -> DataStreamWriter:
-        if not getattr(self, "_stretch_finishable", False):
-            return DataStreamWriter(self)
-        return _Writer(self)
+        return _Writer(self, getattr(self, "_stretch_finishable", False))
 
 
 class _Writer(DataStreamWriter):
     """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in append mode
-    starts with the shim's Delta sink (the engine appends)."""
+    starts with the shim's Delta sink (the engine appends); an output mode the engine does not
+    run is a :class:`FallbackWarning` (or an error) when the query starts."""
 
-    def __init__(self, df: StretchFrame):
+    def __init__(self, df: StretchFrame, finishable: bool):
         super().__init__(df)
+        self._finishable = finishable
         self._fmt: Optional[str] = None
         self._mode: Optional[str] = None
         self._path: Optional[str] = None
@@ -106,14 +108,20 @@ class _Writer(DataStreamWriter):
             self.format(format)
         if queryName is not None:
             self.queryName(queryName)
+        settings = read_settings(self._spark.conf)
+        if self._mode in ("update", "complete"):
+            reason = fallback_reason(self._mode)
+            if not settings.fallback:
+                raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
+            warnings.warn(f"stretch: {reason}", FallbackWarning, stacklevel=2)
         target = path or self._path
-        direct = (self._fmt == "delta" and self._plain and target is not None
+        direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None
                   and self._mode in (None, "append")
-                  and read_settings(self._spark.conf).direct_write)
+                  and settings.direct_write)
         if direct:
             super().format(_DELTA_SINK)
         q = super().start(path)
-        return _EngineWrites(q._jsq) if direct else q
+        return jvm.requery(q, _EngineWrites) if direct else q
 
 
 class _EngineWrites(StreamingQuery):

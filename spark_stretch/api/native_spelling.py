@@ -101,7 +101,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
                       stacklevel=2)
         return df
     handler_for(spark).add(agg_id, spec)
-    return StretchFrame(plans.mark(df, agg_id)._jdf, spark)._stretch_init(spec.finish is not None)
+    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec.finish is not None)
 
 
 def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):

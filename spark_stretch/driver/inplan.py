@@ -37,11 +37,18 @@ from .recovery import Recovery
 from .settings import read_settings
 from .sink import Sink, arrow_schema
 
-__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "handler_for", "run_of"]
+__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fallback_reason", "handler_for",
+           "run_of"]
 
 
 class FallbackWarning(UserWarning):
     """A stretch aggregation runs natively: the engine cannot run it yet (the message says why)."""
+
+
+def fallback_reason(mode: str) -> str:
+    """Why an aggregation in output mode ``mode`` runs natively."""
+    return (f"output mode {mode}: the engine emits a window once, when the watermark passes "
+            "its end (append); Spark runs this aggregation")
 
 
 _LOCK = threading.Lock()
@@ -117,8 +124,9 @@ class BatchHandler:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
         ``sink``: "" (the exec reads the output), or the Delta table the engine appends to."""
         if mode != "Append":
-            reason = (f"output mode {mode}: the engine emits a window once, when the watermark "
-                      "passes its end (append); Spark runs this aggregation")
+            # (stretch(df)'s writer warned when the query started, or raised; a DataFrame made
+            # from it has Spark's writer: the warning comes from here, once)
+            reason = fallback_reason(mode.lower())
             if not read_settings(self._spark.conf).fallback:
                 raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
             if not getattr(self, "_warned", False):

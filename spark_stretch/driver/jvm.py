@@ -14,7 +14,7 @@ from typing import List, Optional, Set, Tuple
 from pyspark.sql import Column, DataFrame, SparkSession
 
 __all__ = ["executor_hosts", "batch_plan", "plan_string", "watermarks", "interval_us", "ShimPlans",
-           "dataframe", "splits_for", "session_key",
+           "dataframe", "requery", "splits_for", "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
 
 
@@ -172,9 +172,9 @@ class ShimPlans:
 
         return json.loads(self._j.analyze(df._jdf, agg_id))
 
-    def mark(self, df: DataFrame, agg_id: str) -> DataFrame:
-        """``df`` with the stretch marker over its aggregation."""
-        return DataFrame(self._j.mark(df._jdf, agg_id), df.sparkSession)
+    def mark(self, df: DataFrame, agg_id: str, cls=DataFrame) -> DataFrame:
+        """``df`` with the stretch marker over its aggregation (a ``cls``, a DataFrame class)."""
+        return cls(self._j.mark(df._jdf, agg_id), df.sparkSession)
 
     def register(self, agg_id: str, handler) -> None:
         """The py4j callback (``StretchBatchHandler``) that runs ``agg_id``'s micro-batches."""
@@ -186,6 +186,11 @@ class ShimPlans:
     def marked(self, query) -> bool:
         """Whether a running ``StreamingQuery`` has a stretch aggregation in its plan."""
         return bool(self._j.marked(query._jsq.streamingQuery().logicalPlan()))
+
+
+def requery(query, cls):
+    """The running ``StreamingQuery`` ``query`` as a ``cls`` (a StreamingQuery subclass)."""
+    return cls(query._jsq)
 
 
 def dataframe(jdf, spark: SparkSession) -> DataFrame:

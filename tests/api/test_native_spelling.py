@@ -3,7 +3,6 @@ against native Spark on the same input (late rows, nulls, several micro-batches)
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 from pyspark.sql import functions as F
@@ -139,11 +138,19 @@ def test_fallback_runs_natively_with_the_reason(spark, events, tmp_path):
 def test_update_mode_runs_natively(spark, events, tmp_path):
     def agg(df):
         return df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.sum("v").alias("s"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
+    # the warning when the query starts, in the caller's thread, naming the reason
+    with pytest.warns(FallbackWarning, match="output mode update"):
         _run(spark_stretch.stretch(agg(events())), tmp_path, "st_update", mode="update")
     _run(agg(events()), tmp_path, "nat_update", mode="update")
     assert _rows(spark, "st_update") == _rows(spark, "nat_update")
+    spark.conf.set("spark.stretch.fallback", "false")
+    try:
+        with pytest.raises(ValueError, match="output mode update.*fallback=false"):
+            (spark_stretch.stretch(agg(events())).writeStream.format("memory")
+             .queryName("st_update_off").outputMode("update").start())
+        assert not [q for q in spark.streams.active if q.name == "st_update_off"]
+    finally:
+        spark.conf.unset("spark.stretch.fallback")
 
 
 def test_rescale_and_restart_into_delta(spark, tmp_path):
