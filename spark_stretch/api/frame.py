@@ -13,7 +13,6 @@ travel through Spark. ``spark.stretch.delta.directWrite=false`` turns that off.
 
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional, Union
 
 from pyspark.sql.classic.dataframe import DataFrame as ClassicDataFrame
@@ -21,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
-from ..driver.inplan import FallbackWarning, fallback_reason, run_of
+from ..driver.inplan import fall_back, fallback_reason, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -46,7 +45,7 @@ class StretchFrame(ClassicDataFrame):
 class _Writer(DataStreamWriter):
     """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in append mode
     starts with the shim's Delta sink (the engine appends); an output mode the engine does not
-    run is a :class:`FallbackWarning` (or an error) when the query starts."""
+    run is a ``FallbackWarning`` (or an error) when the query starts."""
 
     def __init__(self, df: StretchFrame, finishable: bool):
         super().__init__(df)
@@ -108,12 +107,9 @@ class _Writer(DataStreamWriter):
             self.format(format)
         if queryName is not None:
             self.queryName(queryName)
-        settings = read_settings(self._spark.conf)
         if self._mode in ("update", "complete"):
-            reason = fallback_reason(self._mode)
-            if not settings.fallback:
-                raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
-            warnings.warn(f"stretch: {reason}", FallbackWarning, stacklevel=2)
+            fall_back(self._spark, fallback_reason(self._mode), stacklevel=2)
+        settings = read_settings(self._spark.conf)
         target = path or self._path
         direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None
                   and self._mode in (None, "append")

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import re
 import uuid
-import warnings
 from typing import Optional
 
 from pyspark.sql import DataFrame, GroupedData, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from ..driver import jvm
-from ..driver.inplan import FallbackWarning, handler_for, run_of
-from ..driver.settings import read_settings
+from ..driver.inplan import FallbackWarning, fall_back, handler_for, run_of
 from ..protocol.specs import AggregateSpec
 from .frame import StretchFrame
 from .specs import check_sizes, parse_interval_us
@@ -86,7 +84,6 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
         raise TypeError(f"stretch() takes a DataFrame, got {type(df).__name__}")
     check_sizes(parallelism, max_parallelism, buckets)
     spark = df.sparkSession
-    fallback = read_settings(spark.conf).fallback
     plans = jvm.ShimPlans(spark)
     agg_id = uuid.uuid4().hex
     got = plans.analyze(df, agg_id)
@@ -95,10 +92,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     if reason is None:
         spec, reason = _spec(spark, got["spec"], parallelism, max_parallelism, buckets)
     if reason is not None:
-        if not fallback:
-            raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
-        warnings.warn(f"stretch: {reason}; Spark runs this aggregation", FallbackWarning,
-                      stacklevel=2)
+        fall_back(spark, reason, stacklevel=2)
         return df
     handler_for(spark).add(agg_id, spec)
     return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec.finish is not None)

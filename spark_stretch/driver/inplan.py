@@ -37,8 +37,8 @@ from .recovery import Recovery
 from .settings import read_settings
 from .sink import Sink, arrow_schema
 
-__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fallback_reason", "handler_for",
-           "run_of"]
+__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back", "fallback_reason",
+           "handler_for", "run_of"]
 
 
 class FallbackWarning(UserWarning):
@@ -48,7 +48,17 @@ class FallbackWarning(UserWarning):
 def fallback_reason(mode: str) -> str:
     """Why an aggregation in output mode ``mode`` runs natively."""
     return (f"output mode {mode}: the engine emits a window once, when the watermark passes "
-            "its end (append); Spark runs this aggregation")
+            "its end (append)")
+
+
+def fall_back(spark: SparkSession, reason: str, stacklevel: int = 1) -> None:
+    """A stretch aggregation runs natively for ``reason``: a :class:`FallbackWarning` naming it
+    (``stacklevel`` as for ``warnings.warn``, counted from the caller), or a ``ValueError``
+    when ``spark.stretch.fallback=false``."""
+    if not read_settings(spark.conf).fallback:
+        raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
+    warnings.warn(f"stretch: {reason}; Spark runs this aggregation", FallbackWarning,
+                  stacklevel=stacklevel + 1)
 
 
 _LOCK = threading.Lock()
@@ -127,11 +137,10 @@ class BatchHandler:
             # (stretch(df)'s writer warned when the query started, or raised; a DataFrame made
             # from it has Spark's writer: the warning comes from here, once)
             reason = fallback_reason(mode.lower())
-            if not read_settings(self._spark.conf).fallback:
-                raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
-            if not getattr(self, "_warned", False):
+            # (an error every time with the fallback off; else a warning once a session)
+            if not read_settings(self._spark.conf).fallback or not getattr(self, "_warned", False):
+                fall_back(self._spark, reason)
                 self._warned = True
-                warnings.warn(reason, FallbackWarning, stacklevel=1)
             return json.dumps({"native": reason})
         with _LOCK:
             run = _RUNS.get(run_id)

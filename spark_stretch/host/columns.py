@@ -147,20 +147,28 @@ def unsafe_row_field(keys: pa.Array, fields: int, j: int, typ: str) -> pa.Array:
     return raw if raw.type == t else raw.cast(t)
 
 
+def _divide(a, b):
+    """Spark's ``/``: in double (a zero divisor is guarded by an ``if`` in every expression the
+    shim makes)."""
+    return pc.divide(pc.cast(a, pa.float64()), pc.cast(b, pa.float64()))
+
+
 # Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do
-_FINISH_OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "lt": pc.less,
-               "gt": pc.greater, "sqrt": pc.sqrt}
+_FINISH_OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
+               "eq": pc.equal, "lt": pc.less, "gt": pc.greater, "sqrt": pc.sqrt,
+               "if": pc.if_else}
 
 
 def finish(table: pa.Table, columns: list) -> pa.Table:
     """The engine's output columns (window, key, primitives) as a query's result columns.
 
-    ``columns`` is the shim's translation of Spark's result expressions (``StretchPlans.finish``):
-    ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}`` (output column i),
-    ``{"lit": v, "type": t}``, ``{"cast": e, "type": t}``, ``{"if": [p, a, b]}``,
-    ``{"eq": [a, b]}``, ``{"div": [a, b]}`` (and add, sub, mul, lt, gt, sqrt), ``{"keyfield": j, "fields": n, "type": t}`` (field
-    ``j`` of the composite key, :func:`unsafe_row_field`), evaluated with Arrow compute as Spark evaluates them
-    (a division's zero divisor is guarded by an ``if`` in every expression the shim makes).
+    ``columns`` is the shim's translation of Spark's result expressions
+    (``StretchPlans.finish``): ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}``
+    (output column i), ``{"keyfield": j, "fields": n, "type": t}`` (field ``j`` of the
+    composite key, :func:`unsafe_row_field`), ``{"lit": v, "type": t}``,
+    ``{"cast": e, "type": t}``, or an operator of ``_FINISH_OPS`` over its arguments
+    (``{"if": [p, a, b]}``, ``{"div": [a, b]}``, ...), evaluated with Arrow compute as Spark
+    evaluates them.
     """
     def ev(e):
         if "ref" in e:
@@ -172,14 +180,6 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
         if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
             #               taken may hold a min/max sentinel out of the target's range)
             return pc.cast(ev(e["cast"]), _FINISH_TYPES[e["type"]], safe=False)
-        if "if" in e:
-            p, a, b = (ev(x) for x in e["if"])
-            return pc.if_else(p, a, b)
-        if "eq" in e:
-            return pc.equal(*(ev(x) for x in e["eq"]))
-        if "div" in e:
-            a, b = (pc.cast(ev(x), pa.float64()) for x in e["div"])
-            return pc.divide(a, b)
         for op, fn in _FINISH_OPS.items():
             if op in e:
                 return fn(*(ev(x) for x in e[op]))
@@ -189,6 +189,6 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
     for c in columns:
         v = ev(c["expr"])
         if isinstance(v, pa.Scalar):
-            v = pa.array([v.as_py()] * table.num_rows, v.type)
+            v = pa.repeat(v, table.num_rows)
         arrays.append(v)
     return pa.Table.from_arrays(arrays, names=[c["name"] for c in columns])

@@ -34,15 +34,15 @@ class StretchDeltaSink(sqlContext: SQLContext, parameters: Map[String, String],
     options = parameters, partitionColumns = partitionColumns).createSink(outputMode)
 
   override def addBatch(batchId: Long, data: Dataset[Row]): Unit = {
-    val plan = data.asInstanceOf[ClassicDataset[Row]].queryExecution.executedPlan
-    val exec = plan.collectFirst { case e: StretchExec => e }
-    val sink = StretchPlans.mapper.createObjectNode()
-    sink.put("path", path)
-    sink.put("schema", data.schema.json)
-    // The exec must be the whole plan (at most a projection of its columns over it): what
-    // the engine writes is the aggregation's rows.
-    val whole = exec.exists(e => e.output == plan.output)
-    if (!whole || exec.get.step(sink.toString).has("native")) delta.addBatch(batchId, data)
+    // The exec must be the whole plan: what the engine writes is the aggregation's rows (a
+    // filter or projection over them is Spark's to run).
+    data.asInstanceOf[ClassicDataset[Row]].queryExecution.executedPlan match {
+      case exec: StretchExec =>
+        val sink = StretchPlans.mapper.createObjectNode()
+          .put("path", path).put("schema", data.schema.json)
+        if (exec.step(sink.toString).has("native")) delta.addBatch(batchId, data)
+      case _ => delta.addBatch(batchId, data)
+    }
   }
 
   override def toString: String = s"StretchDeltaSink[$path]"

@@ -541,8 +541,7 @@ object StretchPlans {
         case _ => None
       }
     def js(e: Expression): Option[JsonNode] = e match {
-      case BoundReference(i, _, _) => Some(mapper.getNodeFactory.numberNode(i)).map { n =>
-        val o = mapper.createObjectNode(); o.set[JsonNode]("ref", n); o }
+      case BoundReference(i, _, _) => Some(mapper.createObjectNode().put("ref", i))
       case Literal(null, t) => typed("lit", t, Some(mapper.getNodeFactory.nullNode()))
       case Literal(v: Long, t) => typed("lit", t, Some(mapper.getNodeFactory.numberNode(v)))
       case Literal(v: Int, t) => typed("lit", t, Some(mapper.getNodeFactory.numberNode(v)))
@@ -559,22 +558,12 @@ object StretchPlans {
       case Sqrt(x) => node("sqrt", js(x))
       case Literal(v: Boolean, t) => typed("lit", t, Some(mapper.getNodeFactory.booleanNode(v)))
       case GetStructField(StretchKeyDecode(BoundReference(1, _, _), schema), j, _) =>
-        finishTypes.get(schema(j).dataType).map { t =>
-          val o = mapper.createObjectNode()
-          o.put("keyfield", j)
-          o.put("fields", schema.length)
-          o.put("type", t)
-          o
-        }
+        finishTypes.get(schema(j).dataType).map(t => mapper.createObjectNode()
+          .put("keyfield", j).put("fields", schema.length).put("type", t))
       case _ => None
     }
     val cols = result.zip(out).map { case (e, at) =>
-      js(e).map { j =>
-        val o = mapper.createObjectNode()
-        o.put("name", at.name)
-        o.set[JsonNode]("expr", j)
-        o
-      }
+      js(e).map(j => mapper.createObjectNode().put("name", at.name).set[JsonNode]("expr", j))
     }
     if (cols.exists(_.isEmpty)) None else {
       val arr = mapper.createArrayNode()
