@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
-from ..driver.inplan import fall_back, fallback_reason, run_of
+from ..driver.inplan import run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -44,8 +44,7 @@ class StretchFrame(ClassicDataFrame):
 
 class _Writer(DataStreamWriter):
     """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in append mode
-    starts with the shim's Delta sink (the engine appends); an output mode the engine does not
-    run is a ``FallbackWarning`` (or an error) when the query starts."""
+    starts with the shim's Delta sink (the engine appends)."""
 
     def __init__(self, df: StretchFrame, finishable: bool):
         super().__init__(df)
@@ -107,8 +106,6 @@ class _Writer(DataStreamWriter):
             self.format(format)
         if queryName is not None:
             self.queryName(queryName)
-        if self._mode in ("update", "complete"):
-            fall_back(self._spark, fallback_reason(self._mode), stacklevel=2)
         settings = read_settings(self._spark.conf)
         target = path or self._path
         direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None

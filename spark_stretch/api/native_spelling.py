@@ -70,9 +70,9 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     number of grouping columns of any type (nulls grouped as Spark groups them; an exploded
     array column as the only key is never expanded); ``count``, ``count_if``, ``sum``,
     ``avg``, ``min``, ``max``, ``stddev``/``variance`` (samp and pop) over integral and
-    floating-point expressions, and expressions over these aggregates; append output mode.
-    Anything else (session windows, other aggregate functions, update mode, ...) runs
-    natively.
+    floating-point expressions, and expressions over these aggregates; append, update and
+    complete output modes. Anything else (session windows, other aggregate functions, ...)
+    runs natively.
 
     Written unchanged to a Delta path (``.writeStream.format("delta").start(path)``, append),
     the engine appends each batch's rows to the table itself, exactly once per batch (the

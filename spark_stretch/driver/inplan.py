@@ -37,18 +37,12 @@ from .recovery import Recovery
 from .settings import read_settings
 from .sink import Sink, arrow_schema
 
-__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back", "fallback_reason",
+__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
            "handler_for", "run_of"]
 
 
 class FallbackWarning(UserWarning):
     """A stretch aggregation runs natively: the engine cannot run it yet (the message says why)."""
-
-
-def fallback_reason(mode: str) -> str:
-    """Why an aggregation in output mode ``mode`` runs natively."""
-    return (f"output mode {mode}: the engine emits a window once, when the watermark passes "
-            "its end (append)")
 
 
 def fall_back(spark: SparkSession, reason: str, stacklevel: int = 1) -> None:
@@ -133,19 +127,11 @@ class BatchHandler:
                 sink) -> str:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
         ``sink``: "" (the exec reads the output), or the Delta table the engine appends to."""
-        if mode != "Append":
-            # (stretch(df)'s writer warned when the query started, or raised; a DataFrame made
-            # from it has Spark's writer: the warning comes from here, once)
-            reason = fallback_reason(mode.lower())
-            # (an error every time with the fallback off; else a warning once a session)
-            if not read_settings(self._spark.conf).fallback or not getattr(self, "_warned", False):
-                fall_back(self._spark, reason)
-                self._warned = True
-            return json.dumps({"native": reason})
         with _LOCK:
             run = _RUNS.get(run_id)
             if run is None:
-                run = _RUNS[run_id] = PlanRun(self._spark, agg_id, self._specs[agg_id],
+                spec = replace(self._specs[agg_id], output_mode=mode.lower())
+                run = _RUNS[run_id] = PlanRun(self._spark, agg_id, spec,
                                               str(Path(state_dir).parent), jdf,
                                               json.loads(sink) if sink else None)
         if run.agg_id != agg_id:

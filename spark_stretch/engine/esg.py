@@ -449,8 +449,15 @@ class ESG:
         live = [s.lo() for s in self._sources.values() if not s.removed]
         return min(live) if live else None
 
-    def _release(self):
-        F = self.frontier()
+    def release_all(self) -> None:
+        """Release every tuple added so far, under the current watermark: a batch applied
+        whole (Spark's update and complete output modes), closing no window it does not close."""
+        with self._lock:
+            self._release(MAX_TS, self.watermark)
+
+    def _release(self, F=None, W=None):
+        if F is None:
+            F = self.frontier()
         if F is None:
             if not any(s.chunks for s in self._sources.values()):
                 return
@@ -473,8 +480,9 @@ class ESG:
             if src.removed and not keep:
                 del self._sources[sid]
         n_parts = sum(len(p) for p in per_stream)
-        W = F - 1 if F < MAX_TS else max(self.watermark, max(
-            (int(p["ts"][-1]) for ps in per_stream for p in ps), default=self.watermark))
+        if W is None:
+            W = F - 1 if F < MAX_TS else max(self.watermark, max(
+                (int(p["ts"][-1]) for ps in per_stream for p in ps), default=self.watermark))
         if n_parts == 0 and W <= self.watermark:
             return
         seg = self._merge(per_stream, max(W, self.watermark))

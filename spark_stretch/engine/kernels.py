@@ -317,7 +317,9 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 b = _bucket_h(h, nb)
                 if owner[b] != j:
                     continue
-                if wkind != 0 and bminl[b] <= wt - WS:
+                # (a stamped built-in aggregation applies a whole batch at once: no window closes
+                # at a tuple's time, only at the segment's watermark)
+                if wkind != 0 and not (_BUILTIN and ip[3] != 0) and bminl[b] <= wt - WS:
                     if not _fire_bucket(b, wt, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
                                         o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
                         resume[1] = i
@@ -376,6 +378,8 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         elif agg == AGG_MEAN:
                             acc_f[b, s, 0] += vf
                             rec[b, s, 2] += 1
+                        if ip[3] != 0:  # stamped: the batch that last updated the window
+                            rec[b, s, 3] = ip[7]
                     else:
                         n = _UPD(stream[i], cols0, cols1, row[i], vi, vf, key, l, rec, acc_f, b, s, o_i, o_f, p,
                                  ip, fp)

@@ -474,6 +474,33 @@ class Engine:
     def live_windows(self):
         return self.state.live_windows()
 
+    def release_all(self, stamp: int) -> None:
+        """Apply every tuple added so far now, closing no window the watermark does not close,
+        and stamp each window it updates with ``stamp`` (> 0; a ``stamped`` built-in
+        aggregation): Spark's update and complete output modes, which see a whole batch
+        applied. :meth:`state_rows` then reads the windows."""
+        if self.op.builtin_ip is None or self._ip[3] == 0:
+            raise EngineError(f"operator {self.op.name} is not a stamped built-in aggregation")
+        self._ip[7] = stamp
+        self.esg_in.release_all()
+        self.drain()
+
+    def state_rows(self, stamp=None):
+        """The live windows (of the updates stamped ``stamp`` only, if given) as ``(rec,
+        acc_f)``: one row per window, ``rec[:, 0]`` the key, ``rec[:, 1]`` the window start,
+        then the int accumulators; ``acc_f`` the float ones. Call when idle."""
+        recs, accs = [], []
+        for st in self._states():
+            live = st.rec[:, :, 1] != K.EMPTY
+            if stamp is not None:
+                live &= st.rec[:, :, 3] == stamp
+            recs.append(st.rec[live])
+            accs.append(st.acc_f[live])
+        return np.concatenate(recs), np.concatenate(accs)
+
+    def _states(self):
+        return [self.state]
+
     def _dirty(self):
         return self.state.dirty
 

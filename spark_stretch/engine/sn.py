@@ -36,6 +36,9 @@ class SNEngine(Engine):
     def _state_for(self, j):
         return self.states[j]
 
+    def _states(self):
+        return self.states
+
     def _segment_for(self, j, seg, cols):
         """forwardSN for instance j: route and copy (duplicate) the tuples it needs into its own queue."""
         c0, c1 = cols

@@ -30,14 +30,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..engine import Interner, ListColumn, engine_class
-from ..ops.aggregate import aggregate
 from ..protocol import messages as M
-from ..protocol.errors import InputRejected, StateError
+from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META
 from ..protocol.specs import AggregateSpec
 from . import faults
+from .aggregations import builtin_operators, output_table, reject_nulls, state_output
 from .checkpoints import arrow_bytes, read_arrow
-from .columns import KeyCodec, finish, list_parts, sample, window_array
+from .columns import KeyCodec, list_parts, sample
 from .runtime import Runtime
 
 __all__ = ["AggregateRuntime"]
@@ -131,7 +131,7 @@ class AggregateRuntime(Runtime):
             self.counters["input_rows"] += table.num_rows
         if not self.spec.warm_up:  # a test's fault is for the query itself
             faults.inject("step", batch)
-        out = self._advance(self.next_watermark_ms)  # evict with W_N
+        out = self._emit(batch)
         self.next_watermark_ms = self._next_watermark()  # W_{N+1}, used from the next batch
         late = lead.esg_in.late_dropped - late_before
         self.counters["late_rows"] += late
@@ -144,6 +144,25 @@ class AggregateRuntime(Runtime):
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late,
             "engine_ms": self._ms_since(t0)})
+
+    def _emit(self, batch: int) -> pa.Table:
+        """The batch's output rows, as Spark's output mode has them: in append mode the
+        windows W_N closes; in update mode every window the batch changed, then the windows
+        W_N closes are evicted unsaid; in complete mode every window, none ever evicted."""
+        mode = getattr(self.spec, "output_mode", "append")
+        if mode == "append":
+            return self._advance(self.next_watermark_ms)
+        stamp = batch + 1  # (> 0: an unstamped window has 0)
+        for eng in self.engines:
+            eng.release_all(stamp)
+        rows = [eng.state_rows(stamp if mode == "update" else None) for eng in self.engines]
+        out = output_table(self.spec, self.codec, [state_output(self.spec, rec, acc, fn, col)
+                           for (rec, acc), (fn, col) in zip(rows, self.spec.aggs)])
+        if mode == "update":
+            self._advance(self.next_watermark_ms, read=False)
+        else:  # (reported as Spark's; the engine's watermark stays where it started)
+            self.watermark_ms = self.next_watermark_ms
+        return out
 
     def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
         """Spark's no-data batch: emit the windows the next watermark closes, if it is ahead."""
@@ -241,12 +260,14 @@ class AggregateRuntime(Runtime):
         pick = max if getattr(self.spec, "watermark_policy", "min") == "max" else min
         return max(self.watermark_ms, self.next_watermark_ms, pick(per))
 
-    def _advance(self, watermark_ms: int) -> pa.Table:
+    def _advance(self, watermark_ms: int, read: bool = True) -> Optional[pa.Table]:
         self.watermark_ms = watermark_ms
         for eng in self.engines:
             eng.esg_in.advance_watermark(watermark_ms * 1000)
             eng.drain()
-        return self._output()
+            if not read:  # (update mode: the closed windows were emitted when they changed)
+                eng.esg_out.get_batch("driver")
+        return self._output() if read else None
 
     def _validate(self, table: pa.Table, batch: int) -> None:
         reject_nulls(self.spec, table, batch)
@@ -269,36 +290,7 @@ class AggregateRuntime(Runtime):
         return cols
 
     def _output(self) -> pa.Table:
-        s: AggregateSpec = self.spec
-        outs = [eng.esg_out.get_batch("driver")[0] for eng in self.engines]
-        out = outs[0]
-        for other in outs[1:]:  # same tuples, same windows: the rows must line up one to one
-            if not (np.array_equal(other["key"], out["key"])
-                    and np.array_equal(other["window_start"], out["window_start"])):
-                raise RuntimeError("aggregation outputs out of step (engine bug)")
-        arrays = [window_array(out["window_start"], s.window_us),
-                  self._decode_keys(np.asarray(out["key"], np.int64))]
-        names = ["window", "key"]
-        for (fn, col), name, o in zip(s.aggs, s.output_names(), outs):
-            v = np.asarray(o[fn])
-            if fn == "count" or (fn in ("sum", "min", "max") and s.value_types[col] == "long"):
-                arrays.append(pa.array(v.astype(np.int64)))
-            else:
-                arrays.append(pa.array(v.astype(np.float64)))
-            names.append(name)
-        table = pa.Table.from_arrays(arrays, names=names)
-        return table if s.finish is None else finish(table, s.finish)
-
-    def _decode_keys(self, keys: np.ndarray) -> pa.Array:
-        s: AggregateSpec = self.spec
-        if s.key_type == "binary":
-            return self.codec.binaries(keys)
-        strings = s.key_type == "string"
-        decode = self.codec.strings if strings else self.codec.longs
-        if s.key_kind == "pairs":
-            return pa.StructArray.from_arrays([decode(keys >> 32), decode(keys & 0xFFFFFFFF)],
-                                              names=["_1", "_2"])
-        return decode(keys) if strings else pa.array(keys, pa.int64())
+        return output_table(self.spec, self.codec, [eng.esg_out.get_batch("driver")[0] for eng in self.engines])
 
     # -- control -----------------------------------------------------------------------------------
     def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
@@ -335,43 +327,6 @@ class AggregateRuntime(Runtime):
     def _close(self) -> None:
         for eng in self.engines:
             eng.close()
-
-
-def builtin_operators(s: AggregateSpec) -> list:
-    """One built-in engine operator per aggregation of the spec."""
-    kw = dict(WS=s.window_us, WA=s.slide_us)
-    if s.key_kind == "scalar":
-        kw["key"] = "key"
-    else:
-        kw["keys"] = "key"
-        if s.key_kind == "pairs":
-            kw["pairs"], kw["B"] = True, s.distance
-    return [aggregate(fn, value=col, value_type="i" if col is not None
-                      and s.value_types[col] == "long" else "f", **kw)
-            for fn, col in s.aggs]
-
-
-def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
-    """Raise InputRejected, naming the column, for rows the aggregations cannot take: a null
-    event time, key or aggregated value."""
-    ts = table.column(s.ts_column)
-    if ts.null_count and not s.drop_null_ts:
-        raise InputRejected(f"event-time column '{s.ts_column}' has {ts.null_count} nulls in "
-                            f"batch {batch}")
-    key = table.column(s.key_column)
-    # a null list is no key (as explode); a null element of one would be a null key
-    nulls = key.null_count if s.key_kind == "scalar" else pc.list_flatten(key).null_count
-    if nulls:
-        col = s.key_column
-        raise InputRejected(
-            f"keys column '{col}' has {nulls} null keys in batch {batch}; "
-            "stretchAggregate does not group nulls (Spark would make a null group): filter "
-            f"them first, e.g. df.where(F.col('{col}').isNotNull())")
-    for c in s.value_types:
-        if table.column(c).null_count:
-            raise InputRejected(f"agg column '{c}' has {table.column(c).null_count} nulls in "
-                                f"batch {batch}; stretchAggregate needs non-null values "
-                                "(fill or filter them)")
 
 
 class _Nowhere:

@@ -27,7 +27,7 @@ UNBOUNDED = 1 << 30
 
 
 def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=None, value_type="f",
-              WS=None, WA=None, name=None) -> Operator:
+              WS=None, WA=None, name=None, stamped=False) -> Operator:
     """A windowed aggregation per key (an ``A+`` when the key function yields many keys).
 
     Parameters
@@ -46,6 +46,10 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         Aggregate the value as float64 or int64 (exact) for sum/min/max.
     WS, WA : int
         Window size and advance (``WA`` defaults to ``WS``: tumbling). Both None: keyed running aggregate.
+    stamped : bool
+        Keep in each window the stamp of the batch that last updated it (``Engine.release_all``,
+        ``Engine.state_rows``): Spark's update and complete output modes. A tuple then closes no
+        window; windows close at a segment's watermark only.
 
     Examples
     --------
@@ -79,7 +83,7 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         out_kind = value_type
     mk = K.MK_PAIRS if pairs else K.MK_LIST
     ip = np.zeros(8, np.int64)
-    ip[0], ip[1], ip[2] = mk, (UNBOUNDED if B is None else int(B)), code
+    ip[0], ip[1], ip[2], ip[3] = mk, (UNBOUNDED if B is None else int(B)), code, int(stamped)
     init_i, init_f = 0, 0.0
     if code == K.AGG_MIN_I:
         init_i = _I64.max
@@ -134,8 +138,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
             return {"key_a": k >> 32, "key_b": k & 0xFFFFFFFF}
         return {}
 
-    return Operator(WA=WA, WS=WS, I=1, WT="multi", S=((out_name, out_kind),), n_int=1, n_float=1,
-                    init_i=(init_i,), init_f=(init_f,), builtin_ip=ip, builtin_fp=np.zeros(1),
+    return Operator(WA=WA, WS=WS, I=1, WT="multi", S=((out_name, out_kind),), n_int=1 + int(stamped),
+                    n_float=1, init_i=(init_i, 0)[:1 + int(stamped)], init_f=(init_f,), builtin_ip=ip, builtin_fp=np.zeros(1),
                     prepare=prepare, decode=decode,
                     name=name or f"{agg}({key_col}{', pairs B=' + str(B) if pairs else ''})")
 

@@ -12,11 +12,12 @@ from spark_stretch import FallbackWarning
 
 SCHEMA = "k string, d string, v int, ts timestamp"
 
-# three files, one micro-batch each: nulls in keys and values, a late row in the last batch
+# four files, one micro-batch each: nulls in keys and values, stragglers, a late row
 FILES = [
     [("a", "x", 1, 10), ("a", "x", None, 12), ("b", None, 5, 14), (None, "y", 7, 3)],
     [("a", "x", 2, 31), ("b", None, 4, 33), ("c", "z", 9, 45), ("a", "x", 3, 2)],
     [("a", "x", 8, 71), ("c", "z", 1, 1), ("b", None, None, 66), ("a", "y", 6, 90)],
+    [("a", "x", 4, 95), ("c", "z", 2, 5)],   # 5 s: late (every window of it ended by 35 s)
 ]
 
 
@@ -67,7 +68,8 @@ def test_composite_keys_nulls_and_functions_equal_native(spark, events, tmp_path
     q = _run(out, tmp_path, "st_composite")
     assert _rows(spark, "st_composite") == _rows(spark, "nat_composite")
     assert len(_rows(spark, "nat_composite")) > 5
-    assert spark_stretch.control(q).metrics()["batches"] >= 3
+    figures = spark_stretch.control(q).metrics()
+    assert figures["batches"] >= 4 and figures["engine"]["late_rows"] == 1
 
 
 def test_stretch_agg_spelling_and_explode_as_multi_key(spark, tmp_path):
@@ -135,22 +137,39 @@ def test_fallback_runs_natively_with_the_reason(spark, events, tmp_path):
         spark.conf.unset("spark.stretch.fallback")
 
 
-def test_update_mode_runs_natively(spark, events, tmp_path):
+def _per_batch(df, tmp_path, name, mode):
+    """The rows of each micro-batch (foreachBatch), sorted, by batch id."""
+    got = {}
+
+    def each(batch_df, batch_id):
+        got[batch_id] = sorted(batch_df.collect(), key=repr)
+
+    q = (df.writeStream.foreachBatch(each).outputMode(mode)
+         .option("checkpointLocation", str(tmp_path / f"ck-{name}"))
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    assert q.exception() is None
+    return got, q
+
+
+@pytest.mark.parametrize("mode", ["update", "complete"])
+@pytest.mark.parametrize("window", [("20 seconds",), ("20 seconds", "10 seconds")],
+                         ids=["tumbling", "sliding"])
+def test_update_and_complete_modes_equal_native_batch_by_batch(spark, events, tmp_path, mode,
+                                                               window):
     def agg(df):
-        return df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.sum("v").alias("s"))
-    # the warning when the query starts, in the caller's thread, naming the reason
-    with pytest.warns(FallbackWarning, match="output mode update"):
-        _run(spark_stretch.stretch(agg(events())), tmp_path, "st_update", mode="update")
-    _run(agg(events()), tmp_path, "nat_update", mode="update")
-    assert _rows(spark, "st_update") == _rows(spark, "nat_update")
-    spark.conf.set("spark.stretch.fallback", "false")
-    try:
-        with pytest.raises(ValueError, match="output mode update.*fallback=false"):
-            (spark_stretch.stretch(agg(events())).writeStream.format("memory")
-             .queryName("st_update_off").outputMode("update").start())
-        assert not [q for q in spark.streams.active if q.name == "st_update_off"]
-    finally:
-        spark.conf.unset("spark.stretch.fallback")
+        return (df.groupBy(F.window("ts", *window), "k", "d")
+                .agg(F.sum("v").alias("s"), F.count("*").alias("n"), F.avg("v").alias("a"),
+                     F.max("v").alias("mx")))
+
+    want, _ = _per_batch(agg(events()), tmp_path, "nat", mode)
+    got, q = _per_batch(spark_stretch.stretch(agg(events())), tmp_path, "st", mode)
+    assert got == want
+    assert sum(map(len, want.values())) > 5
+    figures = spark_stretch.control(q).metrics()
+    assert figures["batches"] >= 4
+    if mode == "update":  # (Spark drops it too: none of its windows is in the last batch)
+        assert figures["engine"]["late_rows"] == 1
 
 
 def test_rescale_and_restart_into_delta(spark, tmp_path):

@@ -337,3 +337,41 @@ def test_incremental_snapshot_holds_only_the_changed_buckets():
     want = sorted(zip(*[a.tolist() for a in eng.state.bucket_rows()[:2]],
                       eng.state.bucket_rows()[2][:, 0].tolist()))
     assert got == want and len(got) == n
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+def test_stamped_aggregation_gives_each_batch_the_windows_it_changed(engine_cls):
+    """Spark's update mode on the engine: a batch applied whole (release_all), the windows it
+    changed read from the state (state_rows), the watermark evicting afterwards; against a
+    dict of windows kept by hand, with late rows and a rescale between batches."""
+    WS, WA, delay = 20, 10, 15
+    op = aggregate("sum", key="k", value="v", value_type="i", WS=WS, WA=WA, stamped=True)
+    eng = engine_cls(op, m=2, n=3, n_buckets=64, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    rng = np.random.default_rng(7)
+    state, wm, top = {}, 0, 0
+    for batch in range(8):
+        ts = rng.integers(max(0, top - 40), top + 30, 40)
+        k, v = rng.integers(0, 6, 40), rng.integers(-5, 10, 40)
+        eng.esg_in.add({"ts": ts, "k": k, "v": v}, 0)
+        eng.release_all(batch + 1)
+        rec, _ = eng.state_rows(batch + 1)
+        got = {(int(r[0]), int(r[1])): int(r[2]) for r in rec}
+        changed = set()
+        for t, key, val in zip(ts.tolist(), k.tolist(), v.tolist()):
+            for l in range((t // WA) * WA, t - WS, -WA):
+                if l + WS > wm:   # Spark's late rule: windows that ended by the watermark
+                    state[(key, l)] = state.get((key, l), 0) + val
+                    changed.add((key, l))
+        assert got == {w: state[w] for w in changed}
+        top = max(top, int(ts.max()))
+        wm = max(wm, top - delay)
+        eng.esg_in.advance_watermark(wm)
+        eng.drain()
+        eng.esg_out.get_batch("driver")
+        state = {w: x for w, x in state.items() if w[1] + WS > wm}
+        assert {(int(r[0]), int(r[1])): int(r[2]) for r in eng.state_rows()[0]} == state
+        if batch == 3:
+            eng.reconfigure(m=3)
+    with pytest.raises(EngineError, match="not a stamped"):
+        Engine(aggregate("sum", key="k", value="v", WS=WS), m=1, n=1).release_all(1)

@@ -1,0 +1,100 @@
+"""The built-in aggregations of a ``stretchAggregate`` or ``stretch(df)`` query: their engine
+operators, the input rows they refuse, and their values read from the engine's state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..ops.aggregate import aggregate
+from ..protocol.errors import InputRejected
+from ..protocol.specs import AggregateSpec
+from .columns import KeyCodec, finish, window_array
+
+__all__ = ["builtin_operators", "output_table", "reject_nulls", "state_output"]
+
+
+def builtin_operators(s: AggregateSpec) -> list:
+    """One built-in engine operator per aggregation of the spec."""
+    kw = dict(WS=s.window_us, WA=s.slide_us)
+    if s.key_kind == "scalar":
+        kw["key"] = "key"
+    else:
+        kw["keys"] = "key"
+        if s.key_kind == "pairs":
+            kw["pairs"], kw["B"] = True, s.distance
+    return [aggregate(fn, value=col, value_type="i" if col is not None
+                      and s.value_types[col] == "long" else "f",
+                      stamped=s.output_mode != "append", **kw)
+            for fn, col in s.aggs]
+
+
+def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
+    """Raise InputRejected, naming the column, for rows the aggregations cannot take: a null
+    event time, key or aggregated value."""
+    ts = table.column(s.ts_column)
+    if ts.null_count and not s.drop_null_ts:
+        raise InputRejected(f"event-time column '{s.ts_column}' has {ts.null_count} nulls in "
+                            f"batch {batch}")
+    key = table.column(s.key_column)
+    # a null list is no key (as explode); a null element of one would be a null key
+    nulls = key.null_count if s.key_kind == "scalar" else pc.list_flatten(key).null_count
+    if nulls:
+        col = s.key_column
+        raise InputRejected(
+            f"keys column '{col}' has {nulls} null keys in batch {batch}; "
+            "stretchAggregate does not group nulls (Spark would make a null group): filter "
+            f"them first, e.g. df.where(F.col('{col}').isNotNull())")
+    for c in s.value_types:
+        if table.column(c).null_count:
+            raise InputRejected(f"agg column '{c}' has {table.column(c).null_count} nulls in "
+                                f"batch {batch}; stretchAggregate needs non-null values "
+                                "(fill or filter them)")
+
+
+def state_output(s: AggregateSpec, rec: np.ndarray, acc: np.ndarray, fn: str, col) -> dict:
+    """One aggregation's windows read from its state (``Engine.state_rows``), as the columns
+    its engine operator outputs, in (key, window start) order."""
+    order = np.lexsort((rec[:, 1], rec[:, 0]))
+    rec, acc = rec[order], acc[order]
+    if fn == "mean":
+        v = acc[:, 0] / rec[:, 2]
+    elif fn == "count" or s.value_types[col] == "long":
+        v = rec[:, 2]
+    else:
+        v = acc[:, 0]
+    return {"key": rec[:, 0], "window_start": rec[:, 1], fn: v}
+
+
+def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
+    """The engines' outputs (one per aggregation of ``s``, rows in the same order) as the
+    query's rows: window, key (decoded with ``codec``), aggregates, then ``s.finish``."""
+    out = outs[0]
+    for other in outs[1:]:  # same tuples, same windows: the rows must line up one to one
+        if not (np.array_equal(other["key"], out["key"])
+                and np.array_equal(other["window_start"], out["window_start"])):
+            raise RuntimeError("aggregation outputs out of step (engine bug)")
+    arrays = [window_array(out["window_start"], s.window_us),
+              _decode_keys(s, codec, np.asarray(out["key"], np.int64))]
+    names = ["window", "key"]
+    for (fn, col), name, o in zip(s.aggs, s.output_names(), outs):
+        v = np.asarray(o[fn])
+        if fn == "count" or (fn in ("sum", "min", "max") and s.value_types[col] == "long"):
+            arrays.append(pa.array(v.astype(np.int64)))
+        else:
+            arrays.append(pa.array(v.astype(np.float64)))
+        names.append(name)
+    table = pa.Table.from_arrays(arrays, names=names)
+    return table if s.finish is None else finish(table, s.finish)
+
+
+def _decode_keys(s: AggregateSpec, codec: KeyCodec, keys: np.ndarray) -> pa.Array:
+    if s.key_type == "binary":
+        return codec.binaries(keys)
+    strings = s.key_type == "string"
+    decode = codec.strings if strings else codec.longs
+    if s.key_kind == "pairs":
+        return pa.StructArray.from_arrays([decode(keys >> 32), decode(keys & 0xFFFFFFFF)],
+                                          names=["_1", "_2"])
+    return decode(keys) if strings else pa.array(keys, pa.int64())
