@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
-from ..driver.inplan import run_of
+from ..driver.inplan import fall_back, native_reason, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -33,22 +33,23 @@ class StretchFrame(ClassicDataFrame):
     """A streaming DataFrame whose aggregation runs on the engine (``stretch(df)``); a
     ``pyspark.sql.DataFrame`` in every respect, see the module doc."""
 
-    def _stretch_init(self, finishable: bool) -> "StretchFrame":
-        self._stretch_finishable = finishable
+    def _stretch_init(self, spec) -> "StretchFrame":
+        self._stretch_spec = spec
         return self
 
     @property
     def writeStream(self) -> DataStreamWriter:
-        return _Writer(self, getattr(self, "_stretch_finishable", False))
+        return _Writer(self, getattr(self, "_stretch_spec", None))
 
 
 class _Writer(DataStreamWriter):
     """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in append mode
     starts with the shim's Delta sink (the engine appends)."""
 
-    def __init__(self, df: StretchFrame, finishable: bool):
+    def __init__(self, df: StretchFrame, spec):
         super().__init__(df)
-        self._finishable = finishable
+        self._spec = spec
+        self._finishable = spec is not None and spec.finish is not None
         self._fmt: Optional[str] = None
         self._mode: Optional[str] = None
         self._path: Optional[str] = None
@@ -106,6 +107,9 @@ class _Writer(DataStreamWriter):
             self.format(format)
         if queryName is not None:
             self.queryName(queryName)
+        reason = self._spec and native_reason(self._spec, self._mode or "append")
+        if reason:
+            fall_back(self._spark, reason, stacklevel=2)
         settings = read_settings(self._spark.conf)
         target = path or self._path
         direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None

@@ -66,13 +66,14 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
 
     Notes
     -----
-    Runs on the engine so far: tumbling and sliding ``window`` (start offset 0) with any
+    Runs on the engine so far: tumbling and sliding ``window`` (start offset 0) and
+    ``session_window`` (a static or a per-row gap; append mode), with any
     number of grouping columns of any type (nulls grouped as Spark groups them; an exploded
     array column as the only key is never expanded); ``count``, ``count_if``, ``sum``,
     ``avg``, ``min``, ``max``, ``stddev``/``variance`` (samp and pop) over integral and
     floating-point expressions, and expressions over these aggregates; append, update and
-    complete output modes. Anything else (session windows, other aggregate functions, ...)
-    runs natively.
+    complete output modes. Anything else (other aggregate functions, session windows in
+    complete mode, ...) runs natively.
 
     Written unchanged to a Delta path (``.writeStream.format("delta").start(path)``, append),
     the engine appends each batch's rows to the table itself, exactly once per batch (the
@@ -95,14 +96,17 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
         fall_back(spark, reason, stacklevel=2)
         return df
     handler_for(spark).add(agg_id, spec)
-    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec.finish is not None)
+    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec)
 
 
 def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):
     """The engine's spec from the shim's translation, or the reason it cannot be."""
     window = got["window"]
-    size = parse_interval_us(spark, window[0], "window size")
-    slide = parse_interval_us(spark, window[1], "window slide") if len(window) > 1 else size
+    if got.get("session_end"):  # session windows: each row's end is an input column
+        size = slide = 0
+    else:
+        size = parse_interval_us(spark, window[0], "window size")
+        slide = parse_interval_us(spark, window[1], "window slide") if len(window) > 1 else size
     if len(window) > 2 and not re.fullmatch(r"\s*0+(\.0*)?\s*[a-z]*\s*", window[2].lower()):
         return None, f"window start offset '{window[2]}' (only 0 is on the engine yet)"
     if slide > size:
@@ -111,7 +115,7 @@ def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int
         ts_column=got["ts_column"], delay_ms=int(got["delay_ms"]), key_kind=got["key_kind"],
         key_column=got["key_column"], key_type=got["key_type"], window_us=size, slide_us=slide,
         aggs=[(fn, col) for fn, col in got["aggs"]], value_types=got["value_types"],
-        drop_null_ts=True, finish=got.get("finish"), parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets)
+        drop_null_ts=True, finish=got.get("finish"), session_end=got.get("session_end"), parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets)
     if spec.output_names() != got["output_names"]:
         raise AssertionError(f"engine output names {spec.output_names()} != the shim's "
                              f"{got['output_names']}")

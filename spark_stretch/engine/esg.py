@@ -290,7 +290,8 @@ class ESG:
         self.validate = None  # optional (stream, batch) -> None, raising EngineError on a bad batch
         # None: a tuple with ts <= watermark is late (the paper's model). (WA, WS): late only when
         # its last window has ended, ``(ts // WA) * WA + WS <= watermark`` (Spark's rule for window
-        # aggregations); such a straggler updates only its windows that are still open.
+        # aggregations); such a straggler updates only its windows that are still open. A
+        # column name: late when that column (a session's end) is <= watermark.
         self.late_window = None
 
     # ---- sources ------------------------------------------------------------------------------
@@ -379,6 +380,8 @@ class ESG:
                 return
             if self.late_window is None:
                 late = ts <= src.wm
+            elif isinstance(self.late_window, str):  # a session window: late when it ended
+                late = b[self.late_window] <= src.wm
             else:  # Spark's rule: late only when every window of the tuple has ended
                 WA, WS = self.late_window
                 late = (ts // WA) * WA + WS <= src.wm

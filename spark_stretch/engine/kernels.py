@@ -422,7 +422,161 @@ def _route_py(j, owner, ts, stream, row, cols0, cols1, ip, keybuf):
     return sel[:c]
 
 
+@njit(**HOT)
+def _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg):
+    """Output row ``p``: the session in slot ``s`` (ts = its end, window start = its start,
+    ``o_i[p, 0]`` its end, then the aggregate: ``o_i[p, 1]`` if an int, else ``o_f[p, 0]``)."""
+    end = rec[b, s, 3]
+    o_ts[p] = end
+    o_key[p] = rec[b, s, 0]
+    o_l[p] = rec[b, s, 2]
+    o_seq[p] = -1
+    o_sub[p] = 0
+    o_i[p, 0] = end
+    if agg == AGG_MEAN:  # (float results have one int output column, the end)
+        o_f[p, 0] = acc_f[b, s, 0] / rec[b, s, 4]
+    elif agg == AGG_SUM_F or agg == AGG_MIN_F or agg == AGG_MAX_F:
+        o_f[p, 0] = acc_f[b, s, 0]
+    else:
+        o_i[p, 1] = rec[b, s, 4]
+        o_f[p, 0] = 0.0
+
+
+def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
+                       ts, stream, row, seq, cols0, cols1, ip, fp,
+                       rec, acc_f, bcount, bminl, dirty, init_i, init_f,
+                       o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos,
+                       resume, keybuf, max_out_upd, max_out_fire):
+    """processVSN for a built-in aggregation over session windows (Spark's ``session_window``).
+
+    A tuple at ``t`` with session end ``e`` (``t`` + its gap) opens the session ``[t, e)``; a
+    session takes every later tuple of its key with ``t <= end`` (Spark merges a session
+    starting at or before the current one's end), growing to ``max(end, e)``. Tuples come in
+    timestamp order, so a key has one open session: a tuple after its end closes and emits it
+    (no later tuple can reach it: a straggler of a later batch is late unless its own session
+    reaches past the watermark, which this session's end does not), and at the end of the
+    segment every session ending by the watermark is emitted (Spark's eviction). A straggler
+    (``t`` at or before the previous watermark, its end after it) always overlaps its key's open
+    session, whose start is at or before that watermark and whose end is after it.
+
+    State: one slot per key, window start 0; ``rec[b, s, 2]`` the session's start,
+    ``rec[b, s, 3]`` its end, ``rec[b, s, 4]`` the int accumulator, ``acc_f[b, s, 0]`` the
+    float one. The columns: the built-in layout and the ends, ``(key_offsets, key_values,
+    value_f, value_i, end)``.
+    """
+    nb = rec.shape[0]
+    cap = rec.shape[1]
+    mask = cap - 1
+    cap_out = o_ts.shape[0]
+    off0, val0, vf0, vi0, end0 = cols0[0], cols0[1], cols0[2], cols0[3], cols0[4]
+    agg = ip[2]
+    if resume[0] == 0:
+        i0 = resume[1]
+        for i in range(i0, ts.shape[0]):
+            t = ts[i]
+            ri = row[i]
+            e = end0[ri]
+            nk = _mk_builtin_keys(off0[ri], off0[ri + 1], val0, keybuf, ip[0], ip[1])
+            if nk > keybuf.shape[0]:
+                resume[1] = i
+                resume[2] = nk
+                return 3
+            vi = vi0[ri] if vi0.shape[0] else 0
+            vf = vf0[ri] if vf0.shape[0] else 0.0
+            k0 = resume[2] if i == i0 else 0
+            for ki in range(k0, nk):
+                key = keybuf[ki]
+                h = mix64(key)
+                b = _bucket_h(h, nb)
+                if owner[b] != j:
+                    continue
+                s = _slot0(h, 0, mask)
+                while True:
+                    cur = rec[b, s, 1]
+                    if cur == EMPTY or rec[b, s, 0] == key:
+                        break
+                    s = (s + 1) & mask
+                p = opos[0]
+                fresh = cur == EMPTY or t > rec[b, s, 3]
+                if cur == EMPTY and (bcount[b] + 1) * 2 > cap:
+                    resume[1] = i
+                    resume[2] = ki
+                    return 1
+                if cur != EMPTY and fresh and p + 1 > cap_out:
+                    resume[1] = i
+                    resume[2] = ki
+                    return 2
+                if cur == EMPTY:
+                    rec[b, s, 0] = key
+                    rec[b, s, 1] = 0
+                    bcount[b] += 1
+                    if bminl[b] > 0:
+                        bminl[b] = 0
+                elif fresh:  # the key's session ended before t: emit it, open another
+                    _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg)
+                    opos[0] = p + 1
+                if fresh:
+                    rec[b, s, 2] = t
+                    rec[b, s, 3] = e
+                    rec[b, s, 4] = init_i[2]
+                    acc_f[b, s, 0] = init_f[0]
+                else:
+                    if t < rec[b, s, 2]:
+                        rec[b, s, 2] = t
+                    if e > rec[b, s, 3]:
+                        rec[b, s, 3] = e
+                if agg == AGG_COUNT:
+                    rec[b, s, 4] += 1
+                elif agg == AGG_SUM_I:
+                    rec[b, s, 4] += vi
+                elif agg == AGG_SUM_F:
+                    acc_f[b, s, 0] += vf
+                elif agg == AGG_MIN_I:
+                    if vi < rec[b, s, 4]:
+                        rec[b, s, 4] = vi
+                elif agg == AGG_MAX_I:
+                    if vi > rec[b, s, 4]:
+                        rec[b, s, 4] = vi
+                elif agg == AGG_MIN_F:
+                    if vf < acc_f[b, s, 0]:
+                        acc_f[b, s, 0] = vf
+                elif agg == AGG_MAX_F:
+                    if vf > acc_f[b, s, 0]:
+                        acc_f[b, s, 0] = vf
+                elif agg == AGG_MEAN:
+                    acc_f[b, s, 0] += vf
+                    rec[b, s, 4] += 1
+                if dirty[b] == 0:
+                    dirty[b] = 1
+            resume[2] = 0
+        resume[0] = 1
+        resume[1] = 0
+    for b in range(resume[1], nb):  # Spark's eviction: every session ending by the watermark
+        if owner[b] != j or bcount[b] == 0:
+            continue
+        changed = False
+        for s in range(cap):
+            if rec[b, s, 1] != EMPTY and rec[b, s, 3] <= w_seg:
+                p = opos[0]
+                if p + 1 > cap_out:
+                    if changed:
+                        rebuild_bucket(b, rec, acc_f, bcount, bminl)
+                    resume[1] = b
+                    return 2
+                _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg)
+                opos[0] = p + 1
+                rec[b, s, 1] = EMPTY
+                bcount[b] -= 1
+                changed = True
+        if changed:
+            dirty[b] = 1
+            rebuild_bucket(b, rec, acc_f, bcount, bminl)
+    resume[0] = 2
+    return 0
+
+
 _fire_bucket = njit(nogil=True, cache=True)(_fire_bucket_py)
+session_kernel = njit(nogil=True, cache=True)(_session_kernel_py)
 agg_kernel = njit(nogil=True, cache=True)(_agg_kernel_py)
 route_kernel = njit(nogil=True, cache=True)(_route_py)
 

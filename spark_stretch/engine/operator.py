@@ -96,6 +96,7 @@ class Operator:
     builtin_fp: np.ndarray | None = None
     prepare: object = None  # optional override: (stream, batch or None) -> cols tuple
     decode: object = None  # optional: (keys, interner) -> dict of decoded key columns
+    session_end: str | None = None  # built-in over session windows: the column of each tuple's session end
     _compiled: object = field(default=None, repr=False, compare=False)
     engine_kind = "vsn"  # (not a field) the engine class that runs it: engine.factory
 
@@ -150,7 +151,7 @@ class Operator:
         """(agg_kernel, route_kernel) for this operator (compiled lazily, cached per operator)."""
         if self._compiled is None:
             if self.builtin_ip is not None and not self.python:
-                self._compiled = (K.agg_kernel, K.route_kernel)
+                self._compiled = (K.session_kernel if self.session_end else K.agg_kernel, K.route_kernel)
             else:
                 self._compiled = _user_kernels(self)
         return self._compiled

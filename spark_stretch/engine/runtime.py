@@ -140,6 +140,8 @@ class Engine:
                               "(late when every window of the tuple has ended: Spark's rule)")
         if lateness == "window" and op.WA is not None:
             esg_in.late_window = (op.WA, op.WS)
+        elif lateness == "window" and getattr(op, "session_end", None):
+            esg_in.late_window = op.session_end
         self.lateness = lateness
         if esg_in.engine is None:
             esg_in.engine = self

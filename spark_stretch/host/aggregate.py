@@ -277,7 +277,14 @@ class AggregateRuntime(Runtime):
         s: AggregateSpec = self.spec
         if s.drop_null_ts and table.column(s.ts_column).null_count:
             table = table.filter(pc.is_valid(table.column(s.ts_column)))
+        if s.session_end:  # (Spark's filter: a row without a positive gap is in no session)
+            ts, end = (pc.cast(table.column(c), pa.int64()) for c in (s.ts_column, s.session_end))
+            keep = pc.fill_null(pc.greater(end, ts), False)
+            if not pc.all(keep).as_py():
+                table = table.filter(keep)
         cols = {"ts": pc.cast(table.column(s.ts_column), pa.int64()).to_numpy()}
+        if s.session_end:
+            cols["end"] = pc.cast(table.column(s.session_end), pa.int64()).to_numpy()
         key = table.column(s.key_column).combine_chunks()
         if s.key_kind == "scalar":
             cols["key"] = self.codec.ids(key)

@@ -17,7 +17,7 @@ __all__ = ["builtin_operators", "output_table", "reject_nulls", "state_output"]
 
 def builtin_operators(s: AggregateSpec) -> list:
     """One built-in engine operator per aggregation of the spec."""
-    kw = dict(WS=s.window_us, WA=s.slide_us)
+    kw = dict(session_end="end") if s.session_end else dict(WS=s.window_us, WA=s.slide_us)
     if s.key_kind == "scalar":
         kw["key"] = "key"
     else:
@@ -75,7 +75,10 @@ def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
         if not (np.array_equal(other["key"], out["key"])
                 and np.array_equal(other["window_start"], out["window_start"])):
             raise RuntimeError("aggregation outputs out of step (engine bug)")
-    arrays = [window_array(out["window_start"], s.window_us),
+    window = (window_array(out["window_start"], s.window_us) if s.session_end is None else
+              window_array(out["window_start"], np.asarray(out["end"], np.int64)
+                           - np.asarray(out["window_start"], np.int64)))
+    arrays = [window,
               _decode_keys(s, codec, np.asarray(out["key"], np.int64))]
     names = ["window", "key"]
     for (fn, col), name, o in zip(s.aggs, s.output_names(), outs):

@@ -36,8 +36,9 @@ def list_parts(arr: pa.Array):
     return pc.subtract(arr.offsets, arr.offsets[0]).to_numpy().astype(np.int64), arr.flatten()
 
 
-def window_array(start, window_us: int) -> pa.StructArray:
-    """Spark's ``window`` column (``start``, ``end`` timestamps) of windows starting at ``start`` (us)."""
+def window_array(start, window_us) -> pa.StructArray:
+    """Spark's ``window`` column (``start``, ``end`` timestamps) of windows starting at ``start``
+    (us) and ``window_us`` long (one length, or one per window: session windows)."""
     start = np.asarray(start, np.int64)
     return pa.StructArray.from_arrays(
         [pa.array(start).cast(TS), pa.array(start + window_us).cast(TS)], names=["start", "end"])

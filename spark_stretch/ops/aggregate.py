@@ -27,7 +27,7 @@ UNBOUNDED = 1 << 30
 
 
 def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=None, value_type="f",
-              WS=None, WA=None, name=None, stamped=False) -> Operator:
+              WS=None, WA=None, name=None, stamped=False, session_end=None) -> Operator:
     """A windowed aggregation per key (an ``A+`` when the key function yields many keys).
 
     Parameters
@@ -46,6 +46,10 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         Aggregate the value as float64 or int64 (exact) for sum/min/max.
     WS, WA : int
         Window size and advance (``WA`` defaults to ``WS``: tumbling). Both None: keyed running aggregate.
+    session_end : str, optional
+        Session windows (Spark's ``session_window``) in place of ``WS``/``WA``: the int64
+        column of each tuple's session end (its timestamp plus its gap); see
+        ``kernels._session_kernel_py``. The output has the session's end as column ``end``.
     stamped : bool
         Keep in each window the stamp of the batch that last updated it (``Engine.release_all``,
         ``Engine.state_rows``): Spark's update and complete output modes. A tuple then closes no
@@ -73,6 +77,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         value_type = "f"
     if WA is None:
         WA = WS
+    if session_end is not None and (WS is not None or stamped):
+        raise EngineError("session_end= takes the place of WS/WA, and is append-only (stamped=False)")
     if B is not None and (not pairs or int(B) < 1):
         raise EngineError(f"B={B}; the pair distance B needs pairs=True and B >= 1")
     if agg == "count":
@@ -97,6 +103,16 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
     out_name = "longest" if agg == "longest" else agg
 
     def prepare(stream, batch):
+        cols = _prepare(stream, batch)
+        if session_end is None:
+            return cols
+        if batch is None:
+            return cols + (_EMPTY_I,)
+        if session_end not in batch:
+            raise EngineError(f"session end column {session_end!r} is not an input column (columns: {sorted(batch)})")
+        return cols + (np.ascontiguousarray(batch[session_end], np.int64),)
+
+    def _prepare(stream, batch):
         if batch is None:
             return (np.zeros(1, np.int64), _EMPTY_I, _EMPTY_F, _EMPTY_I)
         if key_col not in batch:
@@ -138,8 +154,12 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
             return {"key_a": k >> 32, "key_b": k & 0xFFFFFFFF}
         return {}
 
-    return Operator(WA=WA, WS=WS, I=1, WT="multi", S=((out_name, out_kind),), n_int=1 + int(stamped),
-                    n_float=1, init_i=(init_i, 0)[:1 + int(stamped)], init_f=(init_f,), builtin_ip=ip, builtin_fp=np.zeros(1),
+    if session_end is not None:  # (start, end, accumulator); the end is an output column
+        S, ints = (("end", "i"), (out_name, out_kind)), (0, 0, init_i)
+    else:
+        S, ints = ((out_name, out_kind),), (init_i, 0)[:1 + int(stamped)]
+    return Operator(WA=WA, WS=WS, I=1, WT="multi", S=S, n_int=len(ints), session_end=session_end,
+                    n_float=1, init_i=ints, init_f=(init_f,), builtin_ip=ip, builtin_fp=np.zeros(1),
                     prepare=prepare, decode=decode,
                     name=name or f"{agg}({key_col}{', pairs B=' + str(B) if pairs else ''})")
 

@@ -78,6 +78,8 @@ class AggregateSpec(QuerySpec):
     #                                    window); False: an error naming the column
     finish: Optional[list] = None      # the output as Spark's result columns ({"name", "expr"}
     #                                    each, host/columns.finish), or the engine's own columns
+    session_end: Optional[str] = None  # session windows (window_us = slide_us = 0): the input
+    #                                    column of each row's session end (ts + its gap)
     output_mode: str = "append"        # Spark's: "append" (a window once, when it closes),
     #                                    "update" (the windows each batch changed), "complete"
 

@@ -117,24 +117,55 @@ def test_downstream_select_filter_join_and_foreach_batch(spark, events, tmp_path
 
 
 def test_fallback_runs_natively_with_the_reason(spark, events, tmp_path):
-    def sessions(df):
-        return df.groupBy(F.session_window("ts", "5 seconds"), "k").agg(F.count("*"))
+    def firsts(df):
+        return df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.collect_list("v").alias("vs"))
 
-    with pytest.warns(FallbackWarning, match="session_window"):
-        out = spark_stretch.stretch(sessions(events()))
-    _run(out, tmp_path, "st_sessions")
-    _run(sessions(events()), tmp_path, "nat_sessions")
-    assert _rows(spark, "st_sessions") == _rows(spark, "nat_sessions")
+    with pytest.warns(FallbackWarning, match="collect_list"):
+        out = spark_stretch.stretch(firsts(events()))
+    _run(out, tmp_path, "st_lists")
+    _run(firsts(events()), tmp_path, "nat_lists")
+    assert _rows(spark, "st_lists") == _rows(spark, "nat_lists")
 
     spark.conf.set("spark.stretch.fallback", "false")
     try:
-        with pytest.raises(ValueError, match="session_window"):
-            spark_stretch.stretch(sessions(events()))
         with pytest.raises(ValueError, match="collect_list"):
-            spark_stretch.stretch(events().groupBy(F.window("ts", "10 seconds"), "k")
-                                  .agg(F.collect_list("v")))
+            spark_stretch.stretch(firsts(events()))
+        with pytest.raises(ValueError, match="session windows in output mode complete"):
+            (spark_stretch.stretch(_sessions(events(), "5 seconds")).writeStream
+             .format("memory").queryName("st_off").outputMode("complete").start())
+        assert not [q for q in spark.streams.active if q.name == "st_off"]
     finally:
         spark.conf.unset("spark.stretch.fallback")
+
+
+def _sessions(df, gap):
+    return (df.groupBy(F.session_window("ts", gap), "k", "d")
+            .agg(F.count("*").alias("n"), F.sum("v").alias("s"), F.avg("v").alias("a"),
+                 F.max("v").alias("mx"), F.min("v").alias("mn")))
+
+
+@pytest.mark.parametrize("gap", ["static", "dynamic"])
+def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, gap):
+    # dynamic: a gap per row, from a column (rows whose gap is not positive are in no session)
+    g = "12 seconds" if gap == "static" else (
+        F.when(F.col("k") == "a", "25 seconds").when(F.col("k") == "c", "0 seconds")
+        .otherwise("8 seconds"))
+    want, _ = _per_batch(_sessions(events(), g), tmp_path, "nat", "append")
+    out = spark_stretch.stretch(_sessions(events(), g))
+    got, q = _per_batch(out, tmp_path, "st", "append")
+    assert got == want
+    assert sum(map(len, want.values())) >= 4
+    assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
+
+
+def test_session_windows_straight_to_delta_and_complete_mode_falls_back(spark, events, tmp_path):
+    _to_delta(_sessions(events(), "12 seconds"), tmp_path, "nat")
+    q = _to_delta(spark_stretch.stretch(_sessions(events(), "12 seconds")), tmp_path, "st")
+    assert _delta(spark, tmp_path / "st") == _delta(spark, tmp_path / "nat")
+    assert spark_stretch.control(q).metrics()["engine"]["output_rows"] > 0
+    with pytest.warns(FallbackWarning, match="session windows in output mode complete"):
+        _per_batch(spark_stretch.stretch(_sessions(events(), "12 seconds")), tmp_path, "c",
+                   "complete")
 
 
 def _per_batch(df, tmp_path, name, mode):

@@ -375,3 +375,57 @@ def test_stamped_aggregation_gives_each_batch_the_windows_it_changed(engine_cls)
             eng.reconfigure(m=3)
     with pytest.raises(EngineError, match="not a stamped"):
         Engine(aggregate("sum", key="k", value="v", WS=WS), m=1, n=1).release_all(1)
+
+
+def _spark_sessions(batches, delay):
+    """Spark's session-window aggregation (sum per key), batch by batch, as its operators do
+    it: rows late by the previous watermark dropped (their own session ended by it), the rest
+    merged with the state's sessions in start order (a session starting at or before the
+    current one's end joins it), sessions ending by the new watermark emitted and evicted."""
+    state, wm, nxt, top, out = {}, 0, 0, None, []
+    for ts, k, v, gap in batches:
+        rows = [(t, t + g, key, x) for t, g, key, x in zip(ts, gap, k, v) if t + g > wm]
+        for key in {r[2] for r in rows} | set(state):
+            items = sorted(state.get(key, []) + [(t, e, x) for t, e, kk, x in rows if kk == key])
+            merged = []
+            for s, e, x in items:
+                if merged and s <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], e), merged[-1][2] + x)
+                else:
+                    merged.append((s, e, x))
+            state[key] = merged
+        top = max(ts) if top is None else max(top, max(ts))
+        wm = nxt
+        done = [(key, s, e, x) for key, ss in state.items() for s, e, x in ss if e <= wm]
+        out.append(sorted(done))
+        state = {key: [w for w in ss if w[1] > wm] for key, ss in state.items()}
+        nxt = max(nxt, top - delay)
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_session_windows_match_spark_sessions_batch_by_batch(m):
+    rng = np.random.default_rng(11)
+    delay, batches, top = 25, [], 0
+    for _ in range(10):
+        ts = rng.integers(max(0, top - 50), top + 40, 30)
+        top = max(top, int(ts.max()))
+        batches.append((ts.tolist(), rng.integers(0, 4, 30).tolist(), rng.integers(1, 9, 30).tolist(),
+                        rng.integers(1, 12, 30).tolist()))
+    want = _spark_sessions(batches, delay)
+    op = aggregate("sum", key="k", value="v", value_type="i", session_end="end")
+    eng = Engine(op, m=m, n=2, n_buckets=16, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    wm, nxt, top = 0, 0, 0
+    for n, (ts, k, v, gap) in enumerate(batches):
+        ts = np.array(ts)
+        eng.esg_in.add({"ts": ts, "k": np.array(k), "v": np.array(v), "end": ts + np.array(gap)}, 0)
+        wm, top = nxt, max(top, int(ts.max()))
+        eng.esg_in.advance_watermark(wm)
+        eng.drain()
+        out, _ = eng.esg_out.get_batch("driver")
+        got = sorted(zip(out["key"].tolist(), out["window_start"].tolist(), out["end"].tolist(),
+                         out["sum"].tolist()))
+        assert got == want[n], n
+        nxt = max(nxt, top - delay)
+    assert sum(map(len, want)) > 10

@@ -21,7 +21,7 @@ import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, BinaryNode, Event
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
 import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan, SparkStrategy}
-import org.apache.spark.sql.execution.streaming.operators.stateful.StateStoreSaveExec
+import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec}
 import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
 import org.apache.spark.sql.types._
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
@@ -85,7 +85,10 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) exten
    * Delta append, or ""): its answer, with the native chain's state stores reported committed
    * unless the answer is `native`. */
   def step(sink: String): JsonNode = {
-    val save = native.collectFirst { case s: StateStoreSaveExec => s }.getOrElse(
+    val (save, outputMode) = native.collectFirst {
+      case s: StateStoreSaveExec => (s, s.outputMode)
+      case s: SessionWindowStateStoreSaveExec => (s, s.outputMode)
+    }.getOrElse(
       throw new IllegalStateException("stretch: Spark planned no StateStoreSaveExec under " +
         s"the aggregation: ${native.treeString}"))
     val info = save.stateInfo.getOrElse(
@@ -95,7 +98,7 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) exten
     val rdd = input.execute()
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
-      aggId, info.storeVersion, save.outputMode.map(_.toString).getOrElse("Append"),
+      aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
       info.checkpointLocation, info.queryRunId.toString, df, input, sink))
     if (!answer.has("native")) {
       // Spark's state stores of the native chain never run: for the commit check a foreachBatch
@@ -270,9 +273,8 @@ object StretchPlans {
       "without event-time windows is not on the engine yet)")
     val fn = strip(u.groupingExpressions(windowAt)).asInstanceOf[UnresolvedFunction]
     val fname = fn.nameParts.last.toLowerCase
-    if (fname == "session_window") unsupported("session_window: session windows are not on " +
-      "the engine yet")
-    if (fname != "window") unsupported(s"$fname among the grouping columns")
+    val session = fname == "session_window"
+    if (fname != "window" && !session) unsupported(s"$fname among the grouping columns")
     if (u.groupingExpressions.size != a.groupingExpressions.size) {
       unsupported("the grouping columns changed in analysis")
     }
@@ -281,7 +283,7 @@ object StretchPlans {
       case at: Attribute => at.name
       case other => unsupported(s"window over the expression ${other.sql} (use a column)")
     }
-    val durations = fn.arguments.drop(1).map {
+    val durations = if (session) Nil else fn.arguments.drop(1).map {
       case Literal(v: UTF8String, _: StringType) => v.toString
       case other => unsupported(s"window duration ${other.sql} is not a literal interval string")
     }
@@ -297,6 +299,23 @@ object StretchPlans {
     }
     val delayMs = ts.metadata.getLong(EventTimeWatermark.delayKey)
     val windowAttr = a.groupingExpressions(windowAt)
+    // a session window: each row's session end as Spark's analyzer computes it (ts + its gap,
+    // a static or a per-row gap), from the projection it puts under the aggregation
+    val sessionEnd: Option[Expression] = if (!session) None else {
+      val id = windowAttr match {
+        case at: Attribute => at.exprId
+        case other => unsupported(s"session window as ${other.sql}")
+      }
+      val found = a.child.collect { case Project(list, _) => list.collect {
+        case al @ Alias(CreateNamedStruct(Seq(_, _, _, end)), _) if al.exprId == id => end
+      }}.flatten.headOption
+      val end = found.getOrElse(unsupported("the session window's projection was not found " +
+        "in the analyzed plan"))
+      if (!end.deterministic || !end.references.subsetOf(x.outputSet)) {
+        unsupported(s"session gap ${fn.arguments(1).sql}")
+      }
+      Some(end)
+    }
     val keys = a.groupingExpressions.zipWithIndex.filter(_._2 != windowAt).map(_._1)
     if (keys.isEmpty) unsupported("no grouping column besides the window")
     keys.foreach { k =>
@@ -429,7 +448,7 @@ object StretchPlans {
         below match {
           case Generate(Explode(arr), _, false, _, Seq(out), gchild)
               if out.exprId == k.exprId && gchild.outputSet.contains(ts) &&
-                values.forall(_._1.references.subsetOf(gchild.outputSet)) =>
+                (values.map(_._1) ++ sessionEnd).forall(_.references.subsetOf(gchild.outputSet)) =>
             arr.dataType match {
               case ArrayType(el, _) if el == StringType || isIntegral(el) => Some((arr, gchild))
               case _ => None
@@ -456,7 +475,8 @@ object StretchPlans {
       case ((at: Attribute, _), _) => at
       case ((e, _), i) => Alias(e, s"__stretch_v$i")()
     }.toSeq
-    val inputCols = (Seq[NamedExpression](ts, keyNamed) ++ valueNamed)
+    val endNamed = sessionEnd.map(e => Alias(e, "__stretch_end")())
+    val inputCols = (Seq[NamedExpression](ts, keyNamed) ++ endNamed ++ valueNamed)
     val names = inputCols.map(_.name)
     if (names.distinct.size != names.size) unsupported(s"input columns collide: $names")
     val input = Project(inputCols, base)
@@ -501,6 +521,7 @@ object StretchPlans {
     spec.put("key_type", keyType)
     val w = spec.putArray("window")
     durations.foreach(d => w.add(d))
+    endNamed.foreach(e => spec.put("session_end", e.name))
     val aggs = spec.putArray("aggs")
     prims.foreach { case (f, v) =>
       val p = aggs.addArray()
