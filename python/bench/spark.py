@@ -3,6 +3,11 @@
     python python/bench/spark.py [--tweets 1000000] [--files 10] [--queries wordcount,paircount-L]
                                  [--repeat 1] [--source parquet|delta] [--json]
 
+``composite`` and ``session`` (``AS_WRITTEN``) are queries as Spark users write them: a
+composite-key sum/avg/max over a sliding window and a per-user session window (30 s gap), run
+natively and wrapped with ``spark_stretch.stretch(df)``, both into Delta (the engine appends
+stretch's rows itself), alternated ``--repeat`` times, medians, outputs checked equal.
+
 For each query the same parquet tweet stream (``--files`` files = micro-batches, availableNow,
 local[2]) goes through (1) the native query (``groupBy(window, explode(keys)).count()``, append
 mode), (2) ``stretchAggregate``, both into Delta, (2b) ``stretchAggregate`` with
@@ -45,6 +50,14 @@ QUERIES = {
     "paircount-H": lambda: spark_stretch.pairs("words"),
 }
 WINDOW = ("120 seconds", "60 seconds")
+# Queries as Spark users write them: native vs the same DataFrame wrapped with stretch(df)
+AS_WRITTEN = {
+    "composite": lambda df: df.groupBy(F.window("ts", *WINDOW), "user",
+                                       F.size("words").alias("n_words"))
+    .agg(F.sum("len").alias("s"), F.avg("len").alias("a"), F.max("len").alias("m")),
+    "session": lambda df: df.groupBy(F.session_window("ts", "30 seconds"), "user")
+    .agg(F.count("*").alias("n"), F.sum("len").alias("s"), F.max("len").alias("m")),
+}
 
 
 def _source(spark, src, fmt="parquet"):
@@ -73,11 +86,50 @@ def _timed(start):
     return time.perf_counter() - t0
 
 
+def _as_written(spark, src, args, work: Path, name: str) -> dict:
+    """Native vs ``stretch(df)`` of the same DataFrame (``AS_WRITTEN[name]``), both into Delta,
+    alternated ``--repeat`` times after an untimed warm-up of each; medians; outputs equal."""
+    def make(wrap):
+        df = AS_WRITTEN[name](_source(spark, src, args.source))
+        return spark_stretch.stretch(df, parallelism=args.parallelism,
+                                     max_parallelism=args.parallelism) if wrap else df
+
+    def run(wrap, tag):
+        out = work / f"{name}-{tag}"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(f"{out}-ckpt", ignore_errors=True)
+        s = _timed(lambda: make(wrap).writeStream.format("delta")
+                   .option("checkpointLocation", f"{out}-ckpt")
+                   .trigger(availableNow=True).start(str(out)))
+        return s, out
+
+    run(False, "native-warmup")
+    run(True, "stretch-warmup")
+    times = {"native": [], "stretch": []}
+    for _ in range(args.repeat):
+        for kind in times:
+            s, _ = run(kind == "stretch", kind)
+            times[kind].append(s)
+    a = spark.read.format("delta").load(str(work / f"{name}-native"))
+    b = spark.read.format("delta").load(str(work / f"{name}-stretch"))
+    equal = a.count() == b.count() and a.exceptAll(b).isEmpty() and b.exceptAll(a).isEmpty()
+    native_s, stretch_s = (statistics.median(v) for v in times.values())
+    r = {"native": args.tweets / native_s, "stretch": args.tweets / stretch_s,
+         "equal": bool(equal), "rows": a.count(), "native_runs_s": times["native"],
+         "stretch_runs_s": times["stretch"]}
+    if not args.json:
+        print(f"{name:<12} native {r['native']:>10,.0f}  stretch(df) {r['stretch']:>10,.0f} "
+              f"tweets/s   stretch/native {native_s / stretch_s:5.2f}x  rows {r['rows']}  "
+              f"equal={equal}  runs native {[round(t, 2) for t in times['native']]} stretch "
+              f"{[round(t, 2) for t in times['stretch']]}", flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tweets", type=int, default=1_000_000)
     ap.add_argument("--files", type=int, default=10)
-    ap.add_argument("--queries", default=",".join(QUERIES))
+    ap.add_argument("--queries", default=",".join([*QUERIES, *AS_WRITTEN]))
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="floor and stretch runs (medians)")
     ap.add_argument("--source", choices=("parquet", "delta"), default="parquet")
@@ -102,6 +154,9 @@ def main() -> None:
         floor("warmup-ckpt")
         floors = [floor("floor-ckpt")]
         for name in args.queries.split(","):
+            if name in AS_WRITTEN:
+                report["queries"][name] = _as_written(spark, src, args, work, name)
+                continue
             agg = _source(spark, src, args.source).stretchAggregate(
                 keys=QUERIES[name](), window=WINDOW, agg="count",
                 parallelism=args.parallelism, max_parallelism=args.parallelism)
