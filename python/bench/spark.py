@@ -4,7 +4,7 @@
                                  [--repeat 1] [--source parquet|delta] [--json]
 
 ``composite`` and ``session`` (``AS_WRITTEN``) are queries as Spark users write them: a
-composite-key sum/avg/max over a sliding window and a per-user session window (30 s gap), run
+composite-key sum/avg/max over a sliding window and a per-user session window (2 s gap; a user tweets about once a second), run
 natively and wrapped with ``spark_stretch.stretch(df)``, both into Delta (the engine appends
 stretch's rows itself), alternated ``--repeat`` times, medians, outputs checked equal.
 
@@ -55,7 +55,7 @@ AS_WRITTEN = {
     "composite": lambda df: df.groupBy(F.window("ts", *WINDOW), "user",
                                        F.size("words").alias("n_words"))
     .agg(F.sum("len").alias("s"), F.avg("len").alias("a"), F.max("len").alias("m")),
-    "session": lambda df: df.groupBy(F.session_window("ts", "30 seconds"), "user")
+    "session": lambda df: df.groupBy(F.session_window("ts", "2 seconds"), "user")
     .agg(F.count("*").alias("n"), F.sum("len").alias("s"), F.max("len").alias("m")),
 }
 
