@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from ..ops.aggregate import aggregate
 from ..protocol.errors import InputRejected
 from ..protocol.specs import AggregateSpec
-from .columns import KeyCodec, finish, window_array
+from .columns import KeyCodec, finish, window_array, window_struct
 
 __all__ = ["builtin_operators", "output_table", "reject_nulls", "state_output"]
 
@@ -76,10 +76,8 @@ def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
                 and np.array_equal(other["window_start"], out["window_start"])):
             raise RuntimeError("aggregation outputs out of step (engine bug)")
     window = (window_array(out["window_start"], s.window_us) if s.session_end is None else
-              window_array(out["window_start"], np.asarray(out["end"], np.int64)
-                           - np.asarray(out["window_start"], np.int64)))
-    arrays = [window,
-              _decode_keys(s, codec, np.asarray(out["key"], np.int64))]
+              window_struct(out["window_start"], out["end"]))
+    arrays = [window, _decode_keys(s, codec, np.asarray(out["key"], np.int64))]
     names = ["window", "key"]
     for (fn, col), name, o in zip(s.aggs, s.output_names(), outs):
         v = np.asarray(o[fn])

@@ -36,12 +36,17 @@ def list_parts(arr: pa.Array):
     return pc.subtract(arr.offsets, arr.offsets[0]).to_numpy().astype(np.int64), arr.flatten()
 
 
-def window_array(start, window_us) -> pa.StructArray:
-    """Spark's ``window`` column (``start``, ``end`` timestamps) of windows starting at ``start``
-    (us) and ``window_us`` long (one length, or one per window: session windows)."""
+def window_array(start, window_us: int) -> pa.StructArray:
+    """Spark's ``window`` column (``start``, ``end`` timestamps) of windows starting at ``start`` (us)."""
     start = np.asarray(start, np.int64)
+    return window_struct(start, start + window_us)
+
+
+def window_struct(start, end) -> pa.StructArray:
+    """Spark's ``window`` (or ``session_window``) column of windows from ``start`` to ``end`` (us)."""
     return pa.StructArray.from_arrays(
-        [pa.array(start).cast(TS), pa.array(start + window_us).cast(TS)], names=["start", "end"])
+        [pa.array(np.asarray(start, np.int64)).cast(TS), pa.array(np.asarray(end, np.int64)).cast(TS)],
+        names=["start", "end"])
 
 
 class KeyCodec:
