@@ -41,6 +41,11 @@ W_NONE, W_MULTI, W_SINGLE = 0, 1, 2
 MK_LIST, MK_PAIRS, MK_RANGE, MK_NONE = 0, 1, 2, 3
 # built-in aggregates (ip[stream * 4 + 2])
 AGG_COUNT, AGG_SUM_I, AGG_SUM_F, AGG_MIN_I, AGG_MIN_F, AGG_MAX_I, AGG_MAX_F, AGG_MEAN = range(8)
+# the value of a window's tuple with the earliest (latest) timestamp whose take flag is not 0
+# (ties: the first (last) to arrive); the flag is the other value column (vf of an int
+# aggregate, vi of a float one) and the accumulator of the other kind keeps the value's
+# timestamp (a float keeps microseconds since 1970 exactly until the year 2255)
+AGG_FIRST_I, AGG_FIRST_F, AGG_LAST_I, AGG_LAST_F = range(8, 12)
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -175,7 +180,8 @@ def _out_builtin(key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
     if kind == AGG_MEAN:
         of[p, 0] = acc_f[b, s, 0] / rec[b, s, 2]
         oi[p, 0] = rec[b, s, 2]
-    elif kind == AGG_SUM_F or kind == AGG_MIN_F or kind == AGG_MAX_F:
+    elif (kind == AGG_SUM_F or kind == AGG_MIN_F or kind == AGG_MAX_F or kind == AGG_FIRST_F
+          or kind == AGG_LAST_F):
         of[p, 0] = acc_f[b, s, 0]
         oi[p, 0] = 0
     else:
@@ -378,6 +384,14 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         elif agg == AGG_MEAN:
                             acc_f[b, s, 0] += vf
                             rec[b, s, 2] += 1
+                        elif agg == AGG_FIRST_I or agg == AGG_LAST_I:
+                            if vf != 0.0 and (t < acc_f[b, s, 0] if agg == AGG_FIRST_I else t >= acc_f[b, s, 0]):
+                                rec[b, s, 2] = vi
+                                acc_f[b, s, 0] = t
+                        elif agg == AGG_FIRST_F or agg == AGG_LAST_F:
+                            if vi != 0 and (t < rec[b, s, 2] if agg == AGG_FIRST_F else t >= rec[b, s, 2]):
+                                acc_f[b, s, 0] = vf
+                                rec[b, s, 2] = t
                         if ip[3] != 0:  # stamped: the batch that last updated the window
                             rec[b, s, 3] = ip[7]
                     else:
@@ -435,7 +449,8 @@ def _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p,
     o_i[p, 0] = end
     if agg == AGG_MEAN:  # (float results have one int output column, the end)
         o_f[p, 0] = acc_f[b, s, 0] / rec[b, s, 4]
-    elif agg == AGG_SUM_F or agg == AGG_MIN_F or agg == AGG_MAX_F:
+    elif (agg == AGG_SUM_F or agg == AGG_MIN_F or agg == AGG_MAX_F or agg == AGG_FIRST_F
+          or agg == AGG_LAST_F):
         o_f[p, 0] = acc_f[b, s, 0]
     else:
         o_i[p, 1] = rec[b, s, 4]
@@ -546,6 +561,14 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 elif agg == AGG_MEAN:
                     acc_f[b, s, 0] += vf
                     rec[b, s, 4] += 1
+                elif agg == AGG_FIRST_I or agg == AGG_LAST_I:
+                    if vf != 0.0 and (t < acc_f[b, s, 0] if agg == AGG_FIRST_I else t >= acc_f[b, s, 0]):
+                        rec[b, s, 4] = vi
+                        acc_f[b, s, 0] = t
+                elif agg == AGG_FIRST_F or agg == AGG_LAST_F:
+                    if vi != 0 and (t < rec[b, s, 4] if agg == AGG_FIRST_F else t >= rec[b, s, 4]):
+                        acc_f[b, s, 0] = vf
+                        rec[b, s, 4] = t
                 if dirty[b] == 0:
                     dirty[b] = 1
             resume[2] = 0

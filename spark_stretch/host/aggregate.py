@@ -156,8 +156,8 @@ class AggregateRuntime(Runtime):
         for eng in self.engines:
             eng.release_all(stamp)
         rows = [eng.state_rows(stamp if mode == "update" else None) for eng in self.engines]
-        out = output_table(self.spec, self.codec, [state_output(self.spec, rec, acc, fn, col)
-                           for (rec, acc), (fn, col) in zip(rows, self.spec.aggs)])
+        out = output_table(self.spec, self.codec, [state_output(self.spec, rec, acc, *a[:2])
+                           for (rec, acc), a in zip(rows, self.spec.aggs)])
         if mode == "update":
             self._advance(self.next_watermark_ms, read=False)
         else:  # (reported as Spark's; the engine's watermark stays where it started)

@@ -12,7 +12,7 @@ from ..protocol.errors import InputRejected
 from ..protocol.specs import AggregateSpec
 from .columns import KeyCodec, finish, window_array, window_struct
 
-__all__ = ["builtin_operators", "output_table", "reject_nulls", "state_output"]
+__all__ = ["builtin_operators", "engine_agg", "output_table", "reject_nulls", "state_output"]
 
 
 def builtin_operators(s: AggregateSpec) -> list:
@@ -24,10 +24,23 @@ def builtin_operators(s: AggregateSpec) -> list:
         kw["keys"] = "key"
         if s.key_kind == "pairs":
             kw["pairs"], kw["B"] = True, s.distance
-    return [aggregate(fn, value=col, value_type="i" if col is not None
-                      and s.value_types[col] == "long" else "f",
-                      stamped=s.output_mode != "append", **kw)
-            for fn, col in s.aggs]
+    ops = []
+    for fn, col, take in map(engine_agg, s.aggs):
+        ops.append(aggregate(fn, value=col, value_type="i" if col is not None
+                             and s.value_types[col] == "long" else "f", take=take,
+                             stamped=s.output_mode != "append", **kw))
+    return ops
+
+
+def engine_agg(a) -> tuple:
+    """``(fn, column, take)`` of one aggregation of a spec: ``first_if``/``last_if`` (a row
+    counts where the take column is not 0) are the engine's ``first``/``last`` with ``take``."""
+    fn, col, take = (*a, None)[:3]
+    return (fn[:-3] if fn.endswith("_if") else fn), col, take
+
+
+def _is_long(s: AggregateSpec, fn: str, col) -> bool:
+    return fn == "count" or (fn != "mean" and s.value_types[col] == "long")
 
 
 def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
@@ -58,9 +71,10 @@ def state_output(s: AggregateSpec, rec: np.ndarray, acc: np.ndarray, fn: str, co
     its engine operator outputs, in (key, window start) order."""
     order = np.lexsort((rec[:, 1], rec[:, 0]))
     rec, acc = rec[order], acc[order]
+    fn, col, _ = engine_agg((fn, col))
     if fn == "mean":
         v = acc[:, 0] / rec[:, 2]
-    elif fn == "count" or s.value_types[col] == "long":
+    elif _is_long(s, fn, col):
         v = rec[:, 2]
     else:
         v = acc[:, 0]
@@ -79,9 +93,9 @@ def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
               window_struct(out["window_start"], out["end"]))
     arrays = [window, _decode_keys(s, codec, np.asarray(out["key"], np.int64))]
     names = ["window", "key"]
-    for (fn, col), name, o in zip(s.aggs, s.output_names(), outs):
+    for (fn, col, _), name, o in zip(map(engine_agg, s.aggs), s.output_names(), outs):
         v = np.asarray(o[fn])
-        if fn == "count" or (fn in ("sum", "min", "max") and s.value_types[col] == "long"):
+        if _is_long(s, fn, col):
             arrays.append(pa.array(v.astype(np.int64)))
         else:
             arrays.append(pa.array(v.astype(np.float64)))

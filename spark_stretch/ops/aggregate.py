@@ -19,7 +19,8 @@ from ..engine.esg import ListColumn
 from ..engine.operator import Operator
 
 _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, K.AGG_MIN_F),
-         "max": (K.AGG_MAX_I, K.AGG_MAX_F), "mean": (None, K.AGG_MEAN), "longest": (K.AGG_MAX_I, None)}
+         "max": (K.AGG_MAX_I, K.AGG_MAX_F), "mean": (None, K.AGG_MEAN), "longest": (K.AGG_MAX_I, None),
+         "first": (K.AGG_FIRST_I, K.AGG_FIRST_F), "last": (K.AGG_LAST_I, K.AGG_LAST_F)}
 _I64 = np.iinfo(np.int64)
 _EMPTY_F = np.empty(0, np.float64)
 _EMPTY_I = np.empty(0, np.int64)
@@ -27,13 +28,15 @@ UNBOUNDED = 1 << 30
 
 
 def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=None, value_type="f",
-              WS=None, WA=None, name=None, stamped=False, session_end=None) -> Operator:
+              WS=None, WA=None, name=None, stamped=False, session_end=None, take=None) -> Operator:
     """A windowed aggregation per key (an ``A+`` when the key function yields many keys).
 
     Parameters
     ----------
-    agg : {"count", "sum", "min", "max", "mean", "longest"}
+    agg : {"count", "sum", "min", "max", "mean", "longest", "first", "last"}
         ``longest`` is the maximum of an int ``value`` column (the length of the tweet, Alg. 7).
+        ``first`` (``last``) is the value of the window's tuple with the earliest (latest)
+        timestamp (ties: the first (last) to arrive).
     key : str, optional
         Scalar key column (int ids or strings).
     keys : str, optional
@@ -50,6 +53,9 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         Session windows (Spark's ``session_window``) in place of ``WS``/``WA``: the int64
         column of each tuple's session end (its timestamp plus its gap); see
         ``kernels._session_kernel_py``. The output has the session's end as column ``end``.
+    take : str, optional
+        ``first``/``last`` only: an int column; tuples where it is 0 are skipped (Spark's
+        ``first(x, ignoreNulls=True)`` with ``take`` = "x is not null").
     stamped : bool
         Keep in each window the stamp of the batch that last updated it (``Engine.release_all``,
         ``Engine.state_rows``): Spark's update and complete output modes. A tuple then closes no
@@ -79,6 +85,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         WA = WS
     if session_end is not None and (WS is not None or stamped):
         raise EngineError("session_end= takes the place of WS/WA, and is append-only (stamped=False)")
+    if take is not None and agg not in ("first", "last"):
+        raise EngineError(f"take= is for agg='first' or 'last', not {agg!r}")
     if B is not None and (not pairs or int(B) < 1):
         raise EngineError(f"B={B}; the pair distance B needs pairs=True and B >= 1")
     if agg == "count":
@@ -99,6 +107,10 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         init_f = np.inf
     elif code == K.AGG_MAX_F:
         init_f = -np.inf
+    elif code in (K.AGG_FIRST_I, K.AGG_LAST_I):  # (the timestamp of the value taken)
+        init_f = np.inf if code == K.AGG_FIRST_I else -np.inf
+    elif code in (K.AGG_FIRST_F, K.AGG_LAST_F):
+        init_i = _I64.max if code == K.AGG_FIRST_F else _I64.min
     key_col = key if key is not None else keys
     out_name = "longest" if agg == "longest" else agg
 
@@ -146,6 +158,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                 vf = np.ascontiguousarray(v, np.float64)
             else:
                 vi = np.ascontiguousarray(v, np.int64)
+            if agg in ("first", "last"):  # the take flag, in the column of the other kind
+                vf, vi = _take_flags(batch, take, len(kc), vf, vi, value_type)
         return (np.ascontiguousarray(off, np.int64), vals, vf, vi)
 
     def decode(k, interner):
@@ -162,6 +176,18 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                     n_float=1, init_i=ints, init_f=(init_f,), builtin_ip=ip, builtin_fp=np.zeros(1),
                     prepare=prepare, decode=decode,
                     name=name or f"{agg}({key_col}{', pairs B=' + str(B) if pairs else ''})")
+
+
+def _take_flags(batch, take, n, vf, vi, value_type):
+    if take is None:
+        flags = np.ones(n, np.int64)
+    elif take not in batch:
+        raise EngineError(f"take column {take!r} is not an input column (columns: {sorted(batch)})")
+    else:
+        flags = np.asarray(batch[take])
+    if value_type == "f":
+        return vf, np.ascontiguousarray(flags, np.int64)
+    return np.ascontiguousarray(flags, np.float64), vi
 
 
 def count(**kw):

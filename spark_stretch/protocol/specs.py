@@ -72,7 +72,9 @@ class AggregateSpec(QuerySpec):
     distance: Optional[int] = None     # pairs: largest j - i (None: every pair)
     window_us: int
     slide_us: int
-    aggs: List[Tuple[str, Optional[str]]]  # (fn, column), fn in count/sum/min/max/mean
+    aggs: List[tuple]                  # (fn, column), fn in count/sum/min/max/mean/first/
+    #                                    last, or (fn, column, take), fn first_if/last_if:
+    #                                    rows whose take column is 0 are skipped
     value_types: Dict[str, str] = field(default_factory=dict)  # column -> "long" | "double"
     drop_null_ts: bool = False         # rows without an event time are in no window (Spark's
     #                                    window); False: an error naming the column
@@ -85,12 +87,12 @@ class AggregateSpec(QuerySpec):
 
     @property
     def value_columns(self) -> List[str]:
-        return sorted({c for _, c in self.aggs if c is not None})
+        return sorted({c for a in self.aggs for c in a[1:] if c is not None})
 
     def output_names(self) -> List[str]:
         """Spark's names for the aggregations: ``count``, ``sum(x)``, ``avg(x)``, ..."""
         return ["count" if fn == "count" else f"{'avg' if fn == 'mean' else fn}({col})"
-                for fn, col in self.aggs]
+                for fn, col, *_ in self.aggs]
 
 
 @dataclass(kw_only=True)

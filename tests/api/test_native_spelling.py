@@ -3,6 +3,7 @@ against native Spark on the same input (late rows, nulls, several micro-batches)
 
 from __future__ import annotations
 
+import re
 
 import pytest
 from pyspark.sql import functions as F
@@ -323,3 +324,122 @@ def test_statistics_count_if_and_expressions_over_aggregates(spark, events, tmp_
     assert q.lastProgress["sink"]["description"].startswith("StretchDeltaSink")
     _close(_delta(spark, tmp_path / "stretch"), _delta(spark, tmp_path / "native"))
     assert any(r["sd"] is None for r in want) and any(r["sd"] for r in want)
+
+
+def test_to_table_and_a_second_aggregation_after_a_stretch_one(spark, events, tmp_path):
+    def first(df):
+        return (df.groupBy(F.window("ts", "20 seconds"), "k")
+                .agg(F.sum("v").alias("s"), F.count("*").alias("n")))
+
+    def second(df):  # native Spark's chained aggregation: per 40 s window of the first's windows
+        return (df.groupBy(F.window(F.window_time("window"), "40 seconds").alias("w40"))
+                .agg(F.sum("n").alias("n"), F.max("s").alias("top"), F.count("*").alias("keys")))
+
+    for name, wrap in (("native", _native), ("stretch", spark_stretch.stretch)):
+        q = (wrap(first(events())).writeStream
+             .option("checkpointLocation", str(tmp_path / f"tt-{name}"))
+             .trigger(availableNow=True).toTable(f"to_table_{name}"))
+        q.awaitTermination()
+        assert q.exception() is None
+        chained = _run(second(wrap(first(events()))), tmp_path, f"chained_{name}")
+        if wrap is not _native:  # both ran the first aggregation on the engine
+            for run in (q, chained):
+                assert spark_stretch.control(run).metrics()["engine"]["input_rows"] > 0
+    try:
+        for table in ("to_table", "chained"):
+            want = _rows(spark, f"{table}_native")
+            assert _rows(spark, f"{table}_stretch") == want and want, table
+    finally:
+        for name in ("native", "stretch"):
+            spark.sql(f"DROP TABLE IF EXISTS to_table_{name}")
+
+
+TYPED = "k string, v int, price decimal(10,2), ok boolean, d date, ts timestamp"
+# first/last: Spark takes the rows in the order they reach it, the engine by event time; they
+# agree where each key's rows come in event-time order (here: files in event-time order, a
+# straggler of a key with no earlier row in its windows)
+TYPED_FILES = [
+    [("a", 1, "1.50", True, 1), ("a", None, "2.25", False, 3), ("b", None, None, None, 4),
+     ("a", 5, "99999999.99", True, 6), ("b", 7, "0.01", False, 8)],
+    [("c", 8, "-3.10", False, 5), ("a", 2, "-3.10", False, 12), ("b", None, "1.00", True, 14),
+     ("c", 4, None, None, 15), ("a", None, "7.77", True, 18)],
+    [("a", 9, "1.11", True, 31), ("c", None, "2.22", False, 33), ("b", 6, "3.33", True, 45)],
+    [("a", 1, "4.44", None, 75)],
+]
+
+
+@pytest.fixture
+def typed(spark, tmp_path):
+    src = str(tmp_path / "typed")
+    for i, rows in enumerate(TYPED_FILES):
+        (spark.createDataFrame(rows, "k string, v int, p string, ok boolean, t int")
+         .select("k", "v", F.col("p").cast("decimal(10,2)").alias("price"), "ok",
+                 F.to_date(F.timestamp_seconds(F.col("t") * 86400)).alias("d"),
+                 F.timestamp_seconds("t").alias("ts"))
+         .coalesce(1).write.mode("append").parquet(f"{src}/part={i}"))
+
+    def read():
+        return (spark.readStream.schema(TYPED).option("maxFilesPerTrigger", 1)
+                .option("recursiveFileLookup", "true").parquet(src)
+                .withWatermark("ts", "10 seconds"))
+    return read
+
+
+@pytest.mark.parametrize("window", [
+    lambda: F.window("ts", "20 seconds"), lambda: F.window("ts", "20 seconds", "10 seconds"),
+    lambda: F.session_window("ts", "5 seconds")], ids=["tumbling", "sliding", "session"])
+def test_first_last_typed_min_max_and_decimal_sums_equal_native(spark, typed, tmp_path, window):
+    def agg(df):
+        return (df.groupBy(window(), "k")
+                .agg(F.first("v").alias("f"), F.last("v").alias("l"),
+                     F.first("v", ignorenulls=True).alias("fn"),
+                     F.last("v", ignorenulls=True).alias("ln"),
+                     F.first("price").alias("fp"), F.last("ok").alias("lo"),
+                     F.first("ts").alias("fts"), F.last("d", ignorenulls=True).alias("ld"),
+                     F.min("ts").alias("t0"), F.max("ts").alias("t1"), F.min("d").alias("d0"),
+                     F.max("price").alias("pmax"), F.min("price").alias("pmin"),
+                     F.min("ok").alias("okmin"), F.max("ok").alias("okmax"),
+                     F.sum("price").alias("psum"), F.avg("price").alias("pavg")))
+
+    native = agg(typed())
+    out = spark_stretch.stretch(agg(typed()))
+    assert out.schema == native.schema
+    _run(native, tmp_path, "nat_typed")
+    q = _run(out, tmp_path, "st_typed")
+    want = _rows(spark, "nat_typed")
+    assert _rows(spark, "st_typed") == want
+    assert len(want) >= 5 and any(r["f"] is None for r in want) and any(r["fn"] for r in want)
+    assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
+    # straight to Delta (Spark's Delta sink: the engine does not evaluate decimals itself)
+    _to_delta(agg(typed()), tmp_path, "native")
+    _to_delta(spark_stretch.stretch(agg(typed())), tmp_path, "stretch")
+    assert _delta(spark, tmp_path / "stretch") == _delta(spark, tmp_path / "native")
+
+
+def test_decimal_timestamp_and_boolean_keys_in_update_mode(spark, typed, tmp_path):
+    def agg(df):
+        return (df.groupBy(F.window("ts", "20 seconds"), "price",
+                           F.date_trunc("minute", "ts").alias("minute"), "ok", "d")
+                .agg(F.count("*").alias("n"), F.sum("v").alias("s"), F.sum("price").alias("ps")))
+
+    want, _ = _per_batch(agg(typed()), tmp_path, "nat", "update")
+    got, q = _per_batch(spark_stretch.stretch(agg(typed())), tmp_path, "st", "update")
+    assert got == want and sum(map(len, want.values())) >= 10
+    assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (lambda: F.max_by("v", "ts"), "max_by"),
+    (lambda: F.count_distinct("v"), "distinct aggregates"),
+    (lambda: F.approx_count_distinct("v"), "approx_count_distinct"),
+    (lambda: F.first("k"), "first over string"),
+    (lambda: F.sum(F.col("price").cast("decimal(30,2)")), "sum of decimal(30,2)"),
+], ids=["max_by", "count_distinct", "approx_count_distinct", "first_string", "wide_decimal"])
+def test_what_the_engine_cannot_run_is_an_error_naming_it(spark, typed, fn, reason):
+    spark.conf.set("spark.stretch.fallback", "false")
+    try:
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            spark_stretch.stretch(typed().groupBy(F.window("ts", "20 seconds"), "k")
+                                  .agg(fn().alias("x")))
+    finally:
+        spark.conf.unset("spark.stretch.fallback")

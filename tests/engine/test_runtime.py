@@ -429,3 +429,42 @@ def test_session_windows_match_spark_sessions_batch_by_batch(m):
         assert got == want[n], n
         nxt = max(nxt, top - delay)
     assert sum(map(len, want)) > 10
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+@pytest.mark.parametrize("fn", ["first", "last"])
+@pytest.mark.parametrize("kind", ["i", "f"])
+def test_first_and_last_take_the_earliest_and_latest_event_time(engine_cls, fn, kind):
+    """first/last per window: the value of the tuple with the earliest (latest) timestamp among
+    those whose take flag is set, ties by arrival; against a dict kept by hand, over tuples out
+    of order across batches, with late rows and a rescale."""
+    WS, WA, delay = 20, 10, 15
+    op = aggregate(fn, key="k", value="v", value_type=kind, take="take", WS=WS, WA=WA,
+                   stamped=True)
+    eng = engine_cls(op, m=2, n=3, n_buckets=64, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    rng = np.random.default_rng(5)
+    best, wm, top = {}, 0, 0  # window -> (timestamp, value) taken
+    for batch in range(8):
+        ts = rng.integers(max(0, top - 40), top + 30, 40)
+        k, v, take = rng.integers(0, 5, 40), rng.integers(-50, 50, 40), rng.integers(0, 2, 40)
+        eng.esg_in.add({"ts": ts, "k": k, "v": v if kind == "i" else v + 0.5, "take": take}, 0)
+        eng.release_all(batch + 1)
+        for t, key, val, tk in zip(ts.tolist(), k.tolist(), v.tolist(), take.tolist()):
+            for l in range((t // WA) * WA, t - WS, -WA):
+                if l + WS > wm and tk:
+                    cur = best.get((key, l))
+                    if cur is None or (t < cur[0] if fn == "first" else t >= cur[0]):
+                        best[(key, l)] = (t, val)
+        rec, acc = eng.state_rows()
+        got = {(int(r[0]), int(r[1])): (int(r[2]) if kind == "i" else float(a[0]) - 0.5)
+               for r, a in zip(rec, acc)}
+        assert {w: x for w, x in got.items() if w in best} == {w: x[1] for w, x in best.items()}
+        top = max(top, int(ts.max()))
+        wm = max(wm, top - delay)
+        eng.esg_in.advance_watermark(wm)
+        eng.drain()
+        eng.esg_out.get_batch("driver")
+        best = {w: x for w, x in best.items() if w[1] + WS > wm}
+        if batch == 3:
+            eng.reconfigure(m=3)

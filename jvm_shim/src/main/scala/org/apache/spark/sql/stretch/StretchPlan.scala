@@ -185,6 +185,23 @@ case class StretchKeyDecode(child: Expression, schema: StructType)
   override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
 }
 
+/** An exact decimal sum from the sums of its unscaled values' high and low 32 bits, as a
+ * decimal of `dataType` (null when it needs more digits: Spark's sum overflowed). */
+case class StretchDecimalSum(hi: Expression, lo: Expression, dataType: DecimalType)
+  extends BinaryExpression with CodegenFallback {
+  override def left: Expression = hi
+  override def right: Expression = lo
+  override def nullable: Boolean = true
+  override protected def nullSafeEval(h: Any, l: Any): Any = {
+    val u = java.math.BigInteger.valueOf(h.asInstanceOf[Long]).shiftLeft(32)
+      .add(java.math.BigInteger.valueOf(l.asInstanceOf[Long]))
+    val d = Decimal(new java.math.BigDecimal(u, dataType.scale))
+    if (d.changePrecision(dataType.precision, dataType.scale)) d else null
+  }
+  override protected def withNewChildrenInternal(l: Expression, r: Expression): Expression =
+    copy(hi = l, lo = r)
+}
+
 /** How one aggregation runs on the engine. */
 case class Translation(native: LogicalPlan, input: LogicalPlan, engineSchema: StructType,
                        result: Seq[Expression], spec: ObjectNode)
@@ -325,20 +342,22 @@ object StretchPlans {
 
     // aggregates -> the engine's primitives over value columns
     val values = ArrayBuffer[(Expression, String)]()   // (expression, "long" | "double")
-    val prims = ArrayBuffer[(String, Option[Int])]()     // (count|sum|min|max, value index)
+    // (fn, value index, take index): count|sum|min|max|first|last, or first_if|last_if (rows
+    // whose take column is 0 skipped)
+    val prims = ArrayBuffer[(String, Option[Int], Option[Int])]()
     def value(e: Expression, kind: String): Int = {
       val i = values.indexWhere { case (v, k) => k == kind && v.semanticEquals(e) }
       if (i >= 0) i else { values += ((e, kind)); values.size - 1 }
     }
-    def prim(fn: String, v: Option[Int]): Int = {
-      val i = prims.indexOf((fn, v))
-      if (i >= 0) i else { prims += ((fn, v)); prims.size - 1 }
+    def prim(fn: String, v: Option[Int], take: Option[Int] = None): Int = {
+      val i = prims.indexOf((fn, v, take))
+      if (i >= 0) i else { prims += ((fn, v, take)); prims.size - 1 }
     }
     // result expressions refer to prims by index; bound once the engine schema is known
     case class PrimRef(i: Int) extends LeafExpression with Unevaluable {
       override def dataType: DataType = prims(i) match {
-        case ("count", _) => LongType
-        case (_, Some(v)) => if (values(v)._2 == "long") LongType else DoubleType
+        case ("count", _, _) => LongType
+        case (_, Some(v), _) => if (values(v)._2 == "long") LongType else DoubleType
         case _ => LongType
       }
       override def nullable: Boolean = false
@@ -353,18 +372,56 @@ object StretchPlans {
       if (isIntegral(c.dataType)) "long" else if (isFloating(c.dataType)) "double"
       else unsupported(s"$what over ${c.dataType.simpleString} (the engine takes integral and " +
         "floating-point columns so far)")
+    // A column as the engine holds it (a long or a double), and its value back from that
+    case class Coded(engine: Expression, kind: String, back: Expression => Expression)
+    def coded(c: Expression, what: String): Coded = c.dataType match {
+      case t if isIntegral(t) => Coded(Cast(c, LongType), "long", Cast(_, t))
+      case t if isFloating(t) => Coded(Cast(c, DoubleType), "double", Cast(_, t))
+      case BooleanType => Coded(Cast(c, LongType), "long", Cast(_, BooleanType))
+      case TimestampType => Coded(UnixMicros(c), "long", MicrosToTimestamp(_))
+      case DateType => Coded(Cast(UnixDate(c), LongType), "long",
+        e => DateFromUnixDate(Cast(e, IntegerType)))
+      case d: DecimalType if d.precision <= 18 =>  // (its unscaled value fits a long)
+        Coded(UnscaledValue(c), "long", MakeDecimal(_, d.precision, d.scale))
+      case t => unsupported(s"$what over ${t.simpleString} (the engine takes numbers, booleans, " +
+        "dates, timestamps and decimals of up to 18 digits)")
+    }
+    // An exact decimal sum: the unscaled values' high and low 32 bits summed apart (neither
+    // sum can overflow a long), joined again in Spark's sum type (null beyond its precision)
+    def decimalSum(c: Expression, t: DecimalType): StretchDecimalSum = {
+      if (t.precision > 18) unsupported(s"a sum of ${t.simpleString} (the engine sums decimals " +
+        "of up to 18 digits)")
+      val u = Coalesce(Seq(UnscaledValue(c), Literal(0L)))
+      val hi = PrimRef(prim("sum", Some(value(ShiftRight(u, Literal(32)), "long"))))
+      val lo = PrimRef(prim("sum", Some(value(BitwiseAnd(u, Literal(0xFFFFFFFFL)), "long"))))
+      StretchDecimalSum(hi, lo, DecimalType.bounded(t.precision + 10, t.scale))
+    }
+    // Spark's own final value of an aggregate from its buffer, the buffer as the engine has it
+    def evaluated(f: DeclarativeAggregate, buffer: Seq[Expression]): Expression = {
+      val by = f.aggBufferAttributes.map(_.exprId).zip(buffer).toMap
+      f.evaluateExpression.transform { case at: AttributeReference if by.contains(at.exprId) =>
+        by(at.exprId) }
+    }
 
     def aggregate(ae: AggregateExpression): Expression = {
-      if (ae.isDistinct) unsupported(s"${ae.sql}: distinct aggregates are not on the engine yet")
+      if (ae.isDistinct) unsupported(s"${ae.sql}: distinct aggregates are not on the engine yet " +
+        "(an exact distinct count needs a set per window)")
       if (ae.filter.isDefined) unsupported(s"${ae.sql}: aggregate FILTER is not on the engine yet")
       ae.aggregateFunction match {
         case Count(cs) => nonNull(cs)
+        case s @ Sum(c, _) if c.dataType.isInstanceOf[DecimalType] =>
+          val nn = nonNull(Seq(c))
+          evaluated(s, Seq(decimalSum(c, c.dataType.asInstanceOf[DecimalType]),
+            EqualTo(nn, Literal(0L))).take(s.aggBufferAttributes.size))
         case s @ Sum(c, _) =>
           val k = numeric(c, "sum")
           val zero = if (k == "long") Literal(0L) else Literal(0.0)
           val t = if (k == "long") LongType else DoubleType
           val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, t), zero)), k))))
           orNull(nonNull(Seq(c)), Cast(sum, s.dataType), s.dataType)
+        case av @ Average(c, _) if c.dataType.isInstanceOf[DecimalType] =>
+          evaluated(av, Seq(decimalSum(c, c.dataType.asInstanceOf[DecimalType]),
+            nonNull(Seq(c))))
         case av @ Average(c, _) =>
           numeric(c, "avg")
           val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, DoubleType),
@@ -374,16 +431,33 @@ object StretchPlans {
         case m @ (_: Min | _: Max) =>
           val c = m.children.head
           val isMin = m.isInstanceOf[Min]
-          val k = numeric(c, m.prettyName)
-          val (t, sentinel) = (k, isMin) match {
-            case ("long", true) => (LongType, Literal(Long.MaxValue))
-            case ("long", false) => (LongType, Literal(Long.MinValue))
-            case (_, true) => (DoubleType, Literal(Double.PositiveInfinity))
-            case (_, false) => (DoubleType, Literal(Double.NegativeInfinity))
+          val cd = coded(c, m.prettyName)
+          val sentinel = (cd.kind, isMin) match {
+            case ("long", true) => Literal(Long.MaxValue)
+            case ("long", false) => Literal(Long.MinValue)
+            case (_, true) => Literal(Double.PositiveInfinity)
+            case (_, false) => Literal(Double.NegativeInfinity)
           }
           val v = PrimRef(prim(if (isMin) "min" else "max",
-            Some(value(Coalesce(Seq(Cast(c, t), sentinel)), k))))
-          orNull(nonNull(Seq(c)), Cast(v, c.dataType), c.dataType)
+            Some(value(Coalesce(Seq(cd.engine, sentinel)), cd.kind))))
+          orNull(nonNull(Seq(c)), cd.back(v), c.dataType)
+        case f @ (_: First | _: Last) =>
+          // the first (last) row of the window in event-time order (Spark's: in the order rows
+          // reach it, which a shuffle leaves undefined); with ignoreNulls, of its non-null rows
+          val (c, ignore, fn) = f match {
+            case First(c, i) => (c, i, "first")
+            case Last(c, i) => (c, i, "last")
+          }
+          val cd = coded(c, fn)
+          val zero = if (cd.kind == "long") Literal(0L) else Literal(0.0)
+          val v = Some(value(Coalesce(Seq(cd.engine, zero)), cd.kind))
+          if (!c.nullable) cd.back(PrimRef(prim(fn, v)))
+          else {
+            val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
+            if (ignore) orNull(nonNull(Seq(c)), cd.back(PrimRef(prim(s"${fn}_if", v, Some(nn)))),
+              c.dataType)
+            else orNull(PrimRef(prim(fn, Some(nn))), cd.back(PrimRef(prim(fn, v))), c.dataType)
+          }
         case CountIf(p) =>  // rows where p is true (null counts as false)
           PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
             Literal(0L)), "long"))))
@@ -484,9 +558,9 @@ object StretchPlans {
     // the engine's output: window, key, one column per primitive (named as the engine names them)
     val valueName = valueNamed.map(_.name)
     val primNames = prims.map {
-      case ("count", _) => "count"
-      case (f, Some(v)) => s"$f(${valueName(v)})"
-      case (f, None) => f
+      case ("count", _, _) => "count"
+      case (f, Some(v), _) => s"$f(${valueName(v)})"
+      case (f, None, _) => f
     }
     val windowType = StructType(Seq(StructField("start", TimestampType),
       StructField("end", TimestampType)))
@@ -523,10 +597,11 @@ object StretchPlans {
     durations.foreach(d => w.add(d))
     endNamed.foreach(e => spec.put("session_end", e.name))
     val aggs = spec.putArray("aggs")
-    prims.foreach { case (f, v) =>
+    prims.foreach { case (f, v, take) =>
       val p = aggs.addArray()
       p.add(f)
       v match { case Some(i) => p.add(valueName(i)); case None => p.addNull() }
+      take.foreach(i => p.add(valueName(i)))
     }
     val vt = spec.putObject("value_types")
     values.zipWithIndex.foreach { case ((_, k), i) => vt.put(valueName(i), k) }
