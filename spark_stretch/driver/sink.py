@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+import pyarrow as pa
 from pyspark.sql import DataFrame
 
 from ..protocol import messages as M
@@ -30,14 +31,25 @@ _DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
                          "spark.databricks.delta.protocol.")
 
 
-def arrow_schema(schema) -> Optional[str]:
-    """A Spark schema as a serialized Arrow schema (base64), or None if Arrow has no such type."""
+_WINDOW_MARKERS = ("spark.timeWindow", "spark.sessionWindow")
+
+
+def arrow_schema(schema, metadata: bool = False) -> Optional[str]:
+    """A Spark schema as a serialized Arrow schema (base64), or None if Arrow has no such type.
+    ``metadata``: with a window column's marker (``spark.timeWindow`` or
+    ``spark.sessionWindow``, which ``window_time`` looks for) as its Arrow field metadata, which
+    a Delta table made from it keeps (as the string "true": deltalake writes strings, so other
+    metadata, such as a watermark's delay that Spark reads as a long, is left out)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
     try:
-        return M.schema_to_wire(to_arrow_schema(schema, timezone="UTC"))
+        arrow = to_arrow_schema(schema, timezone="UTC")
     except Exception:
         return None
+    if metadata:
+        marks = [{k: "true" for k in _WINDOW_MARKERS if s.metadata.get(k)} for s in schema.fields]
+        arrow = pa.schema([f.with_metadata(m) if m else f for f, m in zip(arrow, marks)])
+    return M.schema_to_wire(arrow)
 
 
 class Sink:
@@ -150,7 +162,7 @@ class Sink:
         (``spark.databricks.delta.properties.defaults.*``: properties, protocol, features) or
         the schema has types deltalake makes differently; then by Spark."""
         if not any(k.startswith(_DELTA_TABLE_DEFAULTS) for k in self._spark.conf.getAll):
-            schema = arrow_schema(self._kind.schema)
+            schema = arrow_schema(self._kind.schema, metadata=True)
             if schema is not None:
                 reply = self._engine().call(M.CreateDelta(path=self.path, schema=schema))
                 if reply.unsupported is None:

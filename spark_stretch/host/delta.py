@@ -109,7 +109,7 @@ def _nullable(f: pa.Field) -> pa.Field:
         t = pa.struct([_nullable(c) for c in t])
     elif pa.types.is_list(t):
         t = pa.list_(_nullable(t.value_field))
-    return pa.field(f.name, t, nullable=True)
+    return pa.field(f.name, t, nullable=True, metadata=f.metadata)
 
 
 def append(path: str, table: pa.Table, app_id: str, version: int) -> dict:

@@ -275,11 +275,14 @@ def test_straight_to_delta_the_engine_appends_keys_of_every_type(spark, events, 
     assert spark_stretch.control(q).metrics()["direct_writes"] >= 1
     got, want = _delta(spark, tmp_path / "stretch"), _delta(spark, tmp_path / "native")
     assert got == want and len(want) > 5
-    # the same types and nullability (the window's metadata, which Delta's sink keeps, aside)
+    # the same types and nullability, and a window column window_time takes
     schemas = [[(f.name, f.dataType, f.nullable) for f in
                 spark.read.format("delta").load(str(tmp_path / n)).schema]
                for n in ("stretch", "native")]
     assert schemas[0] == schemas[1]
+    times = [sorted(spark.read.format("delta").load(str(tmp_path / n))
+                    .select(F.window_time("window")).collect()) for n in ("stretch", "native")]
+    assert times[0] == times[1]
 
 
 def test_a_transformed_result_goes_through_spark_delta_sink(spark, events, tmp_path):
