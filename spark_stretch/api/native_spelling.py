@@ -115,7 +115,9 @@ def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int
         ts_column=got["ts_column"], delay_ms=int(got["delay_ms"]), key_kind=got["key_kind"],
         key_column=got["key_column"], key_type=got["key_type"], window_us=size, slide_us=slide,
         aggs=[tuple(a) for a in got["aggs"]], value_types=got["value_types"],
-        drop_null_ts=True, finish=got.get("finish"), session_end=got.get("session_end"), parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets)
+        drop_null_ts=True, finish=got.get("finish"), session_end=got.get("session_end"),
+        prepare=got.get("prepare"), parallelism=parallelism, max_parallelism=max_parallelism,
+        buckets=buckets)
     if spec.output_names() != got["output_names"]:
         raise AssertionError(f"engine output names {spec.output_names()} != the shim's "
                              f"{got['output_names']}")

@@ -37,7 +37,7 @@ from ..protocol.specs import AggregateSpec
 from . import faults
 from .aggregations import builtin_operators, output_table, reject_nulls, state_output
 from .checkpoints import arrow_bytes, read_arrow
-from .columns import KeyCodec, list_parts, sample
+from .columns import KeyCodec, list_parts, prepare, sample
 from .runtime import Runtime
 
 __all__ = ["AggregateRuntime"]
@@ -268,6 +268,10 @@ class AggregateRuntime(Runtime):
             if not read:  # (update mode: the closed windows were emitted when they changed)
                 eng.esg_out.get_batch("driver")
         return self._output() if read else None
+
+    def _arrived(self, table: pa.Table) -> pa.Table:
+        # (the engine's input columns from the scan's own, when the shim left them to it)
+        return table if self.spec.prepare is None else prepare(table, self.spec.prepare)
 
     def _validate(self, table: pa.Table, batch: int) -> None:
         reject_nulls(self.spec, table, batch)

@@ -24,7 +24,8 @@ import pyarrow.compute as pc
 
 from ..engine import Interner
 
-__all__ = ["TS", "list_parts", "window_array", "KeyCodec", "sample"]
+__all__ = ["TS", "list_parts", "window_array", "KeyCodec", "sample", "finish", "prepare",
+           "unsafe_rows", "unsafe_row_field"]
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -159,10 +160,44 @@ def _divide(a, b):
     return pc.divide(pc.cast(a, pa.float64()), pc.cast(b, pa.float64()))
 
 
+def _size(e: dict, arr):
+    """Spark's ``size``: the list's length; of a null list null, or -1 under
+    ``spark.sql.legacy.sizeOfNull`` (without ANSI mode)."""
+    n = pc.list_value_length(arr)
+    return pc.fill_null(n, -1) if e.get("legacy") else n
+
+
 # Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do
-_FINISH_OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
-               "eq": pc.equal, "lt": pc.less, "gt": pc.greater, "sqrt": pc.sqrt,
-               "if": pc.if_else}
+_OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
+        "eq": pc.equal, "lt": pc.less, "gt": pc.greater, "sqrt": pc.sqrt, "if": pc.if_else,
+        "coalesce": pc.coalesce, "isnull": pc.is_null, "or": pc.or_}
+
+
+def _evaluate(e: dict, table: pa.Table):
+    """One expression of the shim's small language over ``table`` (Arrow compute, as Spark
+    evaluates it): see :func:`finish` and :func:`prepare`."""
+    def ev(e):
+        if "ref" in e:
+            return table.column(e["ref"])
+        if "col" in e:
+            return table.column(e["col"])
+        if "keyfield" in e:
+            return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
+        if "lit" in e:
+            return pa.scalar(e["lit"], _FINISH_TYPES[e["type"]])
+        if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
+            #               taken may hold a min/max sentinel out of the target's range)
+            return pc.cast(ev(e["cast"]), _FINISH_TYPES[e["type"]], safe=False)
+        if "size" in e:
+            return _size(e, ev(e["size"][0]))
+        if "row" in e:
+            return unsafe_rows([ev(x) for x in e["row"]], e["types"], table.num_rows)
+        for op, fn in _OPS.items():
+            if op in e:
+                return fn(*(ev(x) for x in e[op]))
+        raise ValueError(f"unknown expression {e}")
+    v = ev(e)
+    return pa.repeat(v, table.num_rows) if isinstance(v, pa.Scalar) else v
 
 
 def finish(table: pa.Table, columns: list) -> pa.Table:
@@ -172,29 +207,88 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
     (``StretchPlans.finish``): ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}``
     (output column i), ``{"keyfield": j, "fields": n, "type": t}`` (field ``j`` of the
     composite key, :func:`unsafe_row_field`), ``{"lit": v, "type": t}``,
-    ``{"cast": e, "type": t}``, or an operator of ``_FINISH_OPS`` over its arguments
+    ``{"cast": e, "type": t}``, or an operator of ``_OPS`` over its arguments
     (``{"if": [p, a, b]}``, ``{"div": [a, b]}``, ...), evaluated with Arrow compute as Spark
     evaluates them.
     """
-    def ev(e):
-        if "ref" in e:
-            return table.column(e["ref"])
-        if "keyfield" in e:
-            return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
-        if "lit" in e:
-            return pa.scalar(e["lit"], _FINISH_TYPES[e["type"]])
-        if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
-            #               taken may hold a min/max sentinel out of the target's range)
-            return pc.cast(ev(e["cast"]), _FINISH_TYPES[e["type"]], safe=False)
-        for op, fn in _FINISH_OPS.items():
-            if op in e:
-                return fn(*(ev(x) for x in e[op]))
-        raise ValueError(f"unknown result expression {e}")
+    return pa.Table.from_arrays([_evaluate(c["expr"], table) for c in columns],
+                                names=[c["name"] for c in columns])
 
-    arrays = []
-    for c in columns:
-        v = ev(c["expr"])
-        if isinstance(v, pa.Scalar):
-            v = pa.repeat(v, table.num_rows)
-        arrays.append(v)
-    return pa.Table.from_arrays(arrays, names=[c["name"] for c in columns])
+
+def prepare(table: pa.Table, columns: list) -> pa.Table:
+    """A batch's input columns (the scan's own) as the engine's input: the shim's translation
+    of the input projection (``StretchPlans.prepareJs``), ``{"name": ..., "expr": e}`` each,
+    ``e`` as for :func:`finish` with ``{"col": name}`` for an input column, ``{"size": [e]}``
+    and ``{"row": [e...], "types": [...]}`` (a composite key, :func:`unsafe_rows`).
+
+    Examples
+    --------
+    >>> t = pa.table({"v": pa.array([1, None], pa.int32())})
+    >>> prepare(t, [{"name": "x", "expr": {"coalesce": [
+    ...     {"cast": {"col": "v"}, "type": "long"}, {"lit": 0, "type": "long"}]}}]).to_pydict()
+    {'x': [1, 0]}
+    """
+    return pa.Table.from_arrays([_evaluate(c["expr"], table) for c in columns],
+                                names=[c["name"] for c in columns])
+
+
+_FIELD_MASK = {"int": 0xFFFFFFFF, "date": 0xFFFFFFFF, "short": 0xFFFF, "byte": 0xFF, "bool": 1}
+
+
+def unsafe_rows(fields: list, types: list, n: int) -> pa.Array:
+    """Spark ``UnsafeRow`` s of ``fields`` (Arrow arrays of ``types``, ``_FINISH_TYPES`` names
+    of fixed width or ``string``), byte for byte as Spark's ``UnsafeProjection`` writes them:
+    the null bits, a zeroed 8-byte slot per field (a value narrower than 8 bytes in its low
+    bytes), strings after the slots padded with zeros to 8 bytes; the inverse of
+    :func:`unsafe_row_field`.
+
+    Examples
+    --------
+    >>> rows = unsafe_rows([pa.array(["ab", None]), pa.array([7, 8], pa.int32())],
+    ...                    ["string", "int"], 2)
+    >>> unsafe_row_field(rows, 2, 0, "string").to_pylist(), unsafe_row_field(rows, 2, 1, "int").to_pylist()
+    (['ab', None], [7, 8])
+    """
+    nf = len(fields)
+    bit_words = (nf + 63) // 64
+    head = 8 * (bit_words + nf)
+    fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+    nulls = [f.is_null().to_numpy(zero_copy_only=False) for f in fields]
+    strings = {}
+    var = np.zeros(n, np.int64)
+    for j, (f, t) in enumerate(zip(fields, types)):
+        if t == "string":
+            f = pc.fill_null(f, "") if f.null_count else f
+            f = f.cast(pa.string()) if f.type != pa.string() else f
+            offs = np.frombuffer(f.buffers()[1], np.int32, n + 1, f.offset * 4).astype(np.int64)
+            size = np.diff(offs)
+            strings[j] = (f, offs, size, var.copy())
+            var += (size + 7) // 8 * 8
+    starts = np.zeros(n + 1, np.int64)
+    np.cumsum(head + var, out=starts[1:])
+    words = np.zeros(int(starts[-1]) // 8, np.int64)
+    w0 = starts[:-1] // 8
+    for j, (f, t) in enumerate(zip(fields, types)):
+        null = nulls[j]
+        if null.any():
+            words[w0[null] + j // 64] |= np.int64(1) << np.int64(j % 64)
+        if t == "string":
+            f, offs, size, at = strings[j]
+            words[w0 + bit_words + j] = np.where(null, 0, ((head + at) << 32) | size)
+            continue
+        if t == "date":  # (Arrow casts days to int32 only)
+            f = pc.cast(f, pa.int32())
+        v = pc.cast(pc.fill_null(f, pa.scalar(0, f.type) if t != "bool" else False),
+                    pa.int64()).to_numpy(zero_copy_only=False)
+        if t in _FIELD_MASK:
+            v = v & _FIELD_MASK[t]
+        words[w0 + bit_words + j] = v
+    data = words.view(np.uint8)
+    for j, (f, offs, size, at) in strings.items():
+        total = int(size.sum())
+        if total:
+            src = np.frombuffer(f.buffers()[2], np.uint8)[offs[0]:offs[0] + total]
+            dst = starts[:-1] + head + at
+            data[np.repeat(dst - (np.cumsum(size) - size), size) + np.arange(total)] = src
+    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(starts.astype(np.int32)),
+                                                   pa.py_buffer(data)])

@@ -108,6 +108,10 @@ class Runtime(ABC):
     def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
         """Checkpoint the state after ``batch`` (through ``self.store``)."""
 
+    def _arrived(self, table: pa.Table) -> pa.Table:
+        """A batch's input as the query keeps (and logs) it, from the rows that arrived."""
+        return table
+
     def _validate(self, table: pa.Table, batch: int) -> None:
         """Raise InputRejected (naming the column) if the engine cannot take ``table``'s rows."""
 
@@ -153,6 +157,7 @@ class Runtime(ABC):
         kind, _, batch = rest.partition(":")
         if kind != "in":
             raise ValueError(f"unexpected stream '{rest}' for query {self.qid}")
+        table = self._arrived(table)
         self._validate(table, int(batch))
         # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
         # (A dict store is atomic: the step thread only pops other batches.)

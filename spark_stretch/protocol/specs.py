@@ -82,6 +82,9 @@ class AggregateSpec(QuerySpec):
     #                                    each, host/columns.finish), or the engine's own columns
     session_end: Optional[str] = None  # session windows (window_us = slide_us = 0): the input
     #                                    column of each row's session end (ts + its gap)
+    prepare: Optional[list] = None     # the engine's input columns from the batch's own
+    #                                    ({"name", "expr"} each, host/columns.prepare), or
+    #                                    None: the batch has them (Spark evaluated them)
     output_mode: str = "append"        # Spark's: "append" (a window once, when it closes),
     #                                    "update" (the windows each batch changed), "complete"
 

@@ -553,7 +553,22 @@ object StretchPlans {
     val inputCols = (Seq[NamedExpression](ts, keyNamed) ++ endNamed ++ valueNamed)
     val names = inputCols.map(_.name)
     if (names.distinct.size != names.size) unsupported(s"input columns collide: $names")
-    val input = Project(inputCols, base)
+    // The engine evaluates the input projection itself when every expression is one it knows
+    // (prepareJs): the batch's input is then the base's own columns, which the engine may read
+    // from the files (no Spark job); else Spark evaluates it.
+    val rawCols = AttributeSet(inputCols.flatMap(_.references)).toSeq
+    val prepare: Option[Seq[JsonNode]] =
+      if (inputCols.forall(_.isInstanceOf[Attribute]) ||
+          rawCols.map(_.name).distinct.size != rawCols.size) None
+      else {
+        val js = inputCols.map {
+          case at: Attribute => prepareJs(at)
+          case Alias(e, _) => prepareJs(e)
+          case _ => None
+        }
+        if (js.exists(_.isEmpty)) None else Some(js.map(_.get))
+      }
+    val input = if (prepare.isDefined) Project(rawCols, base) else Project(inputCols, base)
 
     // the engine's output: window, key, one column per primitive (named as the engine names them)
     val valueName = valueNamed.map(_.name)
@@ -608,7 +623,63 @@ object StretchPlans {
     val outNames = spec.putArray("output_names")
     primNames.foreach(n => outNames.add(n))
     finish(result, a.output).foreach(f => spec.set[JsonNode]("finish", f))
+    prepare.foreach { js =>
+      val arr = spec.putArray("prepare")
+      inputCols.zip(js).foreach { case (c, j) =>
+        arr.add(mapper.createObjectNode().put("name", c.name).set[JsonNode]("expr", j)) }
+    }
     Translation(a, input, engineSchema, result, spec)
+  }
+
+  private val keyFieldTypes = Set[DataType](StringType, LongType, IntegerType, ShortType,
+    ByteType, BooleanType, DateType, TimestampType)
+
+  /** An expression of the engine's input as the engine evaluates it (host/columns.prepare, Arrow
+   * compute over the base's columns, as Spark evaluates it), or None beyond this small set:
+   * columns, literals, widening casts, coalesce, if, is null, or, size and the composite key
+   * (Spark's unsafe row of its fields, built byte for byte as Spark builds it). */
+  private def prepareJs(e: Expression): Option[JsonNode] = {
+    def op(name: String, args: Seq[Expression]): Option[JsonNode] = {
+      val js = args.map(prepareJs)
+      if (js.exists(_.isEmpty)) None else {
+        val o = mapper.createObjectNode()
+        val a = o.putArray(name)
+        js.foreach(x => a.add(x.get))
+        Some(o)
+      }
+    }
+    e match {
+      case at: AttributeReference => Some(mapper.createObjectNode().put("col", at.name))
+      case Literal(v, t) if finishTypes.contains(t) && (v == null || v.isInstanceOf[Long] ||
+          v.isInstanceOf[Int] || v.isInstanceOf[Double] || v.isInstanceOf[Boolean]) =>
+        val o = mapper.createObjectNode().put("type", finishTypes(t))
+        v match {
+          case null => o.putNull("lit")
+          case x: Long => o.put("lit", x)
+          case x: Int => o.put("lit", x)
+          case x: Double => o.put("lit", x)
+          case x: Boolean => o.put("lit", x)
+        }
+        Some(o)
+      case Cast(c, t, _, _) if c.dataType == t || (t == LongType &&
+          (isIntegral(c.dataType) || c.dataType == BooleanType)) ||
+          (t == DoubleType && (isIntegral(c.dataType) || isFloating(c.dataType))) =>
+        prepareJs(c).map(j => mapper.createObjectNode().put("type", finishTypes(t))
+          .set[JsonNode]("cast", j))
+      case Coalesce(cs) => op("coalesce", cs)
+      case If(p, x, y) => op("if", Seq(p, x, y))
+      case IsNull(c) => op("isnull", Seq(c))
+      case Or(x, y) => op("or", Seq(x, y))
+      case Size(c, legacy) => op("size", Seq(c)).map(_.asInstanceOf[ObjectNode]
+        .put("legacy", legacy))
+      case StretchKeyEncode(cs) if cs.forall(c => keyFieldTypes.contains(c.dataType)) =>
+        op("row", cs).map { o =>
+          val types = o.asInstanceOf[ObjectNode].putArray("types")
+          cs.foreach(c => types.add(finishTypes(c.dataType)))
+          o
+        }
+      case _ => None
+    }
   }
 
   private val finishTypes = Map[DataType, String](LongType -> "long", IntegerType -> "int",
