@@ -46,6 +46,12 @@ AGG_COUNT, AGG_SUM_I, AGG_SUM_F, AGG_MIN_I, AGG_MIN_F, AGG_MAX_I, AGG_MAX_F, AGG
 # aggregate, vi of a float one) and the accumulator of the other kind keeps the value's
 # timestamp (a float keeps microseconds since 1970 exactly until the year 2255)
 AGG_FIRST_I, AGG_FIRST_F, AGG_LAST_I, AGG_LAST_F = range(8, 12)
+# several aggregates in one state record (stream 0 only): ip[8] = K aggregates, ip[9] and
+# ip[10] the int and float value columns per tuple (``vi``/``vf`` hold them row-major); then per
+# aggregate q its code and value columns, ip[MULTI + 3q : MULTI + 3q + 3] (-1: none), its
+# state the int slot q and the float slot q of the record's accumulators
+AGG_MULTI = 12
+MULTI = 11
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -60,6 +66,75 @@ def mix64(x):
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
+
+
+@njit(**HOT)
+def _apply(code, ci, cf, xi, xf, t):
+    """One aggregate's state (int ``ci``, float ``cf``) updated by a tuple at ``t`` with the
+    values ``xi``, ``xf`` (scalars only: a helper taking arrays costs reference counts)."""
+    if code == AGG_COUNT:
+        ci += 1
+    elif code == AGG_SUM_I:
+        ci += xi
+    elif code == AGG_SUM_F:
+        cf += xf
+    elif code == AGG_MIN_I:
+        if xi < ci:
+            ci = xi
+    elif code == AGG_MAX_I:
+        if xi > ci:
+            ci = xi
+    elif code == AGG_MIN_F:
+        if xf < cf:
+            cf = xf
+    elif code == AGG_MAX_F:
+        if xf > cf:
+            cf = xf
+    elif code == AGG_MEAN:
+        cf += xf
+        ci += 1
+    elif code == AGG_FIRST_I or code == AGG_LAST_I:
+        if xf != 0.0 and (t < cf if code == AGG_FIRST_I else t >= cf):
+            ci = xi
+            cf = t
+    elif code == AGG_FIRST_F or code == AGG_LAST_F:
+        if xi != 0 and (t < ci if code == AGG_FIRST_F else t >= ci):
+            cf = xf
+            ci = t
+    return ci, cf
+
+
+@njit(**HOT)
+def _is_float(code):
+    """Whether the aggregate's result is a float (else an int)."""
+    return (code == AGG_SUM_F or code == AGG_MIN_F or code == AGG_MAX_F or code == AGG_MEAN
+            or code == AGG_FIRST_F or code == AGG_LAST_F)
+
+
+@njit(**HOT)
+def _result(code, ci, cf):
+    """The aggregate's result from its state: (int, float), the one of its kind set."""
+    if code == AGG_MEAN:
+        return ci, cf / ci
+    if _is_float(code):
+        return 0, cf
+    return ci, 0.0
+
+
+@njit(**HOT)
+def _multi_out(rec, acc_f, b, s, base, oi, of, p, ii, ip):
+    """Output row ``p`` of a fused aggregation: aggregate q's result from the record's slot
+    ``base + q`` (and float slot q) into the next int (from column ``ii``) or float column."""
+    ff = 0
+    for q in range(ip[8]):
+        code = ip[MULTI + 3 * q]
+        vi, vf = _result(code, rec[b, s, base + q], acc_f[b, s, q])
+        if _is_float(code):
+            of[p, ff] = vf
+            ff += 1
+        else:
+            oi[p, ii] = vi
+            ii += 1
 
 
 @njit(**HOT)
@@ -177,7 +252,9 @@ def _mk_builtin_keys(a, e, vals, out, kind, param):
 @njit(nogil=True, cache=True)
 def _out_builtin(key, l, rec, acc_f, b, s, oi, of, p, ip, fp):
     kind = ip[2]
-    if kind == AGG_MEAN:
+    if kind == AGG_MULTI:
+        _multi_out(rec, acc_f, b, s, 2, oi, of, p, 0, ip)
+    elif kind == AGG_MEAN:
         of[p, 0] = acc_f[b, s, 0] / rec[b, s, 2]
         oi[p, 0] = rec[b, s, 2]
     elif (kind == AGG_SUM_F or kind == AGG_MIN_F or kind == AGG_MAX_F or kind == AGG_FIRST_F
@@ -363,7 +440,15 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                             bminl[b] = l
                     if _BUILTIN:  # the built-in f_U, written out for the same reason
                         n = 0
-                        if agg == AGG_COUNT:
+                        if agg == AGG_MULTI:
+                            kv, kf = ip[9], ip[10]
+                            for q in range(ip[8]):
+                                c = MULTI + 3 * q
+                                xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
+                                xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
+                                rec[b, s, 2 + q], acc_f[b, s, q] = _apply(
+                                    ip[c], rec[b, s, 2 + q], acc_f[b, s, q], xi, xf, t)
+                        elif agg == AGG_COUNT:
                             rec[b, s, 2] += 1
                         elif agg == AGG_SUM_I:
                             rec[b, s, 2] += vi
@@ -393,7 +478,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                                 acc_f[b, s, 0] = vf
                                 rec[b, s, 2] = t
                         if ip[3] != 0:  # stamped: the batch that last updated the window
-                            rec[b, s, 3] = ip[7]
+                            rec[b, s, 1 + n_init_i] = ip[7]  # (the last int slot)
                     else:
                         n = _UPD(stream[i], cols0, cols1, row[i], vi, vf, key, l, rec, acc_f, b, s, o_i, o_f, p,
                                  ip, fp)
@@ -437,7 +522,7 @@ def _route_py(j, owner, ts, stream, row, cols0, cols1, ip, keybuf):
 
 
 @njit(**HOT)
-def _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg):
+def _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg, ip):
     """Output row ``p``: the session in slot ``s`` (ts = its end, window start = its start,
     ``o_i[p, 0]`` its end, then the aggregate: ``o_i[p, 1]`` if an int, else ``o_f[p, 0]``)."""
     end = rec[b, s, 3]
@@ -447,7 +532,9 @@ def _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p,
     o_seq[p] = -1
     o_sub[p] = 0
     o_i[p, 0] = end
-    if agg == AGG_MEAN:  # (float results have one int output column, the end)
+    if agg == AGG_MULTI:
+        _multi_out(rec, acc_f, b, s, 4, o_i, o_f, p, 1, ip)
+    elif agg == AGG_MEAN:  # (float results have one int output column, the end)
         o_f[p, 0] = acc_f[b, s, 0] / rec[b, s, 4]
     elif (agg == AGG_SUM_F or agg == AGG_MIN_F or agg == AGG_MAX_F or agg == AGG_FIRST_F
           or agg == AGG_LAST_F):
@@ -528,19 +615,29 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     if bminl[b] > 0:
                         bminl[b] = 0
                 elif fresh:  # the key's session ended before t: emit it, open another
-                    _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg)
+                    _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg, ip)
                     opos[0] = p + 1
                 if fresh:
                     rec[b, s, 2] = t
                     rec[b, s, 3] = e
-                    rec[b, s, 4] = init_i[2]
-                    acc_f[b, s, 0] = init_f[0]
+                    for q in range(init_i.shape[0] - 2):
+                        rec[b, s, 4 + q] = init_i[2 + q]
+                    for q in range(init_f.shape[0]):
+                        acc_f[b, s, q] = init_f[q]
                 else:
                     if t < rec[b, s, 2]:
                         rec[b, s, 2] = t
                     if e > rec[b, s, 3]:
                         rec[b, s, 3] = e
-                if agg == AGG_COUNT:
+                if agg == AGG_MULTI:
+                    kv, kf = ip[9], ip[10]
+                    for q in range(ip[8]):
+                        c = MULTI + 3 * q
+                        xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
+                        xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
+                        rec[b, s, 4 + q], acc_f[b, s, q] = _apply(
+                            ip[c], rec[b, s, 4 + q], acc_f[b, s, q], xi, xf, t)
+                elif agg == AGG_COUNT:
                     rec[b, s, 4] += 1
                 elif agg == AGG_SUM_I:
                     rec[b, s, 4] += vi
@@ -586,7 +683,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         rebuild_bucket(b, rec, acc_f, bcount, bminl)
                     resume[1] = b
                     return 2
-                _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg)
+                _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p, agg, ip)
                 opos[0] = p + 1
                 rec[b, s, 1] = EMPTY
                 bcount[b] -= 1

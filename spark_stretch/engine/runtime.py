@@ -494,8 +494,8 @@ class Engine:
         recs, accs = [], []
         for st in self._states():
             live = st.rec[:, :, 1] != K.EMPTY
-            if stamp is not None:
-                live &= st.rec[:, :, 3] == stamp
+            if stamp is not None:  # (the stamp is the last int slot)
+                live &= st.rec[:, :, 1 + st.init_i.shape[0]] == stamp
             recs.append(st.rec[live])
             accs.append(st.acc_f[live])
         return np.concatenate(recs), np.concatenate(accs)

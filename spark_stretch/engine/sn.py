@@ -106,6 +106,9 @@ def _copy_cols(cols, idx):
     off, vals = cols[0], cols[1]
     lc = ListColumn(off, vals).take(idx)
     out += [lc.offsets, lc.values]
-    for c in cols[2:]:
-        out.append(c[idx] if c.shape[0] else c)
+    n = off.shape[0] - 1
+    for c in cols[2:]:  # (a fused aggregation's values: k per row, row-major)
+        k = c.shape[0] // n if n else 1
+        out.append(c.reshape(n, k)[idx].ravel() if c.shape[0] and k > 1 else
+                   c[idx] if c.shape[0] else c)
     return tuple(out)

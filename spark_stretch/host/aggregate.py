@@ -35,7 +35,8 @@ from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META
 from ..protocol.specs import AggregateSpec
 from . import faults
-from .aggregations import builtin_operators, output_table, reject_nulls, state_output
+from .aggregations import (builtin_operators, output_table, per_aggregation, reject_nulls,
+                           state_output)
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, list_parts, prepare, sample
 from .runtime import Runtime
@@ -155,7 +156,8 @@ class AggregateRuntime(Runtime):
         stamp = batch + 1  # (> 0: an unstamped window has 0)
         for eng in self.engines:
             eng.release_all(stamp)
-        rows = [eng.state_rows(stamp if mode == "update" else None) for eng in self.engines]
+        rows = per_aggregation(self.spec, [eng.state_rows(stamp if mode == "update" else None)
+                                           for eng in self.engines])
         out = output_table(self.spec, self.codec, [state_output(self.spec, rec, acc, *a[:2])
                            for (rec, acc), a in zip(rows, self.spec.aggs)])
         if mode == "update":
@@ -210,6 +212,11 @@ class AggregateRuntime(Runtime):
         chain = self.store.chain_of(batch)
         dirs = [self.store.dir / str(b) for b in chain]
         meta = self.store.read_meta(batch)
+        kept = len(list(dirs[0].glob("engine*.snap")))  # (one per aggregation before fusing)
+        if kept != len(ops):
+            raise StateError(f"the engine checkpoint of batch {batch} keeps {kept} engines, this "
+                             f"version runs {len(ops)} (one for all aggregations): restart the "
+                             "query from a new checkpoint location")
         self._restore_common(meta)
         self.stream_max_ms = meta.get("stream_max_ms", [meta.get("max_event_ms")])
         strings = []
@@ -234,9 +241,7 @@ class AggregateRuntime(Runtime):
     # -- what the query kind decides (the operator runtime overrides these) ----------------------
     def _operators(self) -> list:
         """The engine operators, all fed the same tuples under the same owner map and watermark:
-        one per aggregation, so their outputs come out in the same (ts, key, window) order and
-        zip. (A fused multi-aggregate kernel would update all in one pass; see
-        docs/architecture.md.)"""
+        one for all the aggregations (``aggregate_many``: a tuple finds its window once)."""
         return builtin_operators(self.spec)
 
     def _lateness(self, op) -> str:
@@ -301,7 +306,8 @@ class AggregateRuntime(Runtime):
         return cols
 
     def _output(self) -> pa.Table:
-        return output_table(self.spec, self.codec, [eng.esg_out.get_batch("driver")[0] for eng in self.engines])
+        return output_table(self.spec, self.codec, per_aggregation(
+            self.spec, [eng.esg_out.get_batch("driver")[0] for eng in self.engines]))
 
     # -- control -----------------------------------------------------------------------------------
     def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:

@@ -7,12 +7,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..ops.aggregate import aggregate
+from ..ops.aggregate import aggregate, aggregate_many
 from ..protocol.errors import InputRejected
 from ..protocol.specs import AggregateSpec
 from .columns import KeyCodec, finish, window_array, window_struct
 
-__all__ = ["builtin_operators", "engine_agg", "output_table", "reject_nulls", "state_output"]
+__all__ = ["builtin_operators", "engine_agg", "output_table", "per_aggregation", "reject_nulls",
+           "state_output"]
 
 
 def builtin_operators(s: AggregateSpec) -> list:
@@ -24,12 +25,26 @@ def builtin_operators(s: AggregateSpec) -> list:
         kw["keys"] = "key"
         if s.key_kind == "pairs":
             kw["pairs"], kw["B"] = True, s.distance
-    ops = []
-    for fn, col, take in map(engine_agg, s.aggs):
-        ops.append(aggregate(fn, value=col, value_type="i" if col is not None
-                             and s.value_types[col] == "long" else "f", take=take,
-                             stamped=s.output_mode != "append", **kw))
-    return ops
+    kw["stamped"] = s.output_mode != "append"
+    aggs = [(fn, col, "i" if col is not None and s.value_types[col] == "long" else "f", take)
+            for fn, col, take in map(engine_agg, s.aggs)]
+    if len(aggs) > 1:  # one record per window for all: a tuple finds its window once
+        return [aggregate_many(aggs, **kw)]
+    (fn, col, vt, take), = aggs
+    return [aggregate(fn, value=col, value_type=vt, take=take, **kw)]
+
+
+def per_aggregation(s: AggregateSpec, outs: list) -> list:
+    """The engines' outputs (or state rows ``(rec, acc_f)``) one per aggregation of ``s``: a
+    fused operator's (:func:`builtin_operators`) split into one per aggregation."""
+    if len(s.aggs) == 1:
+        return outs
+    (out,) = outs
+    if isinstance(out, tuple):  # state rows: aggregation q in int slot q and float slot q
+        rec, acc = out
+        return [(rec[:, [0, 1, 2 + q]], acc[:, [q]]) for q in range(len(s.aggs))]
+    common = {c: out[c] for c in ("key", "window_start", "end") if c in out}
+    return [{**common, fn: out[f"_{q}"]} for q, (fn, _, _) in enumerate(map(engine_agg, s.aggs))]
 
 
 def engine_agg(a) -> tuple:

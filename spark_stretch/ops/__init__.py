@@ -1,8 +1,8 @@
 """Built-in O+ operators (aggregations, joins, examples from the STRETCH papers)."""
-from .aggregate import aggregate, count, longest, max_, mean, min_, sum_
+from .aggregate import aggregate, aggregate_many, count, longest, max_, mean, min_, sum_
 from .wordcount import paircount, wordcount
 
-__all__ = ["aggregate", "count", "sum_", "min_", "max_", "mean", "longest", "wordcount", "paircount"]
+__all__ = ["aggregate", "aggregate_many", "count", "sum_", "min_", "max_", "mean", "longest", "wordcount", "paircount"]
 from ..engine.operator import Operator
 from ..engine.store import JoinOperator
 from .examples import passthrough, value_barrier_partials, value_barrier_totals

@@ -178,6 +178,74 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                     name=name or f"{agg}({key_col}{', pairs B=' + str(B) if pairs else ''})")
 
 
+# which value columns an aggregate reads: its int values (vi), its float values (vf); a first or
+# last reads its take flags from the column of the other kind
+_READS_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_FIRST_F,
+            K.AGG_LAST_F}
+_READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.AGG_LAST_F,
+            K.AGG_FIRST_I, K.AGG_LAST_I}
+
+
+def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, WA=None,
+                   name=None, stamped=False, session_end=None) -> Operator:
+    """Several windowed aggregations of the same tuples per key in one operator: one record per
+    window holds every aggregation's state, so a tuple finds its window once and updates all.
+
+    Parameters
+    ----------
+    aggs : list of (agg, value, value_type, take)
+        Each as :func:`aggregate`'s arguments of those names.
+    key, keys, pairs, B, WS, WA, stamped, session_end
+        As for :func:`aggregate`, shared by all.
+
+    The output has one column per aggregation, ``_0``, ``_1``, ... (after ``end`` for session
+    windows), of the kind :func:`aggregate` gives it.
+
+    Examples
+    --------
+    >>> op = aggregate_many([("sum", "v", "i", None), ("max", "v", "f", None), ("count", None, "f", None)],
+    ...                     key="user", WS=10)
+    >>> op.S, op.n_int, op.n_float
+    ((('_0', 'i'), ('_1', 'f'), ('_2', 'i')), 3, 3)
+    """
+    kw = dict(key=key, keys=keys, pairs=pairs, B=B, WS=WS, WA=WA, stamped=stamped,
+              session_end=session_end)
+    ops = [aggregate(a, value=v, value_type=vt, take=tk, **kw) for a, v, vt, tk in aggs]
+    codes = [int(op.builtin_ip[2]) for op in ops]
+    ip = np.full(K.MULTI + 3 * len(ops), -1, np.int64)
+    ip[:8] = ops[0].builtin_ip[:8]
+    ip[2], ip[8] = K.AGG_MULTI, len(ops)
+    reads_i, reads_f = [c in _READS_I for c in codes], [c in _READS_F for c in codes]
+    ip[9], ip[10] = sum(reads_i), sum(reads_f)
+    for q, code in enumerate(codes):
+        ip[K.MULTI + 3 * q] = code
+        if reads_i[q]:
+            ip[K.MULTI + 3 * q + 1] = sum(reads_i[:q])
+        if reads_f[q]:
+            ip[K.MULTI + 3 * q + 2] = sum(reads_f[:q])
+
+    def prepare(stream, batch):
+        parts = [op.prepare(stream, batch) for op in ops]
+        vi = [p[3] for p, r in zip(parts, reads_i) if r]
+        vf = [p[2] for p, r in zip(parts, reads_f) if r]
+        # (row-major: a tuple's values side by side)
+        vi = np.ascontiguousarray(np.stack(vi, 1)).ravel() if vi else _EMPTY_I
+        vf = np.ascontiguousarray(np.stack(vf, 1)).ravel() if vf else _EMPTY_F
+        return (parts[0][0], parts[0][1], vf, vi) + tuple(parts[0][4:])
+
+    at = 2 if session_end is not None else 0  # (an aggregate's init among a session's ints)
+    inits = tuple(int(op.init_i[at]) for op in ops)
+    ints = (0, 0) + inits if session_end is not None else inits + ((0,) if stamped else ())
+    S = tuple((f"_{q}", op.S[-1][1]) for q, op in enumerate(ops))
+    if session_end is not None:
+        S = (("end", "i"),) + S
+    return Operator(WA=ops[0].WA, WS=ops[0].WS, I=1, WT="multi", S=S, n_int=len(ints),
+                    session_end=session_end, n_float=len(ops), init_i=ints,
+                    init_f=tuple(float(op.init_f[0]) for op in ops), builtin_ip=ip,
+                    builtin_fp=np.zeros(1), prepare=prepare, decode=ops[0].decode,
+                    name=name or " + ".join(op.name for op in ops))
+
+
 def _take_flags(batch, take, n, vf, vi, value_type):
     if take is None:
         flags = np.ones(n, np.int64)

@@ -468,3 +468,65 @@ def test_first_and_last_take_the_earliest_and_latest_event_time(engine_cls, fn, 
         best = {w: x for w, x in best.items() if w[1] + WS > wm}
         if batch == 3:
             eng.reconfigure(m=3)
+
+
+AGGS = [("count", None, "i", None), ("sum", "v", "i", None), ("sum", "x", "f", None),
+        ("min", "v", "i", None), ("max", "x", "f", None), ("mean", "x", "f", None),
+        ("first", "v", "i", "take"), ("last", "x", "f", "take"), ("last", "v", "i", None)]
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+@pytest.mark.parametrize("windows", ["sliding", "tumbling", "session", "stamped"])
+def test_aggregate_many_equals_one_operator_per_aggregation(engine_cls, windows):
+    """The fused operator (one record per window holding every aggregation) gives, row for row,
+    what one operator per aggregation gives, over tuples out of order, late rows and a
+    rescale."""
+    from spark_stretch.ops import aggregate_many
+
+    kw = {"sliding": dict(WS=20, WA=10), "tumbling": dict(WS=20),
+          "session": dict(session_end="end"), "stamped": dict(WS=20, WA=10, stamped=True)}[windows]
+    fused = aggregate_many(AGGS, key="k", **kw)
+    singles = [aggregate(a, key="k", value=v, value_type=vt, take=tk, **kw) for a, v, vt, tk in AGGS]
+    engines = [engine_cls(op, m=2, n=3, n_buckets=64, lateness="window")
+               for op in [fused] + singles]
+    for eng in engines:
+        eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    rng = np.random.default_rng(3)
+    top, seen = 0, 0
+    try:
+        for batch in range(8):
+            ts = rng.integers(max(0, top - 30), top + 30, 50)
+            cols = {"ts": ts, "k": rng.integers(0, 6, 50), "v": rng.integers(-9, 9, 50),
+                    "x": rng.normal(size=50), "take": rng.integers(0, 2, 50),
+                    "end": ts + rng.integers(1, 12, 50)}
+            for eng in engines:
+                eng.esg_in.add(dict(cols), 0)
+                if windows == "stamped":
+                    eng.release_all(batch + 1)
+            if windows == "stamped":
+                rec, acc = engines[0].state_rows(batch + 1)
+                order = np.lexsort((rec[:, 1], rec[:, 0]))
+                for q, eng in enumerate(engines[1:]):
+                    r1, a1 = eng.state_rows(batch + 1)
+                    o1 = np.lexsort((r1[:, 1], r1[:, 0]))
+                    assert np.array_equal(rec[order][:, :2], r1[o1][:, :2])
+                    assert np.array_equal(rec[order][:, 2 + q], r1[o1][:, 2])
+                    assert np.allclose(acc[order][:, q], a1[o1][:, 0], equal_nan=True)
+            top = max(top, int(ts.max()))
+            for eng in engines:
+                eng.esg_in.advance_watermark(top - 15)
+                eng.drain()
+            outs = [eng.read_output(decode=False)[0] for eng in engines]
+            for q, (a, out) in enumerate(zip(AGGS, outs[1:])):
+                assert np.array_equal(outs[0]["key"], out["key"])
+                assert np.array_equal(outs[0]["window_start"], out["window_start"])
+                name = out_name = singles[q].S[-1][0]
+                assert np.array_equal(outs[0][f"_{q}"], out[out_name], equal_nan=True), (a, name)
+            seen += len(outs[0]["key"])
+            if batch == 3:
+                for eng in engines:
+                    eng.reconfigure(m=3)
+        assert seen > 20
+    finally:
+        for eng in engines:
+            eng.close()
