@@ -52,6 +52,10 @@ AGG_FIRST_I, AGG_FIRST_F, AGG_LAST_I, AGG_LAST_F = range(8, 12)
 # state the int slot q and the float slot q of the record's accumulators
 AGG_MULTI = 12
 MULTI = 11
+# the int value of the tuple with the largest (smallest) float ordering value ``vf``, ties: the
+# last (Spark's max_by/min_by); a NaN ordering value (null) is skipped; the float slot keeps
+# the extremum
+AGG_MAXBY_I, AGG_MINBY_I = 13, 14
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -101,6 +105,10 @@ def _apply(code, ci, cf, xi, xf, t):
         if xi != 0 and (t < ci if code == AGG_FIRST_F else t >= ci):
             cf = xf
             ci = t
+    elif code == AGG_MAXBY_I or code == AGG_MINBY_I:
+        if xf >= cf if code == AGG_MAXBY_I else xf <= cf:
+            ci = xi
+            cf = xf
     return ci, cf
 
 
@@ -469,14 +477,9 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         elif agg == AGG_MEAN:
                             acc_f[b, s, 0] += vf
                             rec[b, s, 2] += 1
-                        elif agg == AGG_FIRST_I or agg == AGG_LAST_I:
-                            if vf != 0.0 and (t < acc_f[b, s, 0] if agg == AGG_FIRST_I else t >= acc_f[b, s, 0]):
-                                rec[b, s, 2] = vi
-                                acc_f[b, s, 0] = t
-                        elif agg == AGG_FIRST_F or agg == AGG_LAST_F:
-                            if vi != 0 and (t < rec[b, s, 2] if agg == AGG_FIRST_F else t >= rec[b, s, 2]):
-                                acc_f[b, s, 0] = vf
-                                rec[b, s, 2] = t
+                        else:  # (the rarer ones through the scalar helper)
+                            rec[b, s, 2], acc_f[b, s, 0] = _apply(agg, rec[b, s, 2], acc_f[b, s, 0],
+                                                                  vi, vf, t)
                         if ip[3] != 0:  # stamped: the batch that last updated the window
                             rec[b, s, 1 + n_init_i] = ip[7]  # (the last int slot)
                     else:
@@ -658,14 +661,8 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 elif agg == AGG_MEAN:
                     acc_f[b, s, 0] += vf
                     rec[b, s, 4] += 1
-                elif agg == AGG_FIRST_I or agg == AGG_LAST_I:
-                    if vf != 0.0 and (t < acc_f[b, s, 0] if agg == AGG_FIRST_I else t >= acc_f[b, s, 0]):
-                        rec[b, s, 4] = vi
-                        acc_f[b, s, 0] = t
-                elif agg == AGG_FIRST_F or agg == AGG_LAST_F:
-                    if vi != 0 and (t < rec[b, s, 4] if agg == AGG_FIRST_F else t >= rec[b, s, 4]):
-                        acc_f[b, s, 0] = vf
-                        rec[b, s, 4] = t
+                else:
+                    rec[b, s, 4], acc_f[b, s, 0] = _apply(agg, rec[b, s, 4], acc_f[b, s, 0], vi, vf, t)
                 if dirty[b] == 0:
                     dirty[b] = 1
             resume[2] = 0

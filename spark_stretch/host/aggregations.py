@@ -30,8 +30,9 @@ def builtin_operators(s: AggregateSpec) -> list:
             for fn, col, take in map(engine_agg, s.aggs)]
     if len(aggs) > 1:  # one record per window for all: a tuple finds its window once
         return [aggregate_many(aggs, **kw)]
-    (fn, col, vt, take), = aggs
-    return [aggregate(fn, value=col, value_type=vt, take=take, **kw)]
+    (fn, col, vt, other), = aggs
+    return [aggregate(fn, value=col, value_type=vt, **kw,
+                      **{"by" if fn in ("max_by", "min_by") else "take": other})]
 
 
 def per_aggregation(s: AggregateSpec, outs: list) -> list:
@@ -48,8 +49,9 @@ def per_aggregation(s: AggregateSpec, outs: list) -> list:
 
 
 def engine_agg(a) -> tuple:
-    """``(fn, column, take)`` of one aggregation of a spec: ``first_if``/``last_if`` (a row
-    counts where the take column is not 0) are the engine's ``first``/``last`` with ``take``."""
+    """``(fn, column, other)`` of one aggregation of a spec: ``first_if``/``last_if`` (a row
+    counts where the take column ``other`` is not 0) are the engine's ``first``/``last`` with
+    ``take``; ``max_by``/``min_by`` order by the column ``other``."""
     fn, col, take = (*a, None)[:3]
     return (fn[:-3] if fn.endswith("_if") else fn), col, take
 

@@ -183,13 +183,16 @@ def _evaluate(e: dict, table: pa.Table):
             return table.column(e["col"])
         if "keyfield" in e:
             return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
-        if "lit" in e:
-            return pa.scalar(e["lit"], _FINISH_TYPES[e["type"]])
+        if "lit" in e:  # (Jackson writes a NaN as the string "NaN")
+            v = float(e["lit"]) if e["lit"] == "NaN" else e["lit"]
+            return pa.scalar(v, _FINISH_TYPES[e["type"]])
         if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
             #               taken may hold a min/max sentinel out of the target's range)
             return pc.cast(ev(e["cast"]), _FINISH_TYPES[e["type"]], safe=False)
         if "size" in e:
             return _size(e, ev(e["size"][0]))
+        if "addus" in e:  # a timestamp plus microseconds, as microseconds
+            return pc.add(pc.cast(ev(e["addus"]), pa.int64()), e["us"])
         if "row" in e:
             return unsafe_rows([ev(x) for x in e["row"]], e["types"], table.num_rows)
         for op, fn in _OPS.items():
@@ -218,8 +221,9 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
 def prepare(table: pa.Table, columns: list) -> pa.Table:
     """A batch's input columns (the scan's own) as the engine's input: the shim's translation
     of the input projection (``StretchPlans.prepareJs``), ``{"name": ..., "expr": e}`` each,
-    ``e`` as for :func:`finish` with ``{"col": name}`` for an input column, ``{"size": [e]}``
-    and ``{"row": [e...], "types": [...]}`` (a composite key, :func:`unsafe_rows`).
+    ``e`` as for :func:`finish` with ``{"col": name}`` for an input column, ``{"size": [e]}``,
+    ``{"addus": e, "us": n}`` (a timestamp plus ``n`` microseconds, as microseconds) and
+    ``{"row": [e...], "types": [...]}`` (a composite key, :func:`unsafe_rows`).
 
     Examples
     --------

@@ -20,7 +20,8 @@ from ..engine.operator import Operator
 
 _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, K.AGG_MIN_F),
          "max": (K.AGG_MAX_I, K.AGG_MAX_F), "mean": (None, K.AGG_MEAN), "longest": (K.AGG_MAX_I, None),
-         "first": (K.AGG_FIRST_I, K.AGG_FIRST_F), "last": (K.AGG_LAST_I, K.AGG_LAST_F)}
+         "first": (K.AGG_FIRST_I, K.AGG_FIRST_F), "last": (K.AGG_LAST_I, K.AGG_LAST_F),
+         "max_by": (K.AGG_MAXBY_I, None), "min_by": (K.AGG_MINBY_I, None)}
 _I64 = np.iinfo(np.int64)
 _EMPTY_F = np.empty(0, np.float64)
 _EMPTY_I = np.empty(0, np.int64)
@@ -28,7 +29,8 @@ UNBOUNDED = 1 << 30
 
 
 def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=None, value_type="f",
-              WS=None, WA=None, name=None, stamped=False, session_end=None, take=None) -> Operator:
+              WS=None, WA=None, name=None, stamped=False, session_end=None, take=None,
+              by=None) -> Operator:
     """A windowed aggregation per key (an ``A+`` when the key function yields many keys).
 
     Parameters
@@ -53,6 +55,9 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         Session windows (Spark's ``session_window``) in place of ``WS``/``WA``: the int64
         column of each tuple's session end (its timestamp plus its gap); see
         ``kernels._session_kernel_py``. The output has the session's end as column ``end``.
+    by : str, optional
+        ``max_by``/``min_by`` only: the ordering column (numbers; a NaN, a null, is skipped):
+        the int ``value`` of the tuple with the largest (smallest), ties: the last.
     take : str, optional
         ``first``/``last`` only: an int column; tuples where it is 0 are skipped (Spark's
         ``first(x, ignoreNulls=True)`` with ``take`` = "x is not null").
@@ -87,6 +92,11 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         raise EngineError("session_end= takes the place of WS/WA, and is append-only (stamped=False)")
     if take is not None and agg not in ("first", "last"):
         raise EngineError(f"take= is for agg='first' or 'last', not {agg!r}")
+    if (by is None) != (agg not in ("max_by", "min_by")):
+        raise EngineError(f"agg={agg!r} with by={by!r}: by= (the ordering column) is for "
+                          "agg='max_by' or 'min_by', and they need it")
+    if agg in ("max_by", "min_by"):
+        value_type = "i"
     if B is not None and (not pairs or int(B) < 1):
         raise EngineError(f"B={B}; the pair distance B needs pairs=True and B >= 1")
     if agg == "count":
@@ -111,6 +121,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         init_f = np.inf if code == K.AGG_FIRST_I else -np.inf
     elif code in (K.AGG_FIRST_F, K.AGG_LAST_F):
         init_i = _I64.max if code == K.AGG_FIRST_F else _I64.min
+    elif code in (K.AGG_MAXBY_I, K.AGG_MINBY_I):  # (the extremum of the ordering)
+        init_f = -np.inf if code == K.AGG_MAXBY_I else np.inf
     key_col = key if key is not None else keys
     out_name = "longest" if agg == "longest" else agg
 
@@ -160,6 +172,10 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                 vi = np.ascontiguousarray(v, np.int64)
             if agg in ("first", "last"):  # the take flag, in the column of the other kind
                 vf, vi = _take_flags(batch, take, len(kc), vf, vi, value_type)
+            elif by is not None:
+                if by not in batch:
+                    raise EngineError(f"by column {by!r} is not an input column (columns: {sorted(batch)})")
+                vf = np.ascontiguousarray(batch[by], np.float64)
         return (np.ascontiguousarray(off, np.int64), vals, vf, vi)
 
     def decode(k, interner):
@@ -181,9 +197,9 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
 # which value columns an aggregate reads: its int values (vi), its float values (vf); a first or
 # last reads its take flags from the column of the other kind
 _READS_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_FIRST_F,
-            K.AGG_LAST_F}
+            K.AGG_LAST_F, K.AGG_MAXBY_I, K.AGG_MINBY_I}
 _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.AGG_LAST_F,
-            K.AGG_FIRST_I, K.AGG_LAST_I}
+            K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I}
 
 
 def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, WA=None,
@@ -193,8 +209,9 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
 
     Parameters
     ----------
-    aggs : list of (agg, value, value_type, take)
-        Each as :func:`aggregate`'s arguments of those names.
+    aggs : list of (agg, value, value_type, other)
+        Each as :func:`aggregate`'s arguments of those names; ``other`` is ``by`` for
+        ``max_by``/``min_by``, else ``take``.
     key, keys, pairs, B, WS, WA, stamped, session_end
         As for :func:`aggregate`, shared by all.
 
@@ -210,7 +227,9 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     """
     kw = dict(key=key, keys=keys, pairs=pairs, B=B, WS=WS, WA=WA, stamped=stamped,
               session_end=session_end)
-    ops = [aggregate(a, value=v, value_type=vt, take=tk, **kw) for a, v, vt, tk in aggs]
+    ops = [aggregate(a, value=v, value_type=vt, **kw,
+                     **{"by" if a in ("max_by", "min_by") else "take": other})
+           for a, v, vt, other in aggs]
     codes = [int(op.builtin_ip[2]) for op in ops]
     ip = np.full(K.MULTI + 3 * len(ops), -1, np.int64)
     ip[:8] = ops[0].builtin_ip[:8]

@@ -73,8 +73,9 @@ class AggregateSpec(QuerySpec):
     window_us: int
     slide_us: int
     aggs: List[tuple]                  # (fn, column), fn in count/sum/min/max/mean/first/
-    #                                    last, or (fn, column, take), fn first_if/last_if:
-    #                                    rows whose take column is 0 are skipped
+    #                                    last, or (fn, column, other): fn first_if/last_if
+    #                                    (rows whose column other is 0 skipped), max_by/min_by
+    #                                    (ordered by the column other)
     value_types: Dict[str, str] = field(default_factory=dict)  # column -> "long" | "double"
     drop_null_ts: bool = False         # rows without an event time are in no window (Spark's
     #                                    window); False: an error naming the column
@@ -94,8 +95,9 @@ class AggregateSpec(QuerySpec):
 
     def output_names(self) -> List[str]:
         """Spark's names for the aggregations: ``count``, ``sum(x)``, ``avg(x)``, ..."""
-        return ["count" if fn == "count" else f"{'avg' if fn == 'mean' else fn}({col})"
-                for fn, col, *_ in self.aggs]
+        return ["count" if fn == "count" else
+                f"{'avg' if fn == 'mean' else fn}({', '.join(c for c in cols if c)})"
+                for fn, *cols in self.aggs]
 
 
 @dataclass(kw_only=True)

@@ -60,7 +60,8 @@ def test_more_than_64_fields_use_two_null_words():
 @pytest.mark.parametrize("legacy, want", [(False, [2, None, 0]), (True, [2, -1, 0])])
 def test_prepare_size_coalesce_if_and_key(legacy, want):
     t = pa.table({"w": pa.array([["a", "b"], None, []]), "v": pa.array([1, None, 3], pa.int32()),
-                  "k": pa.array(["x", "y", None])})
+                  "k": pa.array(["x", "y", None]),
+                  "t": pa.array([0, None, 5], pa.timestamp("us", "UTC"))})
     got = prepare(t, [
         {"name": "n", "expr": {"size": [{"col": "w"}], "legacy": legacy}},
         {"name": "s", "expr": {"coalesce": [{"cast": {"col": "v"}, "type": "double"},
@@ -68,6 +69,8 @@ def test_prepare_size_coalesce_if_and_key(legacy, want):
         {"name": "nn", "expr": {"if": [{"or": [{"isnull": [{"col": "v"}]},
                                                {"isnull": [{"col": "k"}]}]},
                                        {"lit": 0, "type": "long"}, {"lit": 1, "type": "long"}]}},
+        {"name": "end", "expr": {"cast": {"addus": {"col": "t"}, "us": 2_000_000},
+                                 "type": "timestamp"}},
         {"name": "key", "expr": {"row": [{"col": "k"}, {"size": [{"col": "w"}],
                                                         "legacy": legacy}],
                                  "types": ["string", "int"]}},
@@ -78,3 +81,6 @@ def test_prepare_size_coalesce_if_and_key(legacy, want):
     assert unsafe_row_field(got.column("key"), 2, 0, "string").to_pylist() == ["x", "y", None]
     assert unsafe_row_field(got.column("key"), 2, 1, "int").to_pylist() == want
     assert np.asarray(got.column("s")).dtype == np.float64
+    assert got.column("end").to_pylist() == [dt.datetime(1970, 1, 1, 0, 0, 2, tzinfo=dt.timezone.utc),
+                                             None, dt.datetime(1970, 1, 1, 0, 0, 2, 5,
+                                                               tzinfo=dt.timezone.utc)]

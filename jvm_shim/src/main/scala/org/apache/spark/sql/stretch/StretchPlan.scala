@@ -25,7 +25,7 @@ import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindo
 import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
 import org.apache.spark.sql.types._
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
-import org.apache.spark.unsafe.types.UTF8String
+import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
 
 /**
  * `spark_stretch.stretch(df)`: a native streaming aggregation, run by the host engine inside
@@ -458,6 +458,30 @@ object StretchPlans {
               c.dataType)
             else orNull(PrimRef(prim(fn, Some(nn))), cd.back(PrimRef(prim(fn, v))), c.dataType)
           }
+        case mb @ (_: MaxBy | _: MinBy) =>
+          // the value of the row with the largest (smallest) ordering, ties: the last (Spark's
+          // predicate keeps the old one only when strictly better); the ordering as a double
+          // (exact for these types), a null one (NaN) skipped
+          val (x, y, fn) = mb match {
+            case MaxBy(x, y) => (x, y, "max_by")
+            case MinBy(x, y) => (x, y, "min_by")
+          }
+          val yd: Expression = y.dataType match {
+            case IntegerType | ShortType | ByteType => Cast(y, DoubleType)
+            case DateType => Cast(UnixDate(y), DoubleType)
+            case TimestampType => Cast(UnixMicros(y), DoubleType)
+            case t => unsupported(s"$fn ordered by ${t.simpleString} (the engine orders by " +
+              "int, short, byte, date and timestamp columns)")
+          }
+          val cd = coded(x, fn)
+          if (cd.kind != "long") unsupported(s"$fn of ${x.dataType.simpleString} (the engine " +
+            "takes integral, boolean, date, timestamp and decimal values)")
+          val by = Some(value(Coalesce(Seq(yd, Literal(Double.NaN))), "double"))
+          val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, Literal(0L))),
+            "long")), by)))
+          val picked = if (!x.nullable) v else orNull(PrimRef(prim(fn, Some(value(
+            If(IsNull(x), Literal(0L), Literal(1L)), "long")), by)), v, x.dataType)
+          orNull(nonNull(Seq(y)), picked, x.dataType)
         case CountIf(p) =>  // rows where p is true (null counts as false)
           PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
             Literal(0L)), "long"))))
@@ -574,7 +598,8 @@ object StretchPlans {
     val valueName = valueNamed.map(_.name)
     val primNames = prims.map {
       case ("count", _, _) => "count"
-      case (f, Some(v), _) => s"$f(${valueName(v)})"
+      case (f, Some(v), Some(o)) => s"$f(${valueName(v)}, ${valueName(o)})"
+      case (f, Some(v), None) => s"$f(${valueName(v)})"
       case (f, None, _) => f
     }
     val windowType = StructType(Seq(StructField("start", TimestampType),
@@ -636,7 +661,8 @@ object StretchPlans {
 
   /** An expression of the engine's input as the engine evaluates it (host/columns.prepare, Arrow
    * compute over the base's columns, as Spark evaluates it), or None beyond this small set:
-   * columns, literals, widening casts, coalesce, if, is null, or, size and the composite key
+   * columns, literals, widening casts, coalesce, if, is null, or, size, a timestamp plus a
+   * fixed number of microseconds (a static session gap) and the composite key
    * (Spark's unsafe row of its fields, built byte for byte as Spark builds it). */
   private def prepareJs(e: Expression): Option[JsonNode] = {
     def op(name: String, args: Seq[Expression]): Option[JsonNode] = {
@@ -666,6 +692,17 @@ object StretchPlans {
           (t == DoubleType && (isIntegral(c.dataType) || isFloating(c.dataType))) =>
         prepareJs(c).map(j => mapper.createObjectNode().put("type", finishTypes(t))
           .set[JsonNode]("cast", j))
+      case KnownNullable(c) => prepareJs(c)
+      case PreciseTimestampConversion(c, _, t) =>  // (the same microseconds, as another type)
+        prepareJs(c).map(j => mapper.createObjectNode().put("type", finishTypes(t))
+          .set[JsonNode]("cast", j))
+      case TimestampAddInterval(c, gap, _) if gap.foldable && c.dataType == TimestampType =>
+        gap.eval() match {  // a session's end: a fixed gap of microseconds (no days, months)
+          case i: CalendarInterval if i.months == 0 && i.days == 0 =>
+            prepareJs(c).map(j => mapper.createObjectNode().put("us", i.microseconds)
+              .set[JsonNode]("addus", j))
+          case _ => None
+        }
       case Coalesce(cs) => op("coalesce", cs)
       case If(p, x, y) => op("if", Seq(p, x, y))
       case IsNull(c) => op("isnull", Seq(c))
