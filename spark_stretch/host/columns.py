@@ -214,6 +214,10 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
     (``{"if": [p, a, b]}``, ``{"div": [a, b]}``, ...), evaluated with Arrow compute as Spark
     evaluates them.
     """
+    return _columns(table, columns)
+
+
+def _columns(table: pa.Table, columns: list) -> pa.Table:
     return pa.Table.from_arrays([_evaluate(c["expr"], table) for c in columns],
                                 names=[c["name"] for c in columns])
 
@@ -232,8 +236,7 @@ def prepare(table: pa.Table, columns: list) -> pa.Table:
     ...     {"cast": {"col": "v"}, "type": "long"}, {"lit": 0, "type": "long"}]}}]).to_pydict()
     {'x': [1, 0]}
     """
-    return pa.Table.from_arrays([_evaluate(c["expr"], table) for c in columns],
-                                names=[c["name"] for c in columns])
+    return _columns(table, columns)
 
 
 _FIELD_MASK = {"int": 0xFFFFFFFF, "date": 0xFFFFFFFF, "short": 0xFFFF, "byte": 0xFF, "bool": 1}
