@@ -196,7 +196,8 @@ class AggregateRuntime(Runtime):
         strings = self.codec.interner.strings()
         since = self.store.chain["strings"] if delta else 0  # the interner only grows: append
         meta = {**self._common_meta(batch), "strings_from": since,
-                "stream_max_ms": self.stream_max_ms}
+                "stream_max_ms": self.stream_max_ms,
+                "output_mode": getattr(self.spec, "output_mode", "append")}
 
         def files():  # (in the store's writer thread; the next step waits for it)
             blobs = {f"engine{i}.snap": eng.snapshot(delta=delta)
@@ -212,6 +213,11 @@ class AggregateRuntime(Runtime):
         chain = self.store.chain_of(batch)
         dirs = [self.store.dir / str(b) for b in chain]
         meta = self.store.read_meta(batch)
+        mode, was = getattr(self.spec, "output_mode", "append"), meta.get("output_mode", "append")
+        if (mode == "append") != (was == "append"):  # (update and complete stamp the windows)
+            raise StateError(f"the engine state of batch {batch} was kept in output mode {was}, "
+                             f"which keeps windows otherwise than output mode {mode}: restart "
+                             f"the query in output mode {was}, or from a new checkpoint location")
         kept = len(list(dirs[0].glob("engine*.snap")))  # (one per aggregation before fusing)
         if kept != len(ops):
             raise StateError(f"the engine checkpoint of batch {batch} keeps {kept} engines, this "

@@ -480,3 +480,23 @@ def test_plain_key_columns_go_to_the_engine_as_the_scan_reads_them(spark, tmp_pa
     want = _rows(spark, "nat_flat")
     assert _rows(spark, "st_flat") == want and len(want) >= 8
     assert spark_stretch.control(q).metrics()["ingest"].get("files", 0) >= 4
+
+
+def test_a_restart_in_another_output_mode_is_refused_with_the_reason(spark, events, tmp_path):
+    # Append keeps windows unstamped, update stamps them: the engine's state of one cannot
+    # continue in the other (native Spark would continue; the error says how to go on)
+    def run(mode):
+        agg = (events().groupBy(F.window("ts", "20 seconds"), "k")
+               .agg(F.sum("v").alias("s"), F.count("*").alias("n")))
+        q = (spark_stretch.stretch(agg).writeStream.foreachBatch(lambda df, i: None)
+             .outputMode(mode).option("checkpointLocation", str(tmp_path / "ck-modes"))
+             .trigger(availableNow=True).start())
+        q.awaitTermination()
+        return q
+
+    assert run("append").exception() is None
+    (spark.createDataFrame([("z", "x", 1, 200)], "k string, d string, v int, t int")
+     .select("k", "d", "v", F.timestamp_seconds("t").alias("ts"))
+     .write.parquet(str(tmp_path / "in" / "part=9")))
+    with pytest.raises(Exception, match="kept in output mode append"):
+        run("update")
