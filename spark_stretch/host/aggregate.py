@@ -35,8 +35,8 @@ from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META
 from ..protocol.specs import AggregateSpec
 from . import faults
-from .aggregations import (builtin_operators, output_table, per_aggregation, reject_nulls,
-                           state_output)
+from .aggregations import (builtin_operators, check_checkpoint, output_table, per_aggregation,
+                           reject_nulls, state_output)
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, list_parts, prepare, sample
 from .runtime import Runtime
@@ -213,16 +213,8 @@ class AggregateRuntime(Runtime):
         chain = self.store.chain_of(batch)
         dirs = [self.store.dir / str(b) for b in chain]
         meta = self.store.read_meta(batch)
-        mode, was = getattr(self.spec, "output_mode", "append"), meta.get("output_mode", "append")
-        if (mode == "append") != (was == "append"):  # (update and complete stamp the windows)
-            raise StateError(f"the engine state of batch {batch} was kept in output mode {was}, "
-                             f"which keeps windows otherwise than output mode {mode}: restart "
-                             f"the query in output mode {was}, or from a new checkpoint location")
-        kept = len(list(dirs[0].glob("engine*.snap")))  # (one per aggregation before fusing)
-        if kept != len(ops):
-            raise StateError(f"the engine checkpoint of batch {batch} keeps {kept} engines, this "
-                             f"version runs {len(ops)} (one for all aggregations): restart the "
-                             "query from a new checkpoint location")
+        check_checkpoint(getattr(self.spec, "output_mode", "append"), meta, batch,
+                         len(list(dirs[0].glob("engine*.snap"))), len(ops))
         self._restore_common(meta)
         self.stream_max_ms = meta.get("stream_max_ms", [meta.get("max_event_ms")])
         strings = []

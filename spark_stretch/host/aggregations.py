@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..ops.aggregate import aggregate, aggregate_many
-from ..protocol.errors import InputRejected
+from ..protocol.errors import InputRejected, StateError
 from ..protocol.specs import AggregateSpec
 from .columns import KeyCodec, finish, window_array, window_struct
 
-__all__ = ["builtin_operators", "engine_agg", "output_table", "per_aggregation", "reject_nulls",
+__all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "output_table", "per_aggregation", "reject_nulls",
            "state_output"]
 
 
@@ -58,6 +58,22 @@ def engine_agg(a) -> tuple:
 
 def _is_long(s: AggregateSpec, fn: str, col) -> bool:
     return fn == "count" or (fn != "mean" and s.value_types[col] == "long")
+
+
+def check_checkpoint(mode: str, meta: dict, batch: int, kept: int, running: int) -> None:
+    """Raise StateError if the engine checkpoint of ``batch`` (its ``meta``, ``kept`` engine
+    snapshots) cannot continue in this run (output mode ``mode``, ``running`` engines): its
+    windows kept otherwise (update and complete stamp them, append does not), or one engine
+    per aggregation (before they were fused)."""
+    was = meta.get("output_mode", "append")
+    if (mode == "append") != (was == "append"):
+        raise StateError(f"the engine state of batch {batch} was kept in output mode {was}, "
+                         f"which keeps windows otherwise than output mode {mode}: restart "
+                         f"the query in output mode {was}, or from a new checkpoint location")
+    if kept != running:
+        raise StateError(f"the engine checkpoint of batch {batch} keeps {kept} engines, this "
+                         f"version runs {running} (one for all aggregations): restart the "
+                         "query from a new checkpoint location")
 
 
 def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
