@@ -56,6 +56,12 @@ MULTI = 11
 # last (Spark's max_by/min_by); a NaN ordering value (null) is skipped; the float slot keeps
 # the extremum
 AGG_MAXBY_I, AGG_MINBY_I = 13, 14
+# Spark's approx_count_distinct (HLL++, HyperLogLogPlusPlusHelper): 2**p registers of 6 bits, 10
+# to an int64 word, in the int slots of W = 2**p // 10 + 1 consecutive aggregates of a fused
+# operator: the first has code AGG_HLL + p (4 <= p <= 18) and reads the value's 64-bit hash
+# (vi) and a take flag (vf, 0: a null, skipped); the W - 1 after it are AGG_HLL_WORD (read
+# nothing). Spark estimates the count from the words.
+AGG_HLL_WORD, AGG_HLL = 15, 16
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -110,6 +116,31 @@ def _apply(code, ci, cf, xi, xf, t):
             ci = xi
             cf = xf
     return ci, cf
+
+
+@njit(**HOT)
+def _hll_at(code, x):
+    """HLL++'s update by the hash ``x`` (as Spark's): the word (from the aggregate's first
+    slot), the shift of the register in it, and the register's candidate value (the leading
+    zeros of the hash's bits after the index, plus one)."""
+    p = code - AGG_HLL
+    u = np.uint64(x)
+    idx = np.int64(u >> np.uint64(64 - p))
+    v = (u << np.uint64(p)) | (np.uint64(1) << np.uint64(p - 1))
+    pw = 1
+    while v < np.uint64(0x8000000000000000):  # (ends: the padding bit is set)
+        v = v << np.uint64(1)
+        pw += 1
+    w = idx // 10
+    return w, 6 * (idx - 10 * w), pw
+
+
+@njit(**HOT)
+def _hll_max(word, shift, pw):
+    """``word`` with its register at ``shift`` raised to ``pw`` if that is larger."""
+    if pw > ((word >> shift) & 63):
+        return (word & ~(np.int64(63) << shift)) | (np.int64(pw) << shift)
+    return word
 
 
 @njit(**HOT)
@@ -454,8 +485,14 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                                 c = MULTI + 3 * q
                                 xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
                                 xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
-                                rec[b, s, 2 + q], acc_f[b, s, q] = _apply(
-                                    ip[c], rec[b, s, 2 + q], acc_f[b, s, q], xi, xf, t)
+                                if ip[c] > AGG_HLL_WORD:  # a register of the words from q
+                                    if xf != 0.0:
+                                        w, sh, pw = _hll_at(ip[c], xi)
+                                        rec[b, s, 2 + q + w] = _hll_max(rec[b, s, 2 + q + w],
+                                                                        sh, pw)
+                                else:
+                                    rec[b, s, 2 + q], acc_f[b, s, q] = _apply(
+                                        ip[c], rec[b, s, 2 + q], acc_f[b, s, q], xi, xf, t)
                         elif agg == AGG_COUNT:
                             rec[b, s, 2] += 1
                         elif agg == AGG_SUM_I:
@@ -638,8 +675,13 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         c = MULTI + 3 * q
                         xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
                         xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
-                        rec[b, s, 4 + q], acc_f[b, s, q] = _apply(
-                            ip[c], rec[b, s, 4 + q], acc_f[b, s, q], xi, xf, t)
+                        if ip[c] > AGG_HLL_WORD:  # a register of the words from q
+                            if xf != 0.0:
+                                w, sh, pw = _hll_at(ip[c], xi)
+                                rec[b, s, 4 + q + w] = _hll_max(rec[b, s, 4 + q + w], sh, pw)
+                        else:
+                            rec[b, s, 4 + q], acc_f[b, s, q] = _apply(
+                                ip[c], rec[b, s, 4 + q], acc_f[b, s, q], xi, xf, t)
                 elif agg == AGG_COUNT:
                     rec[b, s, 4] += 1
                 elif agg == AGG_SUM_I:

@@ -11,6 +11,8 @@ All run in the cached, compiled engine kernel (no Python per row).
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ..engine import kernels as K
@@ -22,6 +24,7 @@ _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, 
          "max": (K.AGG_MAX_I, K.AGG_MAX_F), "mean": (None, K.AGG_MEAN), "longest": (K.AGG_MAX_I, None),
          "first": (K.AGG_FIRST_I, K.AGG_FIRST_F), "last": (K.AGG_LAST_I, K.AGG_LAST_F),
          "max_by": (K.AGG_MAXBY_I, None), "min_by": (K.AGG_MINBY_I, None)}
+_HLL = re.compile(r"hll(\d+)")  # approx_count_distinct's registers: "hll<p>", then its words
 _I64 = np.iinfo(np.int64)
 _EMPTY_F = np.empty(0, np.float64)
 _EMPTY_I = np.empty(0, np.int64)
@@ -30,7 +33,7 @@ UNBOUNDED = 1 << 30
 
 def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=None, value_type="f",
               WS=None, WA=None, name=None, stamped=False, session_end=None, take=None,
-              by=None) -> Operator:
+              by=None, _fused=False) -> Operator:
     """A windowed aggregation per key (an ``A+`` when the key function yields many keys).
 
     Parameters
@@ -59,8 +62,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         ``max_by``/``min_by`` only: the ordering column (numbers; a NaN, a null, is skipped):
         the int ``value`` of the tuple with the largest (smallest), ties: the last.
     take : str, optional
-        ``first``/``last`` only: an int column; tuples where it is 0 are skipped (Spark's
-        ``first(x, ignoreNulls=True)`` with ``take`` = "x is not null").
+        ``first``/``last``/``hll<p>`` only: an int column; tuples where it is 0 are skipped
+        (Spark's ``first(x, ignoreNulls=True)`` with ``take`` = "x is not null").
     stamped : bool
         Keep in each window the stamp of the batch that last updated it (``Engine.release_all``,
         ``Engine.state_rows``): Spark's update and complete output modes. A tuple then closes no
@@ -72,13 +75,19 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
     >>> op.S
     (('sum', 'f'),)
     """
-    if agg not in _AGGS:
+    hll = _HLL.fullmatch(agg)
+    if agg not in _AGGS and not hll and agg != "hll_word":
         raise EngineError(f"agg={agg!r}; use one of {sorted(_AGGS)}")
+    if (hll or agg == "hll_word") and not _fused:
+        raise EngineError(f"agg={agg!r}: an approximate distinct count's registers run in "
+                          "aggregate_many, with their words")
+    if hll and not 4 <= int(hll.group(1)) <= 18:
+        raise EngineError(f"agg={agg!r}: HLL++ takes 4 to 18 index bits")
     if (key is None) == (keys is None):
         raise EngineError(f"give exactly one of key= (scalar key column) or keys= (list column); got key={key!r}, keys={keys!r}")
     if pairs and keys is None:
         raise EngineError("pairs=True needs keys= (a list column)")
-    if agg != "count" and value is None:
+    if agg not in ("count", "hll_word") and value is None:
         raise EngineError(f"agg={agg!r} needs value= (the column to aggregate)")
     if value_type not in ("f", "i"):
         raise EngineError(f"value_type={value_type!r}; use 'f' (float64) or 'i' (int64)")
@@ -90,17 +99,19 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         WA = WS
     if session_end is not None and (WS is not None or stamped):
         raise EngineError("session_end= takes the place of WS/WA, and is append-only (stamped=False)")
-    if take is not None and agg not in ("first", "last"):
-        raise EngineError(f"take= is for agg='first' or 'last', not {agg!r}")
+    if take is not None and agg not in ("first", "last") and not hll:
+        raise EngineError(f"take= is for agg='first', 'last' or 'hll<p>', not {agg!r}")
     if (by is None) != (agg not in ("max_by", "min_by")):
         raise EngineError(f"agg={agg!r} with by={by!r}: by= (the ordering column) is for "
                           "agg='max_by' or 'min_by', and they need it")
-    if agg in ("max_by", "min_by"):
+    if agg in ("max_by", "min_by") or hll:
         value_type = "i"
     if B is not None and (not pairs or int(B) < 1):
         raise EngineError(f"B={B}; the pair distance B needs pairs=True and B >= 1")
-    if agg == "count":
-        code, out_kind = K.AGG_COUNT, "i"
+    if agg in ("count", "hll_word"):
+        code, out_kind = (K.AGG_COUNT if agg == "count" else K.AGG_HLL_WORD), "i"
+    elif hll:
+        code, out_kind = K.AGG_HLL + int(hll.group(1)), "i"
     else:
         ci, cf = _AGGS[agg]
         code = ci if value_type == "i" else cf
@@ -170,7 +181,7 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                 vf = np.ascontiguousarray(v, np.float64)
             else:
                 vi = np.ascontiguousarray(v, np.int64)
-            if agg in ("first", "last"):  # the take flag, in the column of the other kind
+            if agg in ("first", "last") or hll:  # the take flag, in the column of the other kind
                 vf, vi = _take_flags(batch, take, len(kc), vf, vi, value_type)
             elif by is not None:
                 if by not in batch:
@@ -202,6 +213,22 @@ _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.
             K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I}
 
 
+def _hll_words(codes) -> None:
+    """Raise EngineError unless each ``hll<p>`` is followed by exactly its other words."""
+    q = 0
+    while q < len(codes):
+        if codes[q] == K.AGG_HLL_WORD:
+            raise EngineError(f"aggregation {q} is an HLL++ word without its 'hll<p>' before it")
+        if codes[q] > K.AGG_HLL_WORD:
+            n = (1 << (codes[q] - K.AGG_HLL)) // 10 + 1
+            if codes[q + 1:q + n] != [K.AGG_HLL_WORD] * (n - 1):
+                raise EngineError(f"aggregation {q} (HLL++ of 2**{codes[q] - K.AGG_HLL} "
+                                  f"registers) needs {n - 1} 'hll_word' aggregations after it")
+            q += n
+        else:
+            q += 1
+
+
 def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, WA=None,
                    name=None, stamped=False, session_end=None) -> Operator:
     """Several windowed aggregations of the same tuples per key in one operator: one record per
@@ -211,7 +238,11 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     ----------
     aggs : list of (agg, value, value_type, other)
         Each as :func:`aggregate`'s arguments of those names; ``other`` is ``by`` for
-        ``max_by``/``min_by``, else ``take``.
+        ``max_by``/``min_by``, else ``take``. Besides :func:`aggregate`'s, ``hll<p>`` (Spark's
+        ``approx_count_distinct`` with ``2**p`` registers: ``value`` an int column of each
+        tuple's 64-bit hash, Spark's ``xxhash64`` with seed 42) followed by ``2**p // 10``
+        ``hll_word`` aggregations: their outputs are the registers' words, Spark's buffer of
+        ``HyperLogLogPlusPlus``.
     key, keys, pairs, B, WS, WA, stamped, session_end
         As for :func:`aggregate`, shared by all.
 
@@ -227,14 +258,18 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     """
     kw = dict(key=key, keys=keys, pairs=pairs, B=B, WS=WS, WA=WA, stamped=stamped,
               session_end=session_end)
-    ops = [aggregate(a, value=v, value_type=vt, **kw,
+    aggs = [(a, None, vt, None) if a == "hll_word" else (a, v, vt, other)
+            for a, v, vt, other in aggs]
+    ops = [aggregate(a, value=v, value_type=vt, **kw, _fused=True,
                      **{"by" if a in ("max_by", "min_by") else "take": other})
            for a, v, vt, other in aggs]
     codes = [int(op.builtin_ip[2]) for op in ops]
+    _hll_words(codes)
     ip = np.full(K.MULTI + 3 * len(ops), -1, np.int64)
     ip[:8] = ops[0].builtin_ip[:8]
     ip[2], ip[8] = K.AGG_MULTI, len(ops)
-    reads_i, reads_f = [c in _READS_I for c in codes], [c in _READS_F for c in codes]
+    reads_i = [c in _READS_I or c > K.AGG_HLL_WORD for c in codes]
+    reads_f = [c in _READS_F or c > K.AGG_HLL_WORD for c in codes]
     ip[9], ip[10] = sum(reads_i), sum(reads_f)
     for q, code in enumerate(codes):
         ip[K.MULTI + 3 * q] = code

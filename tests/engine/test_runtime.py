@@ -563,3 +563,54 @@ def test_max_by_and_min_by_take_the_last_of_ties_and_skip_nan(fn):
             assert got == {w: x[1] for w, x in best.items()}
     finally:
         eng.close()
+
+
+def _hll_words(hashes, p):
+    """Spark's HLL++ buffer words of 64-bit hashes, kept by hand (HyperLogLogPlusPlusHelper)."""
+    regs = [0] * (1 << p)
+    for h in hashes:
+        u = h & (2 ** 64 - 1)
+        rest = ((u << p) | (1 << (p - 1))) & (2 ** 64 - 1)
+        regs[u >> (64 - p)] = max(regs[u >> (64 - p)], 64 - rest.bit_length() + 1)
+    return [sum(r << (6 * i) for i, r in enumerate(regs[w * 10:w * 10 + 10]))
+            for w in range((1 << p) // 10 + 1)]
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+@pytest.mark.parametrize("windows", ["tumbling", "session"])
+def test_hll_registers_are_sparks_buffer_words(engine_cls, windows):
+    """An approx_count_distinct's state (``hll<p>`` and its words) equals Spark's HLL++ buffer
+    computed by hand from the same hashes (rows with a take flag of 0 skipped), next to a
+    count in the same record."""
+    from spark_stretch.engine.errors import EngineError
+    from spark_stretch.ops import aggregate_many
+
+    p = 5
+    words = [("hll5", "h", "i", "take")] + [("hll_word", "h", "i", None)] * ((1 << p) // 10)
+    kw = dict(WS=1000) if windows == "tumbling" else dict(session_end="end")
+    op = aggregate_many([("count", None, "i", None)] + words, key="k", **kw)
+    eng = engine_cls(op, m=2, n=2, n_buckets=16, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    rng = np.random.default_rng(5)
+    n = 400
+    h = rng.integers(-2 ** 63, 2 ** 63 - 1, n, dtype=np.int64)
+    h[:50] = h[50:100]  # repeated values
+    k, take = rng.integers(0, 3, n), rng.integers(0, 4, n) > 0
+    ts = np.sort(rng.integers(0, 500, n))
+    try:
+        eng.esg_in.add({"ts": ts, "k": k, "h": h, "take": take.astype(np.int64),
+                        "end": ts + 2000}, 0)
+        eng.esg_in.advance_watermark(5000)
+        eng.drain()
+        out = eng.read_output(decode=False)[0]
+        assert sorted(out["key"].tolist()) == [0, 1, 2]
+        for r, key in enumerate(out["key"].tolist()):
+            want = _hll_words([int(x) for x in h[(k == key) & take]], p)
+            got = [int(out[f"_{q}"][r]) for q in range(1, 1 + len(words))]
+            assert got == want and int(out["_0"][r]) == int((k == key).sum())
+    finally:
+        eng.close()
+    with pytest.raises(EngineError, match="needs 3 'hll_word'"):
+        aggregate_many(words[:1] + [("count", None, "i", None)], key="k", WS=10)
+    with pytest.raises(EngineError, match="run in aggregate_many"):
+        aggregate("hll5", key="k", value="h", value_type="i", WS=10)

@@ -18,7 +18,9 @@ import org.apache.spark.sql.catalyst.expressions._
 import org.apache.spark.sql.catalyst.expressions.aggregate._
 import org.apache.spark.sql.catalyst.expressions.codegen.CodegenFallback
 import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, BinaryNode, EventTimeWatermark, Generate, LogicalPlan, Project}
+import org.apache.spark.sql.catalyst.optimizer.NormalizeNaNAndZero
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
+import org.apache.spark.sql.catalyst.util.HyperLogLogPlusPlusHelper
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
 import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan, SparkStrategy}
 import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec}
@@ -200,6 +202,19 @@ case class StretchDecimalSum(hi: Expression, lo: Expression, dataType: DecimalTy
   }
   override protected def withNewChildrenInternal(l: Expression, r: Expression): Expression =
     copy(hi = l, lo = r)
+}
+
+/** Spark's `approx_count_distinct` of HLL++ register words the engine kept (Spark's own buffer
+ * of `HyperLogLogPlusPlus`, updated as Spark updates it): Spark's own estimate from them. */
+case class StretchHll(children: Seq[Expression], relativeSD: Double)
+  extends Expression with CodegenFallback {
+  @transient private lazy val helper = new HyperLogLogPlusPlusHelper(relativeSD)
+  override def nullable: Boolean = false
+  override def dataType: DataType = LongType
+  override def eval(input: InternalRow): Any =
+    helper.query(new GenericInternalRow(children.map(_.eval(input)).toArray[Any]), 0)
+  override protected def withNewChildrenInternal(c: IndexedSeq[Expression]): Expression =
+    copy(children = c)
 }
 
 /** How one aggregation runs on the engine. */
@@ -482,6 +497,24 @@ object StretchPlans {
           val picked = if (!x.nullable) v else orNull(PrimRef(prim(fn, Some(value(
             If(IsNull(x), Literal(0L), Literal(1L)), "long")), by)), v, x.dataType)
           orNull(nonNull(Seq(y)), picked, x.dataType)
+        case h: HyperLogLogPlusPlus =>
+          // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words) from each
+          // non-null row's xxhash64 with seed 42 (floats normalized first, as Spark does);
+          // Spark's own estimate from them
+          val c = h.child
+          c.dataType match {
+            case st: StringType if !st.supportsBinaryEquality =>
+              unsupported(s"approx_count_distinct over ${st.simpleString} (a collation)")
+            case _ =>
+          }
+          val p = math.ceil(2.0 * math.log(1.106 / h.relativeSD) / math.log(2.0)).toInt
+          if (p > 12) unsupported(s"approx_count_distinct with rsd ${h.relativeSD} (the engine " +
+            "keeps up to 2^12 registers in a window's state: rsd >= 0.018)")
+          val x = if (isFloating(c.dataType)) NormalizeNaNAndZero(c) else c
+          val hash = Some(value(XxHash64(Seq(x), 42L), "long"))
+          val flag = Some(value(If(IsNull(c), Literal(0L), Literal(1L)), "long"))
+          StretchHll((0 until h.hllppHelper.numWords).map(w =>
+            PrimRef(prim(if (w == 0) s"hll$p" else s"hll${p}_$w", hash, flag))), h.relativeSD)
         case CountIf(p) =>  // rows where p is true (null counts as false)
           PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
             Literal(0L)), "long"))))
