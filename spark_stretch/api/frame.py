@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
-from ..driver.inplan import fall_back, native_reason, run_of
+from ..driver.inplan import fall_back, native_reason, open_at_start, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -33,22 +33,25 @@ class StretchFrame(ClassicDataFrame):
     """A streaming DataFrame whose aggregation runs on the engine (``stretch(df)``); a
     ``pyspark.sql.DataFrame`` in every respect, see the module doc."""
 
-    def _stretch_init(self, spec) -> "StretchFrame":
+    def _stretch_init(self, spec, agg_id: str) -> "StretchFrame":
         self._stretch_spec = spec
+        self._stretch_id = agg_id
         return self
 
     @property
     def writeStream(self) -> DataStreamWriter:
-        return _Writer(self, getattr(self, "_stretch_spec", None))
+        return _Writer(self, getattr(self, "_stretch_spec", None),
+                       getattr(self, "_stretch_id", None))
 
 
 class _Writer(DataStreamWriter):
     """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in append mode
     starts with the shim's Delta sink (the engine appends)."""
 
-    def __init__(self, df: StretchFrame, spec):
+    def __init__(self, df: StretchFrame, spec, agg_id: Optional[str]):
         super().__init__(df)
         self._spec = spec
+        self._agg_id = agg_id
         self._finishable = spec is not None and spec.finish is not None
         self._fmt: Optional[str] = None
         self._mode: Optional[str] = None
@@ -118,6 +121,9 @@ class _Writer(DataStreamWriter):
         if direct:
             super().format(_DELTA_SINK)
         q = super().start(path)
+        if self._spec is not None and not reason:  # the engine opens beside Spark's start
+            open_at_start(self._spark, self._agg_id, q, self._mode or "append",
+                          {"path": target, "schema": self._df.schema.json()} if direct else None)
         return jvm.requery(q, _EngineWrites) if direct else q
 
 

@@ -96,7 +96,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
         fall_back(spark, reason, stacklevel=2)
         return df
     handler_for(spark).add(agg_id, spec)
-    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec)
+    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec, agg_id)
 
 
 def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):

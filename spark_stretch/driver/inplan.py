@@ -38,7 +38,7 @@ from .settings import read_settings
 from .sink import Sink, arrow_schema
 
 __all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back", "native_reason",
-           "handler_for", "run_of"]
+           "handler_for", "open_at_start", "run_of"]
 
 
 class FallbackWarning(UserWarning):
@@ -81,6 +81,24 @@ def handler_for(spark: SparkSession) -> "BatchHandler":
             # A query that ends while Python exits would call back into a gone interpreter.
             atexit.register(_quietly, lambda: spark.streams.removeListener(ends))
     return h
+
+
+def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
+                  delta: Optional[dict] = None) -> None:
+    """Open the engine's query of the stretch aggregation ``agg_id`` as Spark's ``query``
+    (written with output mode ``mode``; to the Delta table ``delta``, ``{"path", "schema"}``,
+    by the engine itself) starts, beside Spark's planning of its first micro-batch, which would
+    open it otherwise."""
+    spec = handler_for(spark).spec(agg_id)
+    run_id = str(query.runId)
+    schema = jvm.ShimPlans(spark).input_schema(agg_id)
+    with _LOCK:
+        if run_id in _RUNS:  # (its first batch came first)
+            return
+        run = _RUNS[run_id] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
+                                      jvm.checkpoint_root(query), schema, delta)
+    if not query.isActive:  # ended before the run was known: nothing else releases it
+        run.release()
 
 
 def _quietly(fn) -> None:
@@ -130,6 +148,9 @@ class BatchHandler:
         self._specs[agg_id] = spec
         jvm.ShimPlans(self._spark).register(agg_id, self)
 
+    def spec(self, agg_id: str) -> AggregateSpec:
+        return self._specs[agg_id]
+
     def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
                 sink) -> str:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
@@ -147,7 +168,8 @@ class BatchHandler:
             if run is None:
                 spec = replace(self._specs[agg_id], output_mode=mode.lower())
                 run = _RUNS[run_id] = PlanRun(self._spark, agg_id, spec,
-                                              str(Path(state_dir).parent), jdf,
+                                              str(Path(state_dir).parent),
+                                              jvm.dataframe(jdf, self._spark).schema,
                                               json.loads(sink) if sink else None)
         if run.agg_id != agg_id:
             raise ValueError("stretch: one stretch aggregation per streaming query so far; this "
@@ -191,17 +213,18 @@ class _Kind:
 
 
 class PlanRun:
-    """One run of a streaming query with a stretch aggregation in its plan."""
+    """One run of a streaming query with a stretch aggregation in its plan (``schema``: its
+    engine input's, a Spark StructType)."""
 
     def __init__(self, spark: SparkSession, agg_id: str, spec: AggregateSpec, checkpoint: str,
-                 jdf, delta: Optional[dict] = None):
+                 schema: StructType, delta: Optional[dict] = None):
         self.agg_id = agg_id
         self._spark = spark
         settings = read_settings(spark.conf)
         self.layout = QueryLayout(checkpoint)
         qid, app_id = recovery.query_ids(self.layout)
         self.qid = qid
-        schema = arrow_schema(jvm.dataframe(jdf, spark).schema)
+        schema = arrow_schema(schema)
         # The engine's own rows for the exec to project, or (appending to Delta itself) the
         # aggregation's rows.
         spec = replace(spec, input_schema=schema, finish=spec.finish if delta else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import List, Optional, Set, Tuple
 
 from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql.types import StructType
 
 __all__ = ["executor_hosts", "batch_plan", "plan_string", "watermarks", "interval_us", "ShimPlans",
            "dataframe", "requery", "splits_for", "session_key",
@@ -183,6 +184,12 @@ class ShimPlans:
         ensure_callback_server_started(self._spark.sparkContext._gateway)
         self._j.register(agg_id, handler)
 
+    def input_schema(self, agg_id: str) -> StructType:
+        """The schema of ``agg_id``'s engine input, as its micro-batches have it."""
+        import json
+
+        return StructType.fromJson(json.loads(self._j.inputSchema(agg_id)))
+
     def marked(self, query) -> bool:
         """Whether a running ``StreamingQuery`` has a stretch aggregation in its plan."""
         return bool(self._j.marked(query._jsq.streamingQuery().logicalPlan()))
@@ -191,6 +198,12 @@ class ShimPlans:
 def requery(query, cls):
     """The running ``StreamingQuery`` ``query`` as a ``cls`` (a StreamingQuery subclass)."""
     return cls(query._jsq)
+
+
+def checkpoint_root(query) -> str:
+    """The checkpoint location of a running ``StreamingQuery``, as Spark resolved it (the parent
+    of its stateful operators' ``state`` directory)."""
+    return str(query._jsq.streamingQuery().resolvedCheckpointRoot())
 
 
 def dataframe(jdf, spark: SparkSession) -> DataFrame:

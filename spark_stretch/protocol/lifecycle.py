@@ -14,8 +14,10 @@ Examples
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["die_with_parent", "spawn_child"]
@@ -34,7 +36,23 @@ def die_with_parent() -> None:
 # with it. So children are started from one thread that lives as long as this process.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stretch-spawner")
 
+# The child sets PR_SET_PDEATHSIG itself, in a small launcher that then execs the command (the
+# setting survives exec), and exits if its parent is already gone. Not a ``preexec_fn``: that
+# runs Python's after-fork handlers in the child, and forked from a thread other than the main
+# one they finalize the main thread's py4j connection, whose socket the child shares: the
+# driver's main thread then loses its JVM thread (and Spark's active session with it).
+_LAUNCH = ("import ctypes, os, signal, sys\n"
+           "try:\n"
+           "    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+           "except OSError:\n"
+           "    pass\n"
+           "if os.getppid() != int(sys.argv[1]):\n"
+           "    sys.exit(1)\n"
+           "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
-def spawn_child(*args, **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(*args, **kwargs)`` of a child that dies with this process."""
-    return _SPAWNER.submit(subprocess.Popen, *args, preexec_fn=die_with_parent, **kwargs).result()
+
+def spawn_child(args, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(args, **kwargs)`` of a child that dies with this process (``args`` a
+    list: the program and its arguments)."""
+    launch = [sys.executable, "-I", "-S", "-c", _LAUNCH, str(os.getpid()), *map(str, args)]
+    return _SPAWNER.submit(subprocess.Popen, launch, **kwargs).result()

@@ -244,6 +244,9 @@ object StretchPlans {
 
   def register(id: String, h: StretchBatchHandler): Unit = handlers.put(id, h)
 
+  /** The schema (JSON) of the engine's input of aggregation `id`, as its micro-batches have it. */
+  def inputSchema(id: String): String = translation(id).input.schema.json
+
   /** The aggregation `df` on the engine, as `df` with the marker over it. */
   def mark(df: ClassicDataset[Row], id: String): ClassicDataset[Row] = {
     val t = translation(id)
