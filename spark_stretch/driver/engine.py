@@ -109,6 +109,12 @@ class HostEngine:
             cur._refs += 1
             return cur
 
+    @classmethod
+    def running(cls) -> bool:
+        """Whether this driver's engine process is up (a query holds it)."""
+        with cls._lock:
+            return cls._current is not None and cls._current.alive()
+
     def release(self) -> None:
         """Drop a reference; the last one stops the process."""
         with HostEngine._lock:

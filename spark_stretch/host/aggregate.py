@@ -300,7 +300,10 @@ class AggregateRuntime(Runtime):
             cols["key"] = ListColumn(offsets, self.codec.ids(values,
                                                              force_intern=s.key_kind == "pairs"))
         for c, vt in s.value_types.items():
-            cols[c] = pc.cast(table.column(c), pa.int64() if vt == "long" else pa.float64()).to_numpy()
+            if vt == "string":  # (a first/last/max_by/min_by value: its id, decoded on output)
+                cols[c] = self.codec.ids(table.column(c).combine_chunks(), force_intern=True)
+            else:
+                cols[c] = pc.cast(table.column(c), pa.int64() if vt == "long" else pa.float64()).to_numpy()
         return cols
 
     def _output(self) -> pa.Table:

@@ -26,7 +26,7 @@ def builtin_operators(s: AggregateSpec) -> list:
         if s.key_kind == "pairs":
             kw["pairs"], kw["B"] = True, s.distance
     kw["stamped"] = s.output_mode != "append"
-    aggs = [(fn, col, "i" if col is not None and s.value_types[col] == "long" else "f", take)
+    aggs = [(fn, col, "i" if col is not None and s.value_types[col] != "double" else "f", take)
             for fn, col, take in map(engine_agg, s.aggs)]
     if len(aggs) > 1:  # one record per window for all: a tuple finds its window once
         return [aggregate_many(aggs, **kw)]
@@ -60,7 +60,8 @@ def engine_agg(a) -> tuple:
 
 
 def _is_long(s: AggregateSpec, fn: str, col) -> bool:
-    return fn == "count" or (fn != "mean" and s.value_types[col] == "long")
+    """Whether the aggregate's state and output are ints (a string value: its interned id)."""
+    return fn == "count" or (fn != "mean" and s.value_types[col] != "double")
 
 
 def check_checkpoint(mode: str, meta: dict, batch: int, kept: int, running: int) -> None:
@@ -131,7 +132,9 @@ def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
     names = ["window", "key"]
     for (fn, col, _), name, o in zip(map(engine_agg, s.aggs), s.output_names(), outs):
         v = np.asarray(o[fn])
-        if _is_long(s, fn, col):
+        if fn != "count" and s.value_types[col] == "string":
+            arrays.append(codec.strings(v.astype(np.int64)))
+        elif _is_long(s, fn, col):
             arrays.append(pa.array(v.astype(np.int64)))
         else:
             arrays.append(pa.array(v.astype(np.float64)))

@@ -16,7 +16,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -56,7 +56,7 @@ class KeyCodec:
 
     def __init__(self, interner: Optional[Interner] = None):
         self.interner = interner or Interner()
-        self._dict: Optional[pa.Array] = None  # interned values, id order
+        self._dict: Dict[pa.DataType, pa.Array] = {}  # interned values, id order, per type
 
     def ids(self, arr: pa.Array, force_intern: bool = False) -> np.ndarray:
         """Exact int64 ids: strings interned (each distinct string once per batch), longs as is."""
@@ -77,12 +77,12 @@ class KeyCodec:
     def _dictionary(self, typ) -> pa.Array:
         """The interned values as one Arrow array (id i at position i), grown by the new ones only,
         so decoding output keys is an Arrow ``take``, not a Python loop over rows."""
-        known = self._dict
+        known = self._dict.get(typ)
         n = len(self.interner)
-        if known is None or len(known) < n:
+        if known is None or len(known) < n:  # (keys and string values share the interner)
             new = pa.array(self.interner.strings()[0 if known is None else len(known):n], typ)
             known = new if known is None else pa.concat_arrays([known, new])
-            self._dict = known
+            self._dict[typ] = known
         return known
 
 
@@ -184,7 +184,7 @@ def _evaluate(e: dict, table: pa.Table):
         if "keyfield" in e:
             return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
         if "lit" in e:  # (Jackson writes a NaN as the string "NaN")
-            v = float(e["lit"]) if e["lit"] == "NaN" else e["lit"]
+            v = float(e["lit"]) if e["lit"] == "NaN" and e["type"] in ("double", "float") else e["lit"]
             return pa.scalar(v, _FINISH_TYPES[e["type"]])
         if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
             #               taken may hold a min/max sentinel out of the target's range)

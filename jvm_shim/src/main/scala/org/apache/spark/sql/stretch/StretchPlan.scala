@@ -375,7 +375,11 @@ object StretchPlans {
     case class PrimRef(i: Int) extends LeafExpression with Unevaluable {
       override def dataType: DataType = prims(i) match {
         case ("count", _, _) => LongType
-        case (_, Some(v), _) => if (values(v)._2 == "long") LongType else DoubleType
+        case (_, Some(v), _) => values(v)._2 match {
+          case "long" => LongType
+          case "double" => DoubleType
+          case _ => StringType
+        }
         case _ => LongType
       }
       override def nullable: Boolean = false
@@ -390,9 +394,12 @@ object StretchPlans {
       if (isIntegral(c.dataType)) "long" else if (isFloating(c.dataType)) "double"
       else unsupported(s"$what over ${c.dataType.simpleString} (the engine takes integral and " +
         "floating-point columns so far)")
-    // A column as the engine holds it (a long or a double), and its value back from that
+    // A column as the engine holds it (a long, a double, or a string the engine interns, for
+    // the aggregates that only keep a value: `strings`), and its value back from that
     case class Coded(engine: Expression, kind: String, back: Expression => Expression)
-    def coded(c: Expression, what: String): Coded = c.dataType match {
+    def coded(c: Expression, what: String, strings: Boolean = false): Coded = c.dataType match {
+      case st: StringType if strings && st.supportsBinaryEquality =>
+        Coded(c, "string", e => if (st == StringType) e else Cast(e, st))
       case t if isIntegral(t) => Coded(Cast(c, LongType), "long", Cast(_, t))
       case t if isFloating(t) => Coded(Cast(c, DoubleType), "double", Cast(_, t))
       case BooleanType => Coded(Cast(c, LongType), "long", Cast(_, BooleanType))
@@ -466,8 +473,12 @@ object StretchPlans {
             case First(c, i) => (c, i, "first")
             case Last(c, i) => (c, i, "last")
           }
-          val cd = coded(c, fn)
-          val zero = if (cd.kind == "long") Literal(0L) else Literal(0.0)
+          val cd = coded(c, fn, strings = true)
+          val zero = cd.kind match {
+            case "long" => Literal(0L)
+            case "double" => Literal(0.0)
+            case _ => Literal(UTF8String.EMPTY_UTF8, StringType)
+          }
           val v = Some(value(Coalesce(Seq(cd.engine, zero)), cd.kind))
           if (!c.nullable) cd.back(PrimRef(prim(fn, v)))
           else {
@@ -491,12 +502,13 @@ object StretchPlans {
             case t => unsupported(s"$fn ordered by ${t.simpleString} (the engine orders by " +
               "int, short, byte, date and timestamp columns)")
           }
-          val cd = coded(x, fn)
-          if (cd.kind != "long") unsupported(s"$fn of ${x.dataType.simpleString} (the engine " +
-            "takes integral, boolean, date, timestamp and decimal values)")
+          val cd = coded(x, fn, strings = true)
+          if (cd.kind == "double") unsupported(s"$fn of ${x.dataType.simpleString} (the engine " +
+            "takes integral, boolean, date, timestamp, decimal and string values)")
           val by = Some(value(Coalesce(Seq(yd, Literal(Double.NaN))), "double"))
-          val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, Literal(0L))),
-            "long")), by)))
+          val none = if (cd.kind == "long") Literal(0L) else Literal(UTF8String.EMPTY_UTF8, StringType)
+          val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, none)), cd.kind)),
+            by)))
           val picked = if (!x.nullable) v else orNull(PrimRef(prim(fn, Some(value(
             If(IsNull(x), Literal(0L), Literal(1L)), "long")), by)), v, x.dataType)
           orNull(nonNull(Seq(y)), picked, x.dataType)
@@ -713,10 +725,12 @@ object StretchPlans {
     e match {
       case at: AttributeReference => Some(mapper.createObjectNode().put("col", at.name))
       case Literal(v, t) if finishTypes.contains(t) && (v == null || v.isInstanceOf[Long] ||
-          v.isInstanceOf[Int] || v.isInstanceOf[Double] || v.isInstanceOf[Boolean]) =>
+          v.isInstanceOf[Int] || v.isInstanceOf[Double] || v.isInstanceOf[Boolean] ||
+          v.isInstanceOf[UTF8String]) =>
         val o = mapper.createObjectNode().put("type", finishTypes(t))
         v match {
           case null => o.putNull("lit")
+          case x: UTF8String => o.put("lit", x.toString)
           case x: Long => o.put("lit", x)
           case x: Int => o.put("lit", x)
           case x: Double => o.put("lit", x)
