@@ -167,10 +167,22 @@ def _size(e: dict, arr):
     return pc.fill_null(n, -1) if e.get("legacy") else n
 
 
+def _bitcast(arr, to):
+    """A double column's IEEE bits as longs (``to`` int64), or longs' bits as doubles (nulls
+    kept): how a max_by/min_by of doubles keeps its value in the engine's int slot."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    frm = np.float64 if to == np.int64 else np.int64
+    values = pc.fill_null(pc.cast(arr, pa.from_numpy_dtype(frm)), 0).to_numpy(
+        zero_copy_only=False).view(to)
+    return pa.array(values, mask=arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count
+                    else None)
+
+
 # Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do
 _OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
         "eq": pc.equal, "lt": pc.less, "gt": pc.greater, "sqrt": pc.sqrt, "if": pc.if_else,
-        "coalesce": pc.coalesce, "isnull": pc.is_null, "or": pc.or_}
+        "coalesce": pc.coalesce, "isnull": pc.is_null, "or": pc.or_,
+        "bits": lambda a: _bitcast(a, np.int64), "unbits": lambda a: _bitcast(a, np.float64)}
 
 
 def _evaluate(e: dict, table: pa.Table):

@@ -438,8 +438,9 @@ def test_decimal_timestamp_and_boolean_keys_in_update_mode(spark, typed, tmp_pat
     (lambda: F.window("ts", "20 seconds", "10 seconds"), "update"),
     (lambda: F.session_window("ts", "5 seconds"), "append")], ids=["tumbling", "sliding-update",
                                                                    "session"])
-def test_first_last_max_by_min_by_over_strings(spark, typed, tmp_path, window, mode):
-    # String values are interned by the engine (their ids in its state) and decoded on output
+def test_first_last_max_by_min_by_over_strings_and_doubles(spark, typed, tmp_path, window, mode):
+    # String values are interned by the engine (their ids in its state) and decoded on output;
+    # max_by/min_by keep a double's bits in their int slot
     s = F.concat("k", F.lit("-"), F.col("v").cast("string"))  # (null where v is null)
 
     def agg(df):
@@ -447,13 +448,16 @@ def test_first_last_max_by_min_by_over_strings(spark, typed, tmp_path, window, m
                 .agg(F.first(s).alias("f"), F.last(s).alias("l"),
                      F.first(s, ignorenulls=True).alias("fn"),
                      F.last(s, ignorenulls=True).alias("ln"), F.max_by(s, "v").alias("mb"),
-                     F.min_by("k", "ts").alias("nb"), F.count("*").alias("n")))
+                     F.min_by("k", "ts").alias("nb"), F.count("*").alias("n"),
+                     F.max_by(F.col("v") / 3, "ts").alias("db"),
+                     F.min_by((F.col("v") - 5).cast("float"), "d").alias("fb")))
 
     want, _ = _per_batch(agg(typed()), tmp_path, "nat", mode)
     got, q = _per_batch(spark_stretch.stretch(agg(typed())), tmp_path, "st", mode)
     assert got == want
     rows = [r for b in want.values() for r in b]
     assert len(rows) >= 5 and any(r["f"] is None for r in rows) and any(r["mb"] for r in rows)
+    assert any(r["db"] and r["db"] != int(r["db"]) for r in rows)
     assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
     if mode == "append":  # straight to Delta: the engine appends the strings itself
         _to_delta(agg(typed()), tmp_path, "native")

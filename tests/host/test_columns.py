@@ -84,3 +84,24 @@ def test_prepare_size_coalesce_if_and_key(legacy, want):
     assert got.column("end").to_pylist() == [dt.datetime(1970, 1, 1, 0, 0, 2, tzinfo=dt.timezone.utc),
                                              None, dt.datetime(1970, 1, 1, 0, 0, 2, 5,
                                                                tzinfo=dt.timezone.utc)]
+
+
+def test_a_doubles_bits_as_longs_and_back():
+    # (max_by/min_by of doubles keep the bits in the engine's int slot); Java's
+    # doubleToRawLongBits as the oracle: struct's view of the same 8 bytes
+    import struct
+
+    from spark_stretch.host.columns import finish
+
+    xs = [1.5, -0.0, float("inf"), None, 2.0 ** -1074, -3.25e300]
+    t = prepare(pa.table({"x": pa.array(xs, pa.float64())}),
+                [{"name": "b", "expr": {"bits": [{"col": "x"}]}}])
+    want = [None if x is None else struct.unpack("<q", struct.pack("<d", x))[0] for x in xs]
+    assert t.column("b").to_pylist() == want
+    back = finish(t, [{"name": "x", "expr": {"unbits": [{"ref": 0}]}}]).column("x").to_pylist()
+    assert [None if x is None else struct.pack("<d", x) for x in back] == \
+        [None if x is None else struct.pack("<d", x) for x in xs]
+    nan = prepare(pa.table({"x": pa.array([float("nan")])}),
+                  [{"name": "b", "expr": {"bits": [{"col": "x"}]}}]).column("b")
+    assert np.isnan(finish(pa.table({"b": nan}), [{"name": "x", "expr": {"unbits": [{"ref": 0}]}}])
+                    .column("x")[0].as_py())

@@ -217,6 +217,22 @@ case class StretchHll(children: Seq[Expression], relativeSD: Double)
     copy(children = c)
 }
 
+/** A double's IEEE bits as a long, and back (`StretchBitsDouble`): a floating-point value kept
+ * in the engine's int slot (`max_by`/`min_by` of doubles). */
+case class StretchDoubleBits(child: Expression) extends UnaryExpression with CodegenFallback {
+  override def dataType: DataType = LongType
+  override protected def nullSafeEval(v: Any): Any =
+    java.lang.Double.doubleToRawLongBits(v.asInstanceOf[Double])
+  override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
+}
+
+case class StretchBitsDouble(child: Expression) extends UnaryExpression with CodegenFallback {
+  override def dataType: DataType = DoubleType
+  override protected def nullSafeEval(v: Any): Any =
+    java.lang.Double.longBitsToDouble(v.asInstanceOf[Long])
+  override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
+}
+
 /** How one aggregation runs on the engine. */
 case class Translation(native: LogicalPlan, input: LogicalPlan, engineSchema: StructType,
                        result: Seq[Expression], spec: ObjectNode)
@@ -502,9 +518,11 @@ object StretchPlans {
             case t => unsupported(s"$fn ordered by ${t.simpleString} (the engine orders by " +
               "int, short, byte, date and timestamp columns)")
           }
-          val cd = coded(x, fn, strings = true)
-          if (cd.kind == "double") unsupported(s"$fn of ${x.dataType.simpleString} (the engine " +
-            "takes integral, boolean, date, timestamp, decimal and string values)")
+          val cd = coded(x, fn, strings = true) match {
+            case Coded(e, "double", back) =>  // (its bits in the int slot)
+              Coded(StretchDoubleBits(e), "long", b => back(StretchBitsDouble(b)))
+            case other => other
+          }
           val by = Some(value(Coalesce(Seq(yd, Literal(Double.NaN))), "double"))
           val none = if (cd.kind == "long") Literal(0L) else Literal(UTF8String.EMPTY_UTF8, StringType)
           val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, none)), cd.kind)),
@@ -759,6 +777,7 @@ object StretchPlans {
       case Or(x, y) => op("or", Seq(x, y))
       case Size(c, legacy) => op("size", Seq(c)).map(_.asInstanceOf[ObjectNode]
         .put("legacy", legacy))
+      case StretchDoubleBits(c) => op("bits", Seq(c))
       case StretchKeyEncode(cs) if cs.forall(c => keyFieldTypes.contains(c.dataType)) =>
         op("row", cs).map { o =>
           val types = o.asInstanceOf[ObjectNode].putArray("types")
@@ -810,6 +829,7 @@ object StretchPlans {
       case LessThan(x, y) => node("lt", js(x), js(y))
       case GreaterThan(x, y) => node("gt", js(x), js(y))
       case Sqrt(x) => node("sqrt", js(x))
+      case StretchBitsDouble(x) => node("unbits", js(x))
       case Literal(v: Boolean, t) => typed("lit", t, Some(mapper.getNodeFactory.booleanNode(v)))
       case GetStructField(StretchKeyDecode(BoundReference(1, _, _), schema), j, _) =>
         finishTypes.get(schema(j).dataType).map(t => mapper.createObjectNode()
