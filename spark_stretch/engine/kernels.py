@@ -682,28 +682,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         else:
                             rec[b, s, 4 + q], acc_f[b, s, q] = _apply(
                                 ip[c], rec[b, s, 4 + q], acc_f[b, s, q], xi, xf, t)
-                elif agg == AGG_COUNT:
-                    rec[b, s, 4] += 1
-                elif agg == AGG_SUM_I:
-                    rec[b, s, 4] += vi
-                elif agg == AGG_SUM_F:
-                    acc_f[b, s, 0] += vf
-                elif agg == AGG_MIN_I:
-                    if vi < rec[b, s, 4]:
-                        rec[b, s, 4] = vi
-                elif agg == AGG_MAX_I:
-                    if vi > rec[b, s, 4]:
-                        rec[b, s, 4] = vi
-                elif agg == AGG_MIN_F:
-                    if vf < acc_f[b, s, 0]:
-                        acc_f[b, s, 0] = vf
-                elif agg == AGG_MAX_F:
-                    if vf > acc_f[b, s, 0]:
-                        acc_f[b, s, 0] = vf
-                elif agg == AGG_MEAN:
-                    acc_f[b, s, 0] += vf
-                    rec[b, s, 4] += 1
-                else:
+                else:  # (scalars only: inlined without reference counts)
                     rec[b, s, 4], acc_f[b, s, 0] = _apply(agg, rec[b, s, 4], acc_f[b, s, 0], vi, vf, t)
                 if dirty[b] == 0:
                     dirty[b] = 1
