@@ -145,6 +145,21 @@ def _sessions(df, gap):
                  F.max("v").alias("mx"), F.min("v").alias("mn")))
 
 
+def test_session_windows_in_update_mode_are_sparks_own_error(spark, events, tmp_path):
+    # Spark runs no session window in update mode; stretch(df) says what Spark says, also with
+    # fallbacks turned off (no stretch reason in the way)
+    from pyspark.errors import AnalysisException
+
+    spark.conf.set("spark.stretch.fallback", "false")
+    try:
+        for df in (_sessions(events(), "5 seconds"),
+                   spark_stretch.stretch(_sessions(events(), "5 seconds"))):
+            with pytest.raises(AnalysisException, match="not supported for session window"):
+                df.writeStream.format("memory").queryName("upd").outputMode("update").start()
+    finally:
+        spark.conf.unset("spark.stretch.fallback")
+
+
 @pytest.mark.parametrize("gap", ["static", "dynamic"])
 def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, gap):
     # dynamic: a gap per row, from a column (rows whose gap is not positive are in no session)
