@@ -279,7 +279,9 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
             ip[K.MULTI + 3 * q + 2] = sum(reads_f[:q])
 
     def prepare(stream, batch):
-        parts = [op.prepare(stream, batch) for op in ops]
+        # (the first operator's keys for all; an operator that reads no value is not asked)
+        parts = [op.prepare(stream, batch) if q == 0 or reads_i[q] or reads_f[q] else None
+                 for q, op in enumerate(ops)]
         vi = [p[3] for p, r in zip(parts, reads_i) if r]
         vf = [p[2] for p, r in zip(parts, reads_f) if r]
         # (row-major: a tuple's values side by side)
