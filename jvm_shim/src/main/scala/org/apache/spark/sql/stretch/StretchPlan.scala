@@ -43,16 +43,23 @@ import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
  * natively) and the engine's input. [[StretchStrategy]] plans it as [[StretchExec]], whose
  * `doExecute` hands the batch's input to the driver's handler (Python, over py4j), which ingests
  * it, steps the engine and answers where the output is offered; the exec then reads it on the
- * executors and projects it into the aggregation's rows. The native chain under it never runs,
- * unless the handler answers `native` (an output mode the engine does not run yet).
+ * executors and projects it into the aggregation's rows (`out`, the aggregation's columns). The
+ * native chain under it never runs, unless the handler answers `native` (session windows in
+ * complete mode). An aggregation the engine always runs has a stand-in for the chain: an
+ * aggregation of the event time alone over the engine's input, which gives the batch the same
+ * state info, output mode, watermark and no-data batches, and costs Spark little to optimize
+ * and plan each batch (the windows' expansion of the real chain cost 25-35 ms a batch).
  */
 case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
-                         keep: Seq[Attribute]) extends BinaryNode {
+                         keep: Seq[Attribute], out: Seq[Attribute]) extends BinaryNode {
   // `keep`, every column of both children, is what the marker refers to: the optimizer must
   // prune neither the aggregation's results (the exec fills them by position) nor the input.
   override def left: LogicalPlan = native
   override def right: LogicalPlan = input
-  override def output: Seq[Attribute] = native.output
+  override def output: Seq[Attribute] = out
+  // (the aggregation's columns the children do not have: a key column is also an input one,
+  // and must stay a reference, or the optimizer prunes it from the input)
+  override def producedAttributes: AttributeSet = AttributeSet(out) -- AttributeSet(keep)
   override protected def withNewChildrenInternal(
       newLeft: LogicalPlan, newRight: LogicalPlan): StretchMarker =
     copy(native = newLeft, input = newRight)
@@ -60,7 +67,8 @@ case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
 
 object StretchStrategy extends SparkStrategy {
   override def apply(plan: LogicalPlan): Seq[SparkPlan] = plan match {
-    case StretchMarker(id, native, input, _) => StretchExec(id, planLater(native), planLater(input)) :: Nil
+    case StretchMarker(id, native, input, _, out) =>
+      StretchExec(id, planLater(native), planLater(input), out) :: Nil
     case _ => Nil
   }
 }
@@ -75,10 +83,11 @@ trait StretchBatchHandler {
               input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String): String
 }
 
-case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) extends BinaryExecNode {
+case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: Seq[Attribute])
+  extends BinaryExecNode {
   override def left: SparkPlan = native
   override def right: SparkPlan = input
-  override def output: Seq[Attribute] = native.output
+  override def output: Seq[Attribute] = out
   override def nodeName: String = "StretchAggregate"
   override protected def withNewChildrenInternal(
       newLeft: SparkPlan, newRight: SparkPlan): StretchExec = copy(native = newLeft, input = newRight)
@@ -118,7 +127,11 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan) exten
   override protected def doExecute(): RDD[InternalRow] = {
     val t = StretchPlans.translation(aggId)
     val answer = step("")
-    if (answer.has("native")) return native.execute()
+    if (answer.has("native")) {
+      if (!StretchPlans.fallsBack(t)) throw new IllegalStateException(s"stretch: aggregation " +
+        s"$aggId has no native chain to fall back on (${answer.get("native").asText()})")
+      return native.execute()
+    }
     val rows = answer.get("rows").asLong()
     if (rows == 0) return sparkContext.emptyRDD[InternalRow]
     val opts = StretchOptions.parse(new CaseInsensitiveStringMap(Map(
@@ -266,9 +279,16 @@ object StretchPlans {
   /** The aggregation `df` on the engine, as `df` with the marker over it. */
   def mark(df: ClassicDataset[Row], id: String): ClassicDataset[Row] = {
     val t = translation(id)
+    val chain = if (fallsBack(t)) t.native else {
+      val ts = t.input.output.filter(_.metadata.contains(EventTimeWatermark.delayKey))
+      Aggregate(ts, ts, t.input)
+    }
     ClassicDataset.ofRows(df.sparkSession,
-      StretchMarker(id, t.native, t.input, t.native.output ++ t.input.output))
+      StretchMarker(id, chain, t.input, chain.output ++ t.input.output, t.native.output))
   }
+
+  /** Whether a micro-batch of `t` may run natively (session windows: in complete mode). */
+  private[stretch] def fallsBack(t: Translation): Boolean = t.spec.has("session_end")
 
   /** Whether a streaming query's plan has a stretch aggregation. */
   def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])
