@@ -161,6 +161,26 @@ def _result(code, ci, cf):
 
 
 @njit(**HOT)
+def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip):
+    """A fused aggregation's update by tuple row ``ri`` at ``t`` of the window in slot ``s``:
+    aggregate q's state in int slot ``base + q`` and float slot q (an HLL++ register in the
+    words from ``base + q``). (Called once per tuple and window, not per aggregate: the
+    reference counts of the arrays it takes are paid once for all.)"""
+    kv, kf = ip[9], ip[10]
+    for q in range(ip[8]):
+        c = MULTI + 3 * q
+        xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
+        xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
+        if ip[c] > AGG_HLL_WORD:  # a register of the words from q
+            if xf != 0.0:
+                w, sh, pw = _hll_at(ip[c], xi)
+                rec[b, s, base + q + w] = _hll_max(rec[b, s, base + q + w], sh, pw)
+        else:
+            rec[b, s, base + q], acc_f[b, s, q] = _apply(
+                ip[c], rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
+
+
+@njit(**HOT)
 def _multi_out(rec, acc_f, b, s, base, oi, of, p, ii, ip):
     """Output row ``p`` of a fused aggregation: aggregate q's result from the record's slot
     ``base + q`` (and float slot q) into the next int (from column ``ii``) or float column."""
@@ -480,19 +500,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     if _BUILTIN:  # the built-in f_U, written out for the same reason
                         n = 0
                         if agg == AGG_MULTI:
-                            kv, kf = ip[9], ip[10]
-                            for q in range(ip[8]):
-                                c = MULTI + 3 * q
-                                xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
-                                xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
-                                if ip[c] > AGG_HLL_WORD:  # a register of the words from q
-                                    if xf != 0.0:
-                                        w, sh, pw = _hll_at(ip[c], xi)
-                                        rec[b, s, 2 + q + w] = _hll_max(rec[b, s, 2 + q + w],
-                                                                        sh, pw)
-                                else:
-                                    rec[b, s, 2 + q], acc_f[b, s, q] = _apply(
-                                        ip[c], rec[b, s, 2 + q], acc_f[b, s, q], xi, xf, t)
+                            _multi_update(rec, acc_f, b, s, 2, vi0, vf0, ri, t, ip)
                         elif agg == AGG_COUNT:
                             rec[b, s, 2] += 1
                         elif agg == AGG_SUM_I:
@@ -670,18 +678,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     if e > rec[b, s, 3]:
                         rec[b, s, 3] = e
                 if agg == AGG_MULTI:
-                    kv, kf = ip[9], ip[10]
-                    for q in range(ip[8]):
-                        c = MULTI + 3 * q
-                        xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
-                        xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
-                        if ip[c] > AGG_HLL_WORD:  # a register of the words from q
-                            if xf != 0.0:
-                                w, sh, pw = _hll_at(ip[c], xi)
-                                rec[b, s, 4 + q + w] = _hll_max(rec[b, s, 4 + q + w], sh, pw)
-                        else:
-                            rec[b, s, 4 + q], acc_f[b, s, q] = _apply(
-                                ip[c], rec[b, s, 4 + q], acc_f[b, s, q], xi, xf, t)
+                    _multi_update(rec, acc_f, b, s, 4, vi0, vf0, ri, t, ip)
                 else:  # (scalars only: inlined without reference counts)
                     rec[b, s, 4], acc_f[b, s, 0] = _apply(agg, rec[b, s, 4], acc_f[b, s, 0], vi, vf, t)
                 if dirty[b] == 0:
