@@ -430,6 +430,12 @@ object StretchPlans {
       if (isIntegral(c.dataType)) "long" else if (isFloating(c.dataType)) "double"
       else unsupported(s"$what over ${c.dataType.simpleString} (the engine takes integral and " +
         "floating-point columns so far)")
+    // The value a null of an engine column of `kind` counts as (its row is skipped or masked)
+    def zero(kind: String): Literal = kind match {
+      case "long" => Literal(0L)
+      case "double" => Literal(0.0)
+      case _ => Literal(UTF8String.EMPTY_UTF8, StringType)
+    }
     // A column as the engine holds it (a long, a double, or a string the engine interns, for
     // the aggregates that only keep a value: `strings`), and its value back from that
     case class Coded(engine: Expression, kind: String, back: Expression => Expression)
@@ -476,9 +482,8 @@ object StretchPlans {
             EqualTo(nn, Literal(0L))).take(s.aggBufferAttributes.size))
         case s @ Sum(c, _) =>
           val k = numeric(c, "sum")
-          val zero = if (k == "long") Literal(0L) else Literal(0.0)
           val t = if (k == "long") LongType else DoubleType
-          val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, t), zero)), k))))
+          val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, t), zero(k))), k))))
           orNull(nonNull(Seq(c)), Cast(sum, s.dataType), s.dataType)
         case av @ Average(c, _) if c.dataType.isInstanceOf[DecimalType] =>
           evaluated(av, Seq(decimalSum(c, c.dataType.asInstanceOf[DecimalType]),
@@ -510,12 +515,7 @@ object StretchPlans {
             case Last(c, i) => (c, i, "last")
           }
           val cd = coded(c, fn, strings = true)
-          val zero = cd.kind match {
-            case "long" => Literal(0L)
-            case "double" => Literal(0.0)
-            case _ => Literal(UTF8String.EMPTY_UTF8, StringType)
-          }
-          val v = Some(value(Coalesce(Seq(cd.engine, zero)), cd.kind))
+          val v = Some(value(Coalesce(Seq(cd.engine, zero(cd.kind))), cd.kind))
           if (!c.nullable) cd.back(PrimRef(prim(fn, v)))
           else {
             val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
@@ -544,9 +544,8 @@ object StretchPlans {
             case other => other
           }
           val by = Some(value(Coalesce(Seq(yd, Literal(Double.NaN))), "double"))
-          val none = if (cd.kind == "long") Literal(0L) else Literal(UTF8String.EMPTY_UTF8, StringType)
-          val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, none)), cd.kind)),
-            by)))
+          val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, zero(cd.kind))),
+            cd.kind)), by)))
           val picked = if (!x.nullable) v else orNull(PrimRef(prim(fn, Some(value(
             If(IsNull(x), Literal(0L), Literal(1L)), "long")), by)), v, x.dataType)
           orNull(nonNull(Seq(y)), picked, x.dataType)
