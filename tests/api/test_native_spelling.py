@@ -199,6 +199,13 @@ def _per_batch(df, tmp_path, name, mode):
     return got, q
 
 
+def _native_and_stretch(query, tmp_path, mode):
+    """``query()``'s rows per batch natively and through ``stretch``, and the stretch query."""
+    want, _ = _per_batch(query(), tmp_path, "nat", mode)
+    got, q = _per_batch(spark_stretch.stretch(query()), tmp_path, "st", mode)
+    return want, got, q
+
+
 @pytest.mark.parametrize("mode", ["update", "complete"])
 @pytest.mark.parametrize("window", [("20 seconds",), ("20 seconds", "10 seconds")],
                          ids=["tumbling", "sliding"])
@@ -209,8 +216,7 @@ def test_update_and_complete_modes_equal_native_batch_by_batch(spark, events, tm
                 .agg(F.sum("v").alias("s"), F.count("*").alias("n"), F.avg("v").alias("a"),
                      F.max("v").alias("mx")))
 
-    want, _ = _per_batch(agg(events()), tmp_path, "nat", mode)
-    got, q = _per_batch(spark_stretch.stretch(agg(events())), tmp_path, "st", mode)
+    want, got, q = _native_and_stretch(lambda: agg(events()), tmp_path, mode)
     assert got == want
     assert sum(map(len, want.values())) > 5
     figures = spark_stretch.control(q).metrics()
@@ -442,17 +448,21 @@ def test_decimal_timestamp_and_boolean_keys_in_update_mode(spark, typed, tmp_pat
                            F.date_trunc("minute", "ts").alias("minute"), "ok", "d")
                 .agg(F.count("*").alias("n"), F.sum("v").alias("s"), F.sum("price").alias("ps")))
 
-    want, _ = _per_batch(agg(typed()), tmp_path, "nat", "update")
-    got, q = _per_batch(spark_stretch.stretch(agg(typed())), tmp_path, "st", "update")
+    want, got, q = _native_and_stretch(lambda: agg(typed()), tmp_path, "update")
     assert got == want and sum(map(len, want.values())) >= 10
     assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
 
 
-@pytest.mark.parametrize("window, mode", [
-    (lambda: F.window("ts", "20 seconds"), "append"),
-    (lambda: F.window("ts", "20 seconds", "10 seconds"), "update"),
-    (lambda: F.session_window("ts", "5 seconds"), "append")], ids=["tumbling", "sliding-update",
-                                                                   "session"])
+def _windows_and_modes(tumble, slide, gap):
+    """Parametrize ``window, mode``: tumbling windows of ``tumble`` in append mode, sliding
+    ones (``slide``: size, step) in update mode, session windows of ``gap`` in append mode."""
+    return pytest.mark.parametrize("window, mode", [
+        (lambda: F.window("ts", tumble), "append"), (lambda: F.window("ts", *slide), "update"),
+        (lambda: F.session_window("ts", gap), "append")],
+        ids=["tumbling", "sliding-update", "session"])
+
+
+@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds")
 def test_first_last_max_by_min_by_over_strings_and_doubles(spark, typed, tmp_path, window, mode):
     # String values are interned by the engine (their ids in its state) and decoded on output;
     # max_by/min_by keep a double's bits in their int slot
@@ -467,8 +477,7 @@ def test_first_last_max_by_min_by_over_strings_and_doubles(spark, typed, tmp_pat
                      F.max_by(F.col("v") / 3, "ts").alias("db"),
                      F.min_by((F.col("v") - 5).cast("float"), "d").alias("fb")))
 
-    want, _ = _per_batch(agg(typed()), tmp_path, "nat", mode)
-    got, q = _per_batch(spark_stretch.stretch(agg(typed())), tmp_path, "st", mode)
+    want, got, q = _native_and_stretch(lambda: agg(typed()), tmp_path, mode)
     assert got == want
     rows = [r for b in want.values() for r in b]
     assert len(rows) >= 5 and any(r["f"] is None for r in rows) and any(r["mb"] for r in rows)
@@ -509,11 +518,7 @@ def many(spark, tmp_path):
     return read
 
 
-@pytest.mark.parametrize("window, mode", [
-    (lambda: F.window("ts", "30 seconds"), "append"),
-    (lambda: F.window("ts", "40 seconds", "20 seconds"), "update"),
-    (lambda: F.session_window("ts", "2 seconds"), "append")], ids=["tumbling", "sliding-update",
-                                                                   "session"])
+@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds")
 def test_approx_count_distinct_is_sparks_own_estimate(spark, many, tmp_path, window, mode):
     # The engine keeps Spark's HLL++ registers and Spark estimates from them: equal to native,
     # not only within the error (the estimates differ from the exact counts here)
@@ -525,8 +530,7 @@ def test_approx_count_distinct_is_sparks_own_estimate(spark, many, tmp_path, win
                      F.approx_count_distinct("p").alias("p"), F.sum("v").alias("sv"),
                      F.approx_count_distinct("v", 0.3).alias("v16")))  # (past linear counting)
 
-    want, _ = _per_batch(agg(many()), tmp_path, "nat", mode)
-    got, q = _per_batch(spark_stretch.stretch(agg(many())), tmp_path, "st", mode)
+    want, got, q = _native_and_stretch(lambda: agg(many()), tmp_path, mode)
     assert got == want and sum(map(len, want.values())) >= 6
     assert spark_stretch.control(q).metrics()["engine"]["input_rows"] == 4500
     exact = {(w, k): v for w, k, v in spark.read.parquet(many.path)
