@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
-from ..driver.inplan import fall_back, native_reason, open_at_start, run_of
+from ..driver.inplan import open_at_start, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -110,9 +110,6 @@ class _Writer(DataStreamWriter):
             self.format(format)
         if queryName is not None:
             self.queryName(queryName)
-        reason = self._spec and native_reason(self._spec, self._mode or "append")
-        if reason:
-            fall_back(self._spark, reason, stacklevel=2)
         settings = read_settings(self._spark.conf)
         target = path or self._path
         direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None
@@ -121,7 +118,7 @@ class _Writer(DataStreamWriter):
         if direct:
             super().format(_DELTA_SINK)
         q = super().start(path)
-        if self._spec is not None and not reason:  # the engine opens beside Spark's start
+        if self._spec is not None:  # the engine opens beside Spark's start
             open_at_start(self._spark, self._agg_id, q, self._mode or "append",
                           {"path": target, "schema": self._df.schema.json()} if direct else None)
         return jvm.requery(q, _EngineWrites) if direct else q

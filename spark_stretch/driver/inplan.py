@@ -37,20 +37,12 @@ from .recovery import Recovery
 from .settings import read_settings
 from .sink import Sink, arrow_schema
 
-__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back", "native_reason",
+__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
            "handler_for", "open_at_start", "run_of"]
 
 
 class FallbackWarning(UserWarning):
     """A stretch aggregation runs natively: the engine cannot run it yet (the message says why)."""
-
-
-def native_reason(spec: AggregateSpec, mode: str) -> Optional[str]:
-    """Why the aggregation of ``spec`` in output mode ``mode`` runs natively, or None."""
-    # (update mode: Spark refuses session windows itself, and says so when the query starts)
-    if spec.session_end and mode == "complete":
-        return "session windows in output mode complete (the engine runs them in append mode)"
-    return None
 
 
 def fall_back(spark: SparkSession, reason: str, stacklevel: int = 1) -> None:
@@ -156,14 +148,6 @@ class BatchHandler:
                 sink) -> str:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
         ``sink``: "" (the exec reads the output), or the Delta table the engine appends to."""
-        reason = native_reason(self._specs[agg_id], mode.lower())
-        if reason is not None:
-            # (stretch(df)'s writer warned when the query started, or raised; a DataFrame made
-            # from it has Spark's writer: the warning comes from here, once a session)
-            if not read_settings(self._spark.conf).fallback or not getattr(self, "_warned", False):
-                fall_back(self._spark, reason)
-                self._warned = True
-            return json.dumps({"native": reason})
         with _LOCK:
             run = _RUNS.get(run_id)
             if run is None:

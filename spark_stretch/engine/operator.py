@@ -42,6 +42,7 @@ from numba import njit
 from . import kernels as K
 from .errors import EngineError
 from .esg import ListColumn
+from .sessions import session_kernel
 
 
 @njit(nogil=True, cache=True)
@@ -151,7 +152,7 @@ class Operator:
         """(agg_kernel, route_kernel) for this operator (compiled lazily, cached per operator)."""
         if self._compiled is None:
             if self.builtin_ip is not None and not self.python:
-                self._compiled = (K.session_kernel if self.session_end else K.agg_kernel, K.route_kernel)
+                self._compiled = (session_kernel if self.session_end else K.agg_kernel, K.route_kernel)
             else:
                 self._compiled = _user_kernels(self)
         return self._compiled

@@ -160,7 +160,7 @@ class AggregateRuntime(Runtime):
                                            for eng in self.engines])
         out = output_table(self.spec, self.codec, [state_output(self.spec, rec, acc, *a[:2])
                            for (rec, acc), a in zip(rows, self.spec.aggs)])
-        if mode == "update":
+        if mode == "update" or self.spec.session_end:  # (late sessions: dropped in every mode)
             self._advance(self.next_watermark_ms, read=False)
         else:  # (reported as Spark's; the engine's watermark stays where it started)
             self.watermark_ms = self.next_watermark_ms

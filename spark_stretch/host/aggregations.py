@@ -38,12 +38,15 @@ def builtin_operators(s: AggregateSpec) -> list:
 def per_aggregation(s: AggregateSpec, outs: list) -> list:
     """The engines' outputs (or state rows ``(rec, acc_f)``) one per aggregation of ``s``: a
     fused operator's (:func:`builtin_operators`) split into one per aggregation."""
+    if isinstance(outs[0], tuple):  # state rows: aggregation q in int slot q, float slot q
+        # (a session's record: key, l, start, end, accumulators; as a window's, its end last)
+        at, cols = (4, [0, 2]) if s.session_end else (2, [0, 1])
+        return [(np.concatenate([rec[:, cols + [at + q] + [3] * bool(s.session_end)]
+                                 for rec, _ in outs]),
+                 np.concatenate([acc[:, [q]] for _, acc in outs])) for q in range(len(s.aggs))]
     if len(s.aggs) == 1:
         return outs
     (out,) = outs
-    if isinstance(out, tuple):  # state rows: aggregation q in int slot q and float slot q
-        rec, acc = out
-        return [(rec[:, [0, 1, 2 + q]], acc[:, [q]]) for q in range(len(s.aggs))]
     common = {c: out[c] for c in ("key", "window_start", "end") if c in out}
     return [{**common, fn: out[f"_{q}"]} for q, (fn, _, _) in enumerate(map(engine_agg, s.aggs))]
 
@@ -104,8 +107,9 @@ def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
 
 
 def state_output(s: AggregateSpec, rec: np.ndarray, acc: np.ndarray, fn: str, col) -> dict:
-    """One aggregation's windows read from its state (``Engine.state_rows``), as the columns
-    its engine operator outputs, in (key, window start) order."""
+    """One aggregation's windows read from its state (``Engine.state_rows``, through
+    :func:`per_aggregation`), as the columns its engine operator outputs, in (key, window
+    start) order."""
     order = np.lexsort((rec[:, 1], rec[:, 0]))
     rec, acc = rec[order], acc[order]
     fn, col, _ = engine_agg((fn, col))
@@ -115,7 +119,10 @@ def state_output(s: AggregateSpec, rec: np.ndarray, acc: np.ndarray, fn: str, co
         v = rec[:, 2]
     else:
         v = acc[:, 0]
-    return {"key": rec[:, 0], "window_start": rec[:, 1], fn: v}
+    out = {"key": rec[:, 0], "window_start": rec[:, 1], fn: v}
+    if s.session_end:
+        out["end"] = rec[:, 3]
+    return out
 
 
 def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:

@@ -57,7 +57,9 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
     session_end : str, optional
         Session windows (Spark's ``session_window``) in place of ``WS``/``WA``: the int64
         column of each tuple's session end (its timestamp plus its gap); see
-        ``kernels._session_kernel_py``. The output has the session's end as column ``end``.
+        :mod:`spark_stretch.engine.sessions`. The output has the session's end as column
+        ``end``. With ``stamped=True`` the sessions are kept (complete mode): tuples merge
+        them in any order, none is emitted or evicted, ``Engine.state_rows`` reads them.
     by : str, optional
         ``max_by``/``min_by`` only: the ordering column (numbers; a NaN, a null, is skipped):
         the int ``value`` of the tuple with the largest (smallest), ties: the last.
@@ -97,8 +99,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         value_type = "f"
     if WA is None:
         WA = WS
-    if session_end is not None and (WS is not None or stamped):
-        raise EngineError("session_end= takes the place of WS/WA, and is append-only (stamped=False)")
+    if session_end is not None and WS is not None:
+        raise EngineError("session_end= takes the place of WS/WA")
     if take is not None and agg not in ("first", "last") and not hll:
         raise EngineError(f"take= is for agg='first', 'last' or 'hll<p>', not {agg!r}")
     if (by is None) != (agg not in ("max_by", "min_by")):

@@ -131,10 +131,6 @@ def test_fallback_runs_natively_with_the_reason(spark, events, tmp_path):
     try:
         with pytest.raises(ValueError, match="collect_list"):
             spark_stretch.stretch(firsts(events()))
-        with pytest.raises(ValueError, match="session windows in output mode complete"):
-            (spark_stretch.stretch(_sessions(events(), "5 seconds")).writeStream
-             .format("memory").queryName("st_off").outputMode("complete").start())
-        assert not [q for q in spark.streams.active if q.name == "st_off"]
     finally:
         spark.conf.unset("spark.stretch.fallback")
 
@@ -174,14 +170,60 @@ def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, ga
     assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
 
 
-def test_session_windows_straight_to_delta_and_complete_mode_falls_back(spark, events, tmp_path):
+def test_session_windows_straight_to_delta(spark, events, tmp_path):
     _to_delta(_sessions(events(), "12 seconds"), tmp_path, "nat")
     q = _to_delta(spark_stretch.stretch(_sessions(events(), "12 seconds")), tmp_path, "st")
     assert _delta(spark, tmp_path / "st") == _delta(spark, tmp_path / "nat")
     assert spark_stretch.control(q).metrics()["engine"]["output_rows"] > 0
-    with pytest.warns(FallbackWarning, match="session windows in output mode complete"):
-        _per_batch(spark_stretch.stretch(_sessions(events(), "12 seconds")), tmp_path, "c",
-                   "complete")
+
+
+# session windows of 12 s in complete mode, the watermark 10 s behind: rows out of order
+# across micro-batches (not late) move a session's start, join two earlier sessions of their
+# key, or an earlier one and the latest; late rows (their session ended by the previous
+# batch's watermark) are dropped
+SESSION_FILES = [
+    [("a", "x", 1, 100), ("a", "x", 2, 130), ("b", None, 1, 100), ("c", "z", 5, 50)],
+    [("a", "x", 4, 95), ("a", "x", 8, 118), ("b", None, None, 149), ("b", None, 3, 150),
+     ("a", "y", 3, 150)],
+    [("a", "x", 16, 200), ("a", "x", 32, 90), ("a", "x", 64, 60), ("c", "z", 3, 62),
+     ("a", "y", 5, 170), ("a", "y", 7, 190), ("b", None, 2, 170), ("c", "z", 6, 160)],
+    [("a", "y", 1, 160), ("b", None, 7, 160), ("c", "z", None, 30), ("a", "x", 9, 141),
+     ("c", "z", 8, 149)],
+]
+
+
+@pytest.mark.parametrize("gap", ["static", "dynamic"])
+def test_session_windows_in_complete_mode_merge_as_native_batch_by_batch(spark, tmp_path, gap):
+    # Every kind of aggregate state merged when sessions join (count, sums of ints and
+    # doubles, avg, min/max, first/last by time, max_by, HLL++ registers, stddev's moments)
+    src = str(tmp_path / "sess")
+    _write(spark, src, SESSION_FILES)
+    g = "12 seconds" if gap == "static" else (
+        F.when(F.col("d") == "z", "20 seconds").otherwise("12 seconds"))
+
+    def query():
+        return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1)
+                .option("recursiveFileLookup", "true").parquet(src)
+                .withWatermark("ts", "10 seconds")
+                .groupBy(F.session_window("ts", g), "k", "d")
+                .agg(F.count("*").alias("n"), F.count("v").alias("nv"), F.sum("v").alias("s"),
+                     F.sum(F.col("v") / 4).alias("sf"), F.avg("v").alias("a"),
+                     F.min("v").alias("mn"), F.max(F.col("v") / 2).alias("mx"),
+                     F.first("v").alias("f"), F.last("v", ignorenulls=True).alias("l"),
+                     F.max_by("v", "ts").alias("mb"), F.min_by("d", "ts").alias("nb"),
+                     F.approx_count_distinct("v", 0.3).alias("ad"),
+                     F.stddev("v").alias("sd")))
+
+    want, got, q = _native_and_stretch(query, tmp_path, "complete")
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for b in want:  # (stddev from its moments: to rounding)
+        _close(got[b], want[b])
+    start = {(r["k"], r["d"], 60 * r["session_window"]["start"].minute
+              + r["session_window"]["start"].second): r["n"] for r in want[3]}
+    # (the joins happened: two earlier sessions, an earlier one and the latest, a row before)
+    assert start[("a", "y", 150)] == 3 and start[("b", None, 149)] == 4
+    assert start[("a", "x", 95)] == 2 and start[("a", "x", 118)] == 3
+    assert spark_stretch.control(q).metrics()["engine"]["late_rows"] >= 3
 
 
 def _per_batch(df, tmp_path, name, mode):

@@ -8,7 +8,7 @@ from numba import njit
 
 from spark_stretch.engine import Engine, EngineError, ListColumn, Operator, SNEngine, reconfigure, setup
 from spark_stretch.engine.reference import ref_aggregate, reference_run
-from spark_stretch.ops import aggregate, paircount, wordcount
+from spark_stretch.ops import aggregate, aggregate_many, paircount, wordcount
 from spark_stretch.testing.engine import batch_to_rows, rows_to_batch, run_engine, same_rows
 
 
@@ -429,6 +429,80 @@ def test_session_windows_match_spark_sessions_batch_by_batch(m):
         assert got == want[n], n
         nxt = max(nxt, top - delay)
     assert sum(map(len, want)) > 10
+
+
+def _kept_sessions(batches, delay):
+    """Spark's session windows in complete mode, after each batch: every session of each key
+    (its rows as ``(t, v, x)``), none evicted; rows late by the previous watermark dropped."""
+    state, wm, nxt, top, out = {}, 0, 0, 0, []
+    for ts, k, v, x, gap in batches:
+        for t, e, key, vv, xx in zip(ts, (a + b for a, b in zip(ts, gap)), k, v, x):
+            if e <= wm:
+                continue
+            merged = []
+            for s, end, rows in sorted(state.get(key, []) + [(t, e, [(t, vv, xx)])]):
+                if merged and s <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], end), merged[-1][2] + rows)
+                else:
+                    merged.append((s, end, rows))
+            state[key] = merged
+        out.append({(key, s, e): rows for key, ss in state.items() for s, e, rows in ss})
+        top = max(top, max(ts))
+        wm = nxt
+        nxt = max(nxt, top - delay)
+    return out
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+def test_kept_sessions_merge_out_of_order_rows_as_spark_in_complete_mode(engine_cls, tmp_path):
+    """Complete mode: rows applied as they come, in any order, joining sessions; against the
+    sessions kept by hand, with late rows, bucket growth, a rescale and a restore."""
+    rng = np.random.default_rng(7)
+    delay, batches, top, seen = 60, [], 0, set()
+    for _ in range(12):
+        ts = rng.integers(top - 80, top + 120, 200)
+        ts = np.array([t for t in dict.fromkeys(ts.tolist()) if t not in seen][:60])
+        seen.update(ts.tolist())  # (distinct times: first/last have no ties)
+        top = max(top, int(ts.max()))
+        batches.append((ts.tolist(), rng.integers(0, 6, 60).tolist(), rng.integers(-9, 9, 60).tolist(),
+                        (rng.integers(0, 90, 60) / 4).tolist(), rng.integers(1, 15, 60).tolist()))
+    want = _kept_sessions(batches, delay)
+    aggs = [("count", None, "i", None), ("sum", "v", "i", None), ("min", "v", "i", None),
+            ("max", "x", "f", None), ("mean", "x", "f", None), ("first", "v", "i", None),
+            ("last", "x", "f", None), ("max_by", "v", "i", "o")]
+    op = aggregate_many(aggs, key="k", session_end="end", stamped=True)
+    eng = engine_cls(op, m=2, n=3, n_buckets=4, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    wm, nxt, top, joins = 0, 0, 0, 0
+    for n, (ts, k, v, x, gap) in enumerate(batches):
+        ts = np.array(ts)
+        eng.esg_in.add({"ts": ts, "k": np.array(k), "v": np.array(v), "x": np.array(x),
+                        "o": -1.5 * ts, "end": ts + np.array(gap)}, 0)
+        eng.release_all(n + 1)
+        rec, acc = eng.state_rows()
+        got = {(int(r[0]), int(r[2]), int(r[3])): (tuple(int(i) for i in r[4:]), tuple(a))
+               for r, a in zip(rec, acc)}
+        assert sorted(got) == sorted(want[n]), n
+        for w, rows in want[n].items():
+            ri, rf = got[w]
+            t0, t1 = min(rows), max(rows)
+            assert ri[0] == len(rows) and ri[1] == sum(r[1] for r in rows)
+            assert ri[2] == min(r[1] for r in rows) and rf[3] == max(r[2] for r in rows)
+            assert rf[4] / ri[4] == pytest.approx(sum(r[2] for r in rows) / len(rows))  # (sum, n)
+            assert ri[5] == t0[1] and rf[6] == t1[2]
+            assert ri[7] == t0[1]  # (ordered by -1.5 t)
+            joins += len(rows) > 1
+        top = max(top, int(ts.max()))
+        wm, nxt = nxt, max(nxt, top - delay)
+        eng.esg_in.advance_watermark(wm)
+        eng.drain()
+        assert not len(eng.esg_out.get_batch("driver")[0]["ts"])  # (none emitted)
+        if n == 4:
+            eng.reconfigure(m=3)
+        if n == 7:
+            eng = engine_cls.restore(op, eng.snapshot())
+    assert joins > 20 and eng.metrics()["grows"] > 0
+    assert eng.esg_in.late_dropped > 0
 
 
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])

@@ -40,7 +40,7 @@ class StretchDeltaSink(sqlContext: SQLContext, parameters: Map[String, String],
       case exec: StretchExec =>
         val sink = StretchPlans.mapper.createObjectNode()
           .put("path", path).put("schema", data.schema.json)
-        if (exec.step(sink.toString).has("native")) delta.addBatch(batchId, data)
+        exec.step(sink.toString)
       case _ => delta.addBatch(batchId, data)
     }
   }

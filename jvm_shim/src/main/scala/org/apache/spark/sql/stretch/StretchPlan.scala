@@ -44,11 +44,12 @@ import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
  * `doExecute` hands the batch's input to the driver's handler (Python, over py4j), which ingests
  * it, steps the engine and answers where the output is offered; the exec then reads it on the
  * executors and projects it into the aggregation's rows (`out`, the aggregation's columns). The
- * native chain under it never runs, unless the handler answers `native` (session windows in
- * complete mode). An aggregation the engine always runs has a stand-in for the chain: an
- * aggregation of the event time alone over the engine's input, which gives the batch the same
- * state info, output mode, watermark and no-data batches, and costs Spark little to optimize
- * and plan each batch (the windows' expansion of the real chain cost 25-35 ms a batch).
+ * chain under it never runs. Over windows it is a stand-in: an aggregation of the event time
+ * alone over the engine's input, which gives the batch the same state info, output mode,
+ * watermark and no-data batches, and costs Spark little to optimize and plan each batch (the
+ * windows' expansion of the real chain cost 25-35 ms a batch). Over session windows it is
+ * Spark's own chain, so that Spark's checks of session windows run as natively (update mode,
+ * which Spark refuses for them, is refused when the query starts, with Spark's own error).
  */
 case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
                          keep: Seq[Attribute], out: Seq[Attribute]) extends BinaryNode {
@@ -73,8 +74,8 @@ object StretchStrategy extends SparkStrategy {
   }
 }
 
-/** What the driver's handler (Python) does with a micro-batch: a JSON answer, either
- * `{"native": reason}` or `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`.
+/** What the driver's handler (Python) does with a micro-batch: a JSON answer,
+ * `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`.
  * `sink` is empty, or (from [[StretchDeltaSink]]) the JSON of the Delta table the engine
  * appends the batch's rows to itself (`{"path": ..., "schema": ...}`; the answer then offers
  * nothing). */
@@ -93,8 +94,7 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
       newLeft: SparkPlan, newRight: SparkPlan): StretchExec = copy(native = newLeft, input = newRight)
 
   /** Hand this micro-batch's input to the driver's handler (with `sink` for the engine's own
-   * Delta append, or ""): its answer, with the native chain's state stores reported committed
-   * unless the answer is `native`. */
+   * Delta append, or ""): its answer, with the chain's state stores reported committed. */
   def step(sink: String): JsonNode = {
     val (save, outputMode) = native.collectFirst {
       case s: StateStoreSaveExec => (s, s.outputMode)
@@ -111,15 +111,13 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
       aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
       info.checkpointLocation, info.queryRunId.toString, df, input, sink))
-    if (!answer.has("native")) {
-      // Spark's state stores of the native chain never run: for the commit check a foreachBatch
-      // sink gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
-      val coordinator = spark.streams.stateStoreCoordinator
-      for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
-        coordinator.reportStateStoreCommit(StateStoreProviderId(
-          StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
-          info.storeVersion + 1, name)
-      }
+    // Spark's state stores of the chain never run: for the commit check a foreachBatch sink
+    // gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
+    val coordinator = spark.streams.stateStoreCoordinator
+    for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
+      coordinator.reportStateStoreCommit(StateStoreProviderId(
+        StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
+        info.storeVersion + 1, name)
     }
     answer
   }
@@ -127,11 +125,6 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
   override protected def doExecute(): RDD[InternalRow] = {
     val t = StretchPlans.translation(aggId)
     val answer = step("")
-    if (answer.has("native")) {
-      if (!StretchPlans.fallsBack(t)) throw new IllegalStateException(s"stretch: aggregation " +
-        s"$aggId has no native chain to fall back on (${answer.get("native").asText()})")
-      return native.execute()
-    }
     val rows = answer.get("rows").asLong()
     if (rows == 0) return sparkContext.emptyRDD[InternalRow]
     val opts = StretchOptions.parse(new CaseInsensitiveStringMap(Map(
@@ -279,16 +272,13 @@ object StretchPlans {
   /** The aggregation `df` on the engine, as `df` with the marker over it. */
   def mark(df: ClassicDataset[Row], id: String): ClassicDataset[Row] = {
     val t = translation(id)
-    val chain = if (fallsBack(t)) t.native else {
+    val chain = if (t.spec.has("session_end")) t.native else {
       val ts = t.input.output.filter(_.metadata.contains(EventTimeWatermark.delayKey))
       Aggregate(ts, ts, t.input)
     }
     ClassicDataset.ofRows(df.sparkSession,
       StretchMarker(id, chain, t.input, chain.output ++ t.input.output, t.native.output))
   }
-
-  /** Whether a micro-batch of `t` may run natively (session windows: in complete mode). */
-  private[stretch] def fallsBack(t: Translation): Boolean = t.spec.has("session_end")
 
   /** Whether a streaming query's plan has a stretch aggregation. */
   def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])
