@@ -4,7 +4,9 @@
                                  [--repeat 1] [--source parquet|delta] [--json]
 
 ``composite`` and ``session`` (``AS_WRITTEN``) are queries as Spark users write them: a
-composite-key sum/avg/max over a sliding window and a per-user session window (2 s gap; a user tweets about once a second), run
+composite-key sum/avg/max over a sliding window and a per-user session window (2 s gap; a user
+tweets about once a second; ``session_complete``: the same in complete mode, every session
+each batch), run
 natively and wrapped with ``spark_stretch.stretch(df)``, both into Delta (the engine appends
 stretch's rows itself), alternated ``--repeat`` times, medians, outputs checked equal.
 
@@ -58,6 +60,8 @@ AS_WRITTEN = {
     "session": lambda df: df.groupBy(F.session_window("ts", "2 seconds"), "user")
     .agg(F.count("*").alias("n"), F.sum("len").alias("s"), F.max("len").alias("m")),
 }
+AS_WRITTEN["session_complete"] = AS_WRITTEN["session"]  # (every session each batch)
+MODES = {"session_complete": "complete"}  # output modes other than append
 
 
 def _source(spark, src, fmt="parquet"):
@@ -99,6 +103,7 @@ def _as_written(spark, src, args, work: Path, name: str) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(f"{out}-ckpt", ignore_errors=True)
         s = _timed(lambda: make(wrap).writeStream.format("delta")
+                   .outputMode(MODES.get(name, "append"))
                    .option("checkpointLocation", f"{out}-ckpt")
                    .trigger(availableNow=True).start(str(out)))
         return s, out

@@ -56,12 +56,17 @@ MULTI = 11
 # last (Spark's max_by/min_by); a NaN ordering value (null) is skipped; the float slot keeps
 # the extremum
 AGG_MAXBY_I, AGG_MINBY_I = 13, 14
+# min/max of strings: the int value is an interned string's id, the float slot keeps the rank of
+# the extremum's string among all interned strings, ``fp[1 + id]`` (the engine's float
+# parameters, :meth:`Engine.order_strings`, which also re-ranks the state when strings are
+# added); the other value column is a take flag (0: a null, skipped)
+AGG_MIN_S, AGG_MAX_S = 15, 16
 # Spark's approx_count_distinct (HLL++, HyperLogLogPlusPlusHelper): 2**p registers of 6 bits, 10
 # to an int64 word, in the int slots of W = 2**p // 10 + 1 consecutive aggregates of a fused
 # operator: the first has code AGG_HLL + p (4 <= p <= 18) and reads the value's 64-bit hash
 # (vi) and a take flag (vf, 0: a null, skipped); the W - 1 after it are AGG_HLL_WORD (read
 # nothing). Spark estimates the count from the words.
-AGG_HLL_WORD, AGG_HLL = 15, 16
+AGG_HLL_WORD, AGG_HLL = 17, 18
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -161,7 +166,7 @@ def _result(code, ci, cf):
 
 
 @njit(**HOT)
-def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip):
+def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp):
     """A fused aggregation's update by tuple row ``ri`` at ``t`` of the window in slot ``s``:
     aggregate q's state in int slot ``base + q`` and float slot q (an HLL++ register in the
     words from ``base + q``). (Called once per tuple and window, not per aggregate: the
@@ -175,6 +180,12 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip):
             if xf != 0.0:
                 w, sh, pw = _hll_at(ip[c], xi)
                 rec[b, s, base + q + w] = _hll_max(rec[b, s, base + q + w], sh, pw)
+        elif ip[c] == AGG_MIN_S or ip[c] == AGG_MAX_S:  # a string by its rank
+            if xf != 0.0:
+                r = fp[1 + xi]
+                if r < acc_f[b, s, q] if ip[c] == AGG_MIN_S else r > acc_f[b, s, q]:
+                    rec[b, s, base + q] = xi
+                    acc_f[b, s, q] = r
         else:
             rec[b, s, base + q], acc_f[b, s, q] = _apply(
                 ip[c], rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
@@ -500,7 +511,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     if _BUILTIN:  # the built-in f_U, written out for the same reason
                         n = 0
                         if agg == AGG_MULTI:
-                            _multi_update(rec, acc_f, b, s, 2, vi0, vf0, ri, t, ip)
+                            _multi_update(rec, acc_f, b, s, 2, vi0, vf0, ri, t, ip, fp)
                         elif agg == AGG_COUNT:
                             rec[b, s, 2] += 1
                         elif agg == AGG_SUM_I:

@@ -168,6 +168,7 @@ class Engine:
         self._idle = threading.Condition()
         self._kernel, self._route = op.kernels()
         self._ip, self._fp = op.params()
+        self.strings_ranked = 0  # (order_strings)
         self._m = {"tuples": 0, "segments": 0, "epoch_switches": 0, "last_switch_ms": 0.0, "grows": 0,
                    "out_rows": 0, "state_bytes_copied": 0}
         self.esg_in.add_readers(self.active)
@@ -486,6 +487,25 @@ class Engine:
         self._ip[7] = stamp
         self.esg_in.release_all()
         self.drain()
+
+    def order_strings(self, rank: np.ndarray) -> None:
+        """Give the ``min_s``/``max_s`` aggregates (``ops.aggregate_many``) the order of the
+        interned strings: ``rank[id]``, string ``id``'s place among all interned strings (in
+        Spark's order: by their UTF-8 bytes). Ranks change as strings are added, so each
+        such aggregate's state, the rank of its extremum, is re-ranked here. Call when idle,
+        with every string of the tuples still to apply ranked."""
+        ip = self._ip
+        qs = [q for q in range(int(ip[8]) if ip[2] == K.AGG_MULTI else 0)
+              if ip[K.MULTI + 3 * q] in (K.AGG_MIN_S, K.AGG_MAX_S)]
+        self._fp = np.concatenate([self.op.params()[1][:1], np.asarray(rank, np.float64)])
+        self.strings_ranked = len(rank)
+        base = 4 if self.op.session_end else 2  # (a session's record: start and end first)
+        for st in self._states():
+            live = st.rec[:, :, 1] != K.EMPTY
+            for q in qs:
+                had = st.acc_f[:, :, q][live]
+                ids = st.rec[:, :, base + q][live]
+                st.acc_f[:, :, q][live] = np.where(np.isfinite(had), self._fp[1 + ids], had)
 
     def state_rows(self, stamp=None):
         """The live windows (of the updates stamped ``stamp`` only, if given) as ``(rec,

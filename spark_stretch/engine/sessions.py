@@ -23,7 +23,7 @@ from numba import njit
 
 from .kernels import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL_WORD, AGG_LAST_F, AGG_LAST_I,
                       AGG_MAX_F, AGG_MAX_I, AGG_MAXBY_I, AGG_MEAN, AGG_MIN_F, AGG_MIN_I,
-                      AGG_MINBY_I, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, _apply,
+                      AGG_MINBY_I, AGG_MIN_S, AGG_MAX_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, _apply,
                       _bucket_h, _mk_builtin_keys, _multi_out, _multi_update, _slot0, mix64,
                       rebuild_bucket)
 
@@ -59,6 +59,10 @@ def _merge(code, ci, cf, di, df):
             cf = df
     elif code == AGG_FIRST_F or code == AGG_LAST_F:  # (the value's timestamp in the int)
         if di < ci if code == AGG_FIRST_F else di >= ci:
+            ci = di
+            cf = df
+    elif code == AGG_MIN_S or code == AGG_MAX_S:  # (the string's rank in the float)
+        if df < cf if code == AGG_MIN_S else df > cf:
             ci = di
             cf = df
     elif code == AGG_MAXBY_I or code == AGG_MINBY_I:  # (the ordering's extremum in the float)
@@ -117,7 +121,8 @@ def _free(rec, b, h, l):
 
 
 @njit(nogil=True, cache=True)
-def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, init_i, init_f, bcount, bminl):
+def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i, init_f, bcount,
+          bminl):
     """A kept session aggregation's update by one tuple ``[t, e)`` of ``key`` (the module
     docstring): bucket ``b`` has a free slot for the one new record this may need."""
     mask = rec.shape[1] - 1
@@ -162,7 +167,7 @@ def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, init_i, init_f,
     if e > rec[b, into, 3]:
         rec[b, into, 3] = e
     if ip[2] == AGG_MULTI:
-        _multi_update(rec, acc_f, b, into, 4, vi0, vf0, ri, t, ip)
+        _multi_update(rec, acc_f, b, into, 4, vi0, vf0, ri, t, ip, fp)
     else:
         rec[b, into, 4], acc_f[b, into, 0] = _apply(ip[2], rec[b, into, 4], acc_f[b, into, 0],
                                                     vi, vf, t)
@@ -248,8 +253,8 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         resume[1] = i
                         resume[2] = ki
                         return 1
-                    _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, init_i, init_f,
-                          bcount, bminl)
+                    _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i,
+                          init_f, bcount, bminl)
                     if dirty[b] == 0:
                         dirty[b] = 1
                     continue
@@ -291,7 +296,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     if e > rec[b, s, 3]:
                         rec[b, s, 3] = e
                 if agg == AGG_MULTI:
-                    _multi_update(rec, acc_f, b, s, 4, vi0, vf0, ri, t, ip)
+                    _multi_update(rec, acc_f, b, s, 4, vi0, vf0, ri, t, ip, fp)
                 else:  # (scalars only: inlined without reference counts)
                     rec[b, s, 4], acc_f[b, s, 0] = _apply(agg, rec[b, s, 4], acc_f[b, s, 0], vi, vf, t)
                 if dirty[b] == 0:

@@ -36,7 +36,7 @@ from ..protocol.layout import AGGREGATE_META
 from ..protocol.specs import AggregateSpec
 from . import faults
 from .aggregations import (builtin_operators, check_checkpoint, output_table, per_aggregation,
-                           reject_nulls, state_output)
+                           rank_strings, reject_nulls, state_output)
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, list_parts, prepare, sample
 from .runtime import Runtime
@@ -87,10 +87,8 @@ class AggregateRuntime(Runtime):
                         checkpoint=self.checkpoint)
 
     def warm_up(self) -> None:
-        """Load what the first batch would load, in the background while Spark starts the query:
-        the numba kernels of the step and of checkpoints (from numba's cache; half a second in
-        all) and deltalake, by running a throwaway copy of the query on two made-up rows of its
-        input schema. Best effort: anything it cannot make up, it skips."""
+        """Load what the first batch would load (numba's kernels, deltalake; half a second) while
+        Spark starts the query: a throwaway copy of the query on two made-up rows. Best effort."""
         from dataclasses import replace
 
         from ..protocol.specs import Checkpointing
@@ -151,6 +149,7 @@ class AggregateRuntime(Runtime):
         windows W_N closes; in update mode every window the batch changed, then the windows
         W_N closes are evicted unsaid; in complete mode every window, none ever evicted."""
         mode = getattr(self.spec, "output_mode", "append")
+        rank_strings(self.spec, self.codec, self.engines)
         if mode == "append":
             return self._advance(self.next_watermark_ms)
         stamp = batch + 1  # (> 0: an unstamped window has 0)
@@ -172,6 +171,7 @@ class AggregateRuntime(Runtime):
             self.store.join()
             if self.next_watermark_ms <= self.watermark_ms:
                 return M.FlushResult(rows=0, batch=self.last_batch)
+            rank_strings(self.spec, self.codec, self.engines)
             out = self._advance(self.next_watermark_ms)
             r = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
                             {"watermark_ms": self.watermark_ms})

@@ -12,8 +12,8 @@ from ..protocol.errors import InputRejected, StateError
 from ..protocol.specs import AggregateSpec
 from .columns import KeyCodec, finish, window_array, window_struct
 
-__all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "output_table", "per_aggregation", "reject_nulls",
-           "state_output"]
+__all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "output_table", "per_aggregation", "rank_strings",
+           "reject_nulls", "state_output"]
 
 
 def builtin_operators(s: AggregateSpec) -> list:
@@ -26,13 +26,33 @@ def builtin_operators(s: AggregateSpec) -> list:
         if s.key_kind == "pairs":
             kw["pairs"], kw["B"] = True, s.distance
     kw["stamped"] = s.output_mode != "append"
-    aggs = [(fn, col, "i" if col is not None and s.value_types[col] != "double" else "f", take)
+    aggs = [(_of_strings(s, fn, col), col,
+             "i" if col is not None and s.value_types[col] != "double" else "f", take)
             for fn, col, take in map(engine_agg, s.aggs)]
-    if len(aggs) > 1:  # one record per window for all: a tuple finds its window once
+    if len(aggs) > 1 or _ranks_strings(s):  # one record per window for all aggregations
         return [aggregate_many(aggs, **kw)]
     (fn, col, vt, other), = aggs
     return [aggregate(fn, value=col, value_type=vt, **kw,
                       **{"by" if fn in ("max_by", "min_by") else "take": other})]
+
+
+def _of_strings(s: AggregateSpec, fn: str, col) -> str:
+    """The engine's aggregate: a min or max of a string column its ``min_s``/``max_s``."""
+    return f"{fn}_s" if fn in ("min", "max") and s.value_types.get(col) == "string" else fn
+
+
+def _ranks_strings(s: AggregateSpec) -> bool:
+    return isinstance(s, AggregateSpec) and any(  # (an engine operator's spec ranks none)
+        _of_strings(s, *engine_agg(a)[:2]).endswith("_s") for a in s.aggs)
+
+
+def rank_strings(s: AggregateSpec, codec: KeyCodec, engines: list) -> None:
+    """Give ``engines`` the order of the strings interned so far, if ``s`` has a min or max
+    of strings and strings were added (``Engine.order_strings``; before a step or flush)."""
+    if _ranks_strings(s) and any(e.strings_ranked != len(codec.interner) for e in engines):
+        ranks = codec.ranks()
+        for eng in engines:
+            eng.order_strings(ranks)
 
 
 def per_aggregation(s: AggregateSpec, outs: list) -> list:

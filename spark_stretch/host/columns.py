@@ -71,6 +71,12 @@ class KeyCodec:
     def binaries(self, ids: np.ndarray) -> pa.Array:
         return self._dictionary(pa.binary()).take(pa.array(ids))
 
+    def ranks(self) -> np.ndarray:
+        """Each interned string's place among them all in Spark's order of strings (by their
+        UTF-8 bytes): ``ranks()[id]``, from 1."""
+        return pc.rank(self._dictionary(pa.binary()), sort_keys="ascending",
+                       tiebreaker="first").to_numpy()
+
     def longs(self, ids: np.ndarray) -> pa.Array:
         return self._dictionary(pa.int64()).take(pa.array(ids))
 

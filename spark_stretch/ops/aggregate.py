@@ -23,7 +23,8 @@ from ..engine.operator import Operator
 _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, K.AGG_MIN_F),
          "max": (K.AGG_MAX_I, K.AGG_MAX_F), "mean": (None, K.AGG_MEAN), "longest": (K.AGG_MAX_I, None),
          "first": (K.AGG_FIRST_I, K.AGG_FIRST_F), "last": (K.AGG_LAST_I, K.AGG_LAST_F),
-         "max_by": (K.AGG_MAXBY_I, None), "min_by": (K.AGG_MINBY_I, None)}
+         "max_by": (K.AGG_MAXBY_I, None), "min_by": (K.AGG_MINBY_I, None),
+         "min_s": (K.AGG_MIN_S, None), "max_s": (K.AGG_MAX_S, None)}
 _HLL = re.compile(r"hll(\d+)")  # approx_count_distinct's registers: "hll<p>", then its words
 _I64 = np.iinfo(np.int64)
 _EMPTY_F = np.empty(0, np.float64)
@@ -83,6 +84,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
     if (hll or agg == "hll_word") and not _fused:
         raise EngineError(f"agg={agg!r}: an approximate distinct count's registers run in "
                           "aggregate_many, with their words")
+    if agg in ("min_s", "max_s") and not _fused:
+        raise EngineError(f"agg={agg!r}: strings are ranked in aggregate_many")
     if hll and not 4 <= int(hll.group(1)) <= 18:
         raise EngineError(f"agg={agg!r}: HLL++ takes 4 to 18 index bits")
     if (key is None) == (keys is None):
@@ -101,12 +104,13 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         WA = WS
     if session_end is not None and WS is not None:
         raise EngineError("session_end= takes the place of WS/WA")
-    if take is not None and agg not in ("first", "last") and not hll:
-        raise EngineError(f"take= is for agg='first', 'last' or 'hll<p>', not {agg!r}")
+    if take is not None and agg not in ("first", "last", "min_s", "max_s") and not hll:
+        raise EngineError(f"take= is for agg='first', 'last', 'min_s', 'max_s' or 'hll<p>', "
+                          f"not {agg!r}")
     if (by is None) != (agg not in ("max_by", "min_by")):
         raise EngineError(f"agg={agg!r} with by={by!r}: by= (the ordering column) is for "
                           "agg='max_by' or 'min_by', and they need it")
-    if agg in ("max_by", "min_by") or hll:
+    if agg in ("max_by", "min_by", "min_s", "max_s") or hll:
         value_type = "i"
     if B is not None and (not pairs or int(B) < 1):
         raise EngineError(f"B={B}; the pair distance B needs pairs=True and B >= 1")
@@ -136,6 +140,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         init_i = _I64.max if code == K.AGG_FIRST_F else _I64.min
     elif code in (K.AGG_MAXBY_I, K.AGG_MINBY_I):  # (the extremum of the ordering)
         init_f = -np.inf if code == K.AGG_MAXBY_I else np.inf
+    elif code in (K.AGG_MIN_S, K.AGG_MAX_S):  # (the rank of the extremum)
+        init_f = np.inf if code == K.AGG_MIN_S else -np.inf
     key_col = key if key is not None else keys
     out_name = "longest" if agg == "longest" else agg
 
@@ -183,7 +189,7 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                 vf = np.ascontiguousarray(v, np.float64)
             else:
                 vi = np.ascontiguousarray(v, np.int64)
-            if agg in ("first", "last") or hll:  # the take flag, in the column of the other kind
+            if agg in ("first", "last", "min_s", "max_s") or hll:  # (take flags: the other kind)
                 vf, vi = _take_flags(batch, take, len(kc), vf, vi, value_type)
             elif by is not None:
                 if by not in batch:
@@ -210,9 +216,9 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
 # which value columns an aggregate reads: its int values (vi), its float values (vf); a first or
 # last reads its take flags from the column of the other kind
 _READS_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_FIRST_F,
-            K.AGG_LAST_F, K.AGG_MAXBY_I, K.AGG_MINBY_I}
+            K.AGG_LAST_F, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S}
 _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.AGG_LAST_F,
-            K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I}
+            K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S}
 
 
 def _hll_words(codes) -> None:
@@ -244,7 +250,9 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
         ``approx_count_distinct`` with ``2**p`` registers: ``value`` an int column of each
         tuple's 64-bit hash, Spark's ``xxhash64`` with seed 42) followed by ``2**p // 10``
         ``hll_word`` aggregations: their outputs are the registers' words, Spark's buffer of
-        ``HyperLogLogPlusPlus``.
+        ``HyperLogLogPlusPlus``. And ``min_s``/``max_s``: the least (greatest) string, ``value``
+        an int column of interned ids, ``take`` its flags (0: a null), compared by the ranks
+        the engine is given (:meth:`~spark_stretch.engine.Engine.order_strings`).
     key, keys, pairs, B, WS, WA, stamped, session_end
         As for :func:`aggregate`, shared by all.
 

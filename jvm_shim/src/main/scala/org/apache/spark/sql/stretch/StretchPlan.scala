@@ -484,6 +484,18 @@ object StretchPlans {
             Literal(0.0))), "double"))))
           val nn = nonNull(Seq(c))
           orNull(nn, Cast(Divide(sum, Cast(nn, DoubleType)), av.dataType), av.dataType)
+        case m @ (_: Min | _: Max) if (m.children.head.dataType match {
+            case st: StringType => st.supportsBinaryEquality
+            case _ => false
+          }) =>
+          // a string's interned id; the engine compares strings by their order (it ranks
+          // them by their UTF-8 bytes, as UTF8String compares them), a null row skipped
+          val c = m.children.head
+          val cd = coded(c, m.prettyName, strings = true)
+          val fn = if (m.isInstanceOf[Min]) "min_if" else "max_if"
+          val v = Some(value(Coalesce(Seq(cd.engine, zero("string"))), "string"))
+          val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
+          orNull(nonNull(Seq(c)), cd.back(PrimRef(prim(fn, v, Some(nn)))), c.dataType)
         case m @ (_: Min | _: Max) =>
           val c = m.children.head
           val isMin = m.isInstanceOf[Min]
