@@ -1,5 +1,8 @@
-"""The driver's handle on this host's engine process: started on demand, stopped with the last
-query that uses it, never left behind. Requests are :mod:`spark_stretch.protocol.messages`'."""
+"""The driver's handle on a query's engine: what every handle does (:class:`EngineHandle`), and
+this host's engine process (:class:`HostEngine`): started on demand, stopped with the last query
+that uses it, never left behind. A query on several hosts has a handle on an engine per executor
+host instead (:class:`spark_stretch.driver.cluster.ClusterEngine`). Requests are
+:mod:`spark_stretch.protocol.messages`'."""
 
 from __future__ import annotations
 
@@ -11,13 +14,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Optional
+from abc import ABC, abstractmethod
+from typing import Dict, Optional
 
 from ..protocol import messages as M
 from ..protocol.framing import call
 from ..protocol.lifecycle import spawn_child
 
-__all__ = ["HostEngine", "EngineDiedError"]
+__all__ = ["EngineHandle", "HostEngine", "EngineDiedError", "local_host"]
 
 
 class EngineDiedError(RuntimeError):
@@ -29,7 +33,52 @@ def local_host() -> str:
     return os.environ.get("SPARK_LOCAL_IP") or socket.gethostname()
 
 
-class HostEngine:
+class EngineHandle(ABC):
+    """What the driver's query code asks of an engine, on one host or several."""
+
+    #: a query on several hosts: each input row goes to the hosts of its keys, computed in
+    #: Spark (``driver/routing.py``); False: every row goes to its executor's own host
+    routed = False
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """The ``stretch`` data source's ``endpoints`` option for this engine."""
+
+    def data_options(self) -> Dict[str, str]:
+        """The ``stretch`` data source's options to reach this engine (endpoints, secret)."""
+        return {"endpoints": self.endpoint}
+
+    @abstractmethod
+    def call(self, msg: M.Request, timeout: float = 600.0):
+        """Send a control request; its typed reply (:class:`EngineDiedError` if it is gone)."""
+
+    @abstractmethod
+    def wait_ready(self) -> None:
+        """Wait until the engine serves requests."""
+
+    @abstractmethod
+    def alive(self) -> bool:
+        """Whether the engine (every host's) is up."""
+
+    @abstractmethod
+    def failed(self, timeout: float) -> bool:
+        """Whether the engine died (waiting up to ``timeout`` s to tell a crash from a slow one)."""
+
+    @abstractmethod
+    def death(self, when: str) -> str:
+        """What happened to the (dead) engine, ``when`` saying at what point."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Drop a query's reference; the last one stops the engine."""
+
+    @abstractmethod
+    def restarted(self) -> "EngineHandle":
+        """After the engine died: a running one in its place, with this query's reference."""
+
+
+class HostEngine(EngineHandle):
     """One engine process per host and driver; reference-counted by the queries that use it.
 
     Examples
@@ -59,6 +108,7 @@ class HostEngine:
         # Not waited for here: the caller goes on (Spark starts its query) while the engine
         # imports numpy, pyarrow and numba; the first request waits (wait_ready).
         self._start_timeout = start_timeout
+        self._niceness = niceness
         self._ready = False
         self._ready_lock = threading.Lock()
         atexit.register(self.stop)
@@ -115,6 +165,10 @@ class HostEngine:
         with cls._lock:
             return cls._current is not None and cls._current.alive()
 
+    def restarted(self) -> "HostEngine":
+        self.release()
+        return HostEngine.acquire(niceness=self._niceness)
+
     def release(self) -> None:
         """Drop a reference; the last one stops the process."""
         with HostEngine._lock:
@@ -126,6 +180,13 @@ class HostEngine:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def failed(self, timeout: float) -> bool:
+        try:  # a killed engine is reaped at once; give a crashing one a moment to exit
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def death(self, when: str) -> str:
         """What happened to the (dead) engine, ``when`` saying at what point."""

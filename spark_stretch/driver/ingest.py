@@ -25,6 +25,7 @@ from ..protocol import messages as M
 from . import jvm
 from .engine import EngineDiedError
 from .metrics import QueryMetrics
+from .routing import ROUTE
 
 __all__ = ["Ingest"]
 
@@ -84,10 +85,15 @@ class Ingest:
             plan = self._batch_plan(batch_id) if self._columnar else None
             if plan is not None and self._read_files and self._files(plan, batch_id):
                 return self._count("files", plan)
-            if plan is not None and self._shim.ingest(plan, eng.endpoint, stream) >= 0:
+            if (plan is not None and not eng.routed
+                    and self._shim.ingest(plan, eng.endpoint, stream) >= 0):
                 return self._count("columnar", plan)
-            batch_df.write.format("stretch").mode("append") \
-                .option("endpoints", eng.endpoint).option("stream", stream).save()
+            options = dict(eng.data_options(), stream=stream)
+            if eng.routed:  # (each row to the hosts of its keys: driver/routing.py)
+                self._opened()
+                batch_df = eng.route(batch_df, self._qid)
+                options["route"] = ROUTE
+            batch_df.write.format("stretch").mode("append").options(**options).save()
             return self._count("rows", batch_df)
         except Exception as e:
             if not eng.alive():  # say what really happened, not just "socket refused"

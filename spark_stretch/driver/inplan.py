@@ -257,8 +257,10 @@ class PlanRun:
                                               lambda: self._step(df, batch_id), opened=False)
             self.recovery.last_done = batch_id
             eng = self.recovery.engine
-            answer = {"endpoint": eng.endpoint, "stream": reply.stream, "rows": reply.rows,
-                      "splits": jvm.splits_for(self._spark, reply.rows)}
+            opts = eng.data_options()
+            answer = {"endpoint": opts["endpoints"], "stream": reply.stream, "rows": reply.rows,
+                      "splits": jvm.splits_for(self._spark, reply.rows),
+                      **({"secret": opts["secret"]} if "secret" in opts else {})}
             self.metrics.record_batch({"batch": batch_id, "step_s": time.perf_counter() - t0,
                                        "rows_out": reply.rows, **reply.metrics}, reply.rows, [])
             self._last = (batch_id, answer)

@@ -14,19 +14,41 @@ from typing import List, Optional, Set, Tuple
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
-__all__ = ["executor_hosts", "batch_plan", "plan_string", "watermarks", "interval_us", "ShimPlans",
+__all__ = ["executor_hosts", "launch_engines", "batch_plan", "plan_string", "watermarks", "interval_us", "ShimPlans",
            "dataframe", "requery", "splits_for", "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
 
 
-def executor_hosts(spark: SparkSession) -> Set[str]:
-    """The hosts of the application's executors (and of the driver's block manager)."""
-    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
+def executor_hosts(spark: SparkSession, driver: bool = True) -> Set[str]:
+    """The hosts of the application's executors (and of the driver's block manager, unless
+    ``driver=False``)."""
+    sc = spark.sparkContext._jsc.sc()
+    status = sc.getExecutorMemoryStatus()
+    mine = sc.env().blockManager().blockManagerId()
+    own = f"{mine.host()}:{mine.port()}"
     it = status.keysIterator()
     hosts = set()
     while it.hasNext():
-        hosts.add(it.next().rsplit(":", 1)[0])
+        key = it.next()
+        if driver or key != own:
+            hosts.add(key.rsplit(":", 1)[0])
     return hosts
+
+
+def launch_engines(spark: SparkSession, hosts: List[str], command: List[str], secret: str,
+                   base_dir: str, lease_s: float, timeout_ms: int) -> List[str]:
+    """Start (or find) the application's host engine on each of ``hosts``, from executors there
+    (the shim's ``StretchHosts.launch``): per host, ``host|socket|tcp://address:port|pid``."""
+    sc = spark.sparkContext
+    gw = sc._gateway
+    jhosts = gw.new_array(gw.jvm.java.lang.String, len(hosts))
+    for i, h in enumerate(hosts):
+        jhosts[i] = h
+    jcmd = gw.new_array(gw.jvm.java.lang.String, len(command))
+    for i, c in enumerate(command):
+        jcmd[i] = c
+    return list(sc._jvm.org.apache.spark.sql.stretch.StretchHosts.launch(
+        sc._jsc.sc(), jhosts, jcmd, secret, base_dir, float(lease_s), int(timeout_ms)))
 
 
 def batch_plan(query, batch_id: int):

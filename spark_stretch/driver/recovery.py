@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -26,7 +25,8 @@ from ..protocol import messages as M
 from ..protocol.layout import QUERY_FORMAT, QueryLayout, check_format, shm_prefix, shm_root, \
     write_json
 from ..protocol.specs import Checkpointing, QuerySpec, spec_to_wire
-from .engine import EngineDiedError, HostEngine
+from .cluster import acquire_engine
+from .engine import EngineDiedError
 from .metrics import QueryMetrics
 from .settings import QuerySettings
 from .sink import Sink
@@ -115,7 +115,7 @@ class Recovery:
         #: set by the pipeline: the batch in flight (or None), and how to forget it
         self.in_flight: Callable[[], Optional[int]] = lambda: None
         self.discard_in_flight: Callable[[], None] = lambda: None
-        self.engine = HostEngine.acquire(niceness=settings.niceness)
+        self.engine = acquire_engine(kind.session, settings)
 
     # -- opening -----------------------------------------------------------------------------
     def open_in_background(self) -> None:
@@ -227,11 +227,7 @@ class Recovery:
 
     # -- engine death --------------------------------------------------------------------------
     def _engine_failed(self) -> bool:
-        try:  # a killed engine is reaped at once; give a crashing one a moment to exit
-            self.engine.proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+        return self.engine.failed(1.0)
 
     def with_engine(self, what: str, fn, opened: bool = True):
         """Run ``fn``; if the host engine died meanwhile, restart it to hold what it held after
@@ -266,8 +262,7 @@ class Recovery:
             raise EngineDiedError(cause + hint) from e
         t0 = time.perf_counter()
         self.discard_in_flight()  # its batch is redone from the input log
-        dead.release()
-        fresh = HostEngine.acquire(niceness=self.settings.niceness)
+        fresh = dead.restarted()
         with self._lock:  # the query may have ended meanwhile: then nobody would release it
             if self.released:
                 fresh.release()

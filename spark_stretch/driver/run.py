@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from ..protocol.layout import QueryLayout
 from . import jvm, recovery
-from .engine import local_host
+from .cluster import engine_hosts
 from .ingest import Ingest
 from .metrics import QueryMetrics
 from .pipeline import Pipeline
@@ -37,7 +37,7 @@ class QueryRun:
     def __init__(self, kind, fmt: str, options: Dict[str, str], path: Optional[str],
                  table: Optional[str]):
         self.settings = read_settings(kind.session.conf)  # (a bad one: before anything)
-        _check_one_host(kind.session)
+        _check_hosts(kind)
         self._own_checkpoint = "checkpointLocation" not in options
         checkpoint = options.get("checkpointLocation") or tempfile.mkdtemp(prefix="stretch-ckpt-")
         self.layout = QueryLayout(checkpoint)
@@ -203,10 +203,12 @@ class QueryRun:
         return {**self.metrics.snapshot(), **self.recovery.figures()}
 
 
-def _check_one_host(spark) -> None:
-    """This version runs one host engine, on the driver's host: refuse executors elsewhere."""
-    others = jvm.executor_hosts(spark) - {local_host(), "localhost", "127.0.0.1"}
-    if others:
+def _check_hosts(kind) -> None:
+    """Built-in aggregations run on several hosts; an engine operator or the drop-in on one."""
+    hosts = engine_hosts(kind.session)
+    spec_kind = kind.engine_spec().kind
+    if hosts and spec_kind != "aggregate":
         raise NotImplementedError(
-            f"executors on hosts {sorted(others)}: this version runs one host engine, on the "
-            "driver's host (local, local-cluster or a one-host cluster)")
+            f"executors on hosts {hosts}: a {spec_kind} query runs on one host so far (local, "
+            "local-cluster or a one-host cluster); the built-in aggregations of "
+            "stretchAggregate and stretch(df) run on several")

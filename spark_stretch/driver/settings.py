@@ -120,6 +120,14 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
           "stretch() raises an error naming the reason",
           "`stretch(df)`: an aggregation the engine cannot run yet runs natively with a "
           "`FallbackWarning` naming the reason; `false`: an error naming it"),
+    _int("spark.stretch.keyGroups", 128, 1, 1 << 16,
+         "key groups a query's keys are split into across hosts",
+         "a query on several hosts: the key groups its keys are split into across hosts, "
+         "fixed per query (kept in its checkpoint); at least the number of hosts"),
+    _int("spark.stretch.engine.leaseSeconds", 30, 2, None,
+         "seconds a host engine waits for its driver before it exits",
+         "a query on several hosts: an executor host's engine exits when its driver has not "
+         "reached it for this long (a killed driver leaves nothing behind)"),
     Setting("spark.stretch.testClockMs", "", "text",
             "tests only: `<start>[+<step>]` makes the drop-in's batch N run at processing time "
             "`start + N * step` ms",
@@ -142,6 +150,8 @@ class QuerySettings:
     niceness: int
     fallback: bool
     test_clock: str
+    key_groups: int
+    lease_s: int
     # Spark's own state store settings, followed by the engine's checkpoints
     min_deltas: int
     min_batches_to_retain: int
@@ -162,5 +172,7 @@ def read_settings(conf) -> QuerySettings:
         niceness=v["spark.stretch.engine.niceness"],
         fallback=v["spark.stretch.fallback"],
         test_clock=v["spark.stretch.testClockMs"],
+        key_groups=v["spark.stretch.keyGroups"],
+        lease_s=v["spark.stretch.engine.leaseSeconds"],
         min_deltas=int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
         min_batches_to_retain=int(conf.get("spark.sql.streaming.minBatchesToRetain", "100")))

@@ -176,7 +176,7 @@ class Sink:
         outputs in up to ``defaultParallelism`` slices, so every core writes the sink."""
         splits = jvm.splits_for(self._spark, rows)
         return (self._spark.read.format("stretch").schema(self._kind.schema)
-                .option("endpoints", self._engine().endpoint).option("stream", stream)
+                .options(**self._engine().data_options()).option("stream", stream)
                 .option("splits", splits).load())
 
     def _write(self, out: DataFrame, batch_id: int, app_suffix: str = "") -> None:

@@ -304,12 +304,15 @@ def _mk_builtin_keys(a, e, vals, out, kind, param):
             if n < cap:
                 out[n] = vals[p]
             n += 1
-    elif kind == MK_PAIRS:
+    elif kind == MK_PAIRS:  # (a first word flagged ~id belongs to another host: no pair here)
         for p in range(a, e):
+            if vals[p] < 0:
+                continue
             hi = min(e, p + 1 + param)
             for q in range(p + 1, hi):
+                w = vals[q]
                 if n < cap:
-                    out[n] = (vals[p] << 32) | vals[q]
+                    out[n] = (vals[p] << 32) | (w if w >= 0 else ~w)
                 n += 1
     elif kind == MK_RANGE:
         for k in range(param):

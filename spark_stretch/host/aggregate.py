@@ -27,19 +27,18 @@ from typing import List, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from ..engine import Interner, ListColumn, engine_class
+from ..engine import Interner, engine_class
 from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META
-from ..protocol.specs import AggregateSpec
 from . import faults
-from .aggregations import (builtin_operators, check_checkpoint, output_table, per_aggregation,
-                           rank_strings, reject_nulls, state_output)
+from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
+                           per_aggregation, rank_strings, reject_nulls, state_output)
 from .checkpoints import arrow_bytes, read_arrow
-from .columns import KeyCodec, list_parts, prepare, sample
+from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
+from .share import KeyShare, top_ms
 
 __all__ = ["AggregateRuntime"]
 
@@ -54,6 +53,8 @@ class AggregateRuntime(Runtime):
     def __init__(self, qid: str, spec, receiver):
         super().__init__(qid, spec, receiver)
         self.codec = KeyCodec()
+        self.share = None if spec.share is None else KeyShare(spec.share, spec.key_kind,
+                                                              spec.key_column)
         # Per input stream (one withWatermark each): the largest event time seen so far, in ms.
         self.stream_max_ms: list = [None] * len(self._delays())
         ops = self._operators()
@@ -84,7 +85,7 @@ class AggregateRuntime(Runtime):
     def describe(self) -> M.Opened:
         return M.Opened(query=self.qid, parallelism=self.parallelism,
                         max_parallelism=self.spec.max_parallelism, replay=self.replay,
-                        checkpoint=self.checkpoint)
+                        checkpoint=self.checkpoint, stream_max_ms=list(self.stream_max_ms))
 
     def warm_up(self) -> None:
         """Load what the first batch would load (numba's kernels, deltalake; half a second) while
@@ -119,15 +120,20 @@ class AggregateRuntime(Runtime):
         lead = self.engines[0]
         late_before = lead.esg_in.late_dropped
         if table is not None and table.num_rows:
+            self.counters["input_rows"] += table.num_rows
+            tops = None
+            if self.share is not None:  # (every row's event time counts: one watermark)
+                tops = [top_ms(table, self.spec.ts_column)]
+                table = self.share.keep(table)
             for s, cols in enumerate(self._stream_columns(table)):
                 if cols is None or not len(cols["ts"]):
                     continue
                 for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
                     eng.esg_in.add(cols, s)
-                top = int(cols["ts"].max()) // 1000
-                seen = self.stream_max_ms[s]
-                self.stream_max_ms[s] = top if seen is None else max(seen, top)
-            self.counters["input_rows"] += table.num_rows
+                if tops is None:
+                    self._saw(s, int(cols["ts"].max()) // 1000)
+            for s, top in enumerate(tops or ()):
+                self._saw(s, top)
         if not self.spec.warm_up:  # a test's fault is for the query itself
             faults.inject("step", batch)
         out = self._emit(batch)
@@ -142,7 +148,20 @@ class AggregateRuntime(Runtime):
             self.store.logged(batch)
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late,
-            "engine_ms": self._ms_since(t0)})
+            "engine_ms": self._ms_since(t0), "stream_max_ms": list(self.stream_max_ms)})
+
+    def _saw(self, s: int, top) -> None:
+        """Stream ``s``'s largest event time so far (ms) takes ``top`` (None: no rows) in."""
+        seen = self.stream_max_ms[s]
+        if top is not None:
+            self.stream_max_ms[s] = top if seen is None else max(seen, top)
+
+    def fold_event_times(self, stream_max_ms) -> None:
+        """A query on several hosts: every host's largest event times up to the last batch
+        (the driver's), so this host's W_N is the one watermark of all."""
+        for s, top in enumerate(stream_max_ms):
+            self._saw(s, top)
+        self.next_watermark_ms = self._next_watermark()
 
     def _emit(self, batch: int) -> pa.Table:
         """The batch's output rows, as Spark's output mode has them: in append mode the
@@ -281,30 +300,7 @@ class AggregateRuntime(Runtime):
 
     def _columns(self, table: pa.Table) -> dict:
         """The engine's columns of a batch (checked by :meth:`_validate` when it arrived)."""
-        s: AggregateSpec = self.spec
-        if s.drop_null_ts and table.column(s.ts_column).null_count:
-            table = table.filter(pc.is_valid(table.column(s.ts_column)))
-        if s.session_end:  # (Spark's filter: a row without a positive gap is in no session)
-            ts, end = (pc.cast(table.column(c), pa.int64()) for c in (s.ts_column, s.session_end))
-            keep = pc.fill_null(pc.greater(end, ts), False)
-            if not pc.all(keep).as_py():
-                table = table.filter(keep)
-        cols = {"ts": pc.cast(table.column(s.ts_column), pa.int64()).to_numpy()}
-        if s.session_end:
-            cols["end"] = pc.cast(table.column(s.session_end), pa.int64()).to_numpy()
-        key = table.column(s.key_column).combine_chunks()
-        if s.key_kind == "scalar":
-            cols["key"] = self.codec.ids(key)
-        else:
-            offsets, values = list_parts(key)
-            cols["key"] = ListColumn(offsets, self.codec.ids(values,
-                                                             force_intern=s.key_kind == "pairs"))
-        for c, vt in s.value_types.items():
-            if vt == "string":  # (a first/last/max_by/min_by value: its id, decoded on output)
-                cols[c] = self.codec.ids(table.column(c).combine_chunks(), force_intern=True)
-            else:
-                cols[c] = pc.cast(table.column(c), pa.int64() if vt == "long" else pa.float64()).to_numpy()
-        return cols
+        return engine_columns(self.spec, self.codec, self.share, table)
 
     def _output(self) -> pa.Table:
         return output_table(self.spec, self.codec, per_aggregation(

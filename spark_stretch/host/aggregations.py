@@ -7,12 +7,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..engine import ListColumn
 from ..ops.aggregate import aggregate, aggregate_many
 from ..protocol.errors import InputRejected, StateError
 from ..protocol.specs import AggregateSpec
-from .columns import KeyCodec, finish, window_array, window_struct
+from .columns import KeyCodec, finish, list_parts, window_array, window_struct
 
-__all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "output_table", "per_aggregation", "rank_strings",
+__all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "engine_columns", "output_table", "per_aggregation", "rank_strings",
            "reject_nulls", "state_output"]
 
 
@@ -53,6 +54,38 @@ def rank_strings(s: AggregateSpec, codec: KeyCodec, engines: list) -> None:
         ranks = codec.ranks()
         for eng in engines:
             eng.order_strings(ranks)
+
+
+def engine_columns(s: AggregateSpec, codec: KeyCodec, share, table: pa.Table) -> dict:
+    """A batch's engine columns (``ts``, ``key``, the values; ``end`` of a session): keys and
+    string values as the ids ``codec`` interns, pair keys flagged by this host's ``share`` (a
+    :class:`~.share.KeyShare`, or None on one host)."""
+    if s.drop_null_ts and table.column(s.ts_column).null_count:
+        table = table.filter(pc.is_valid(table.column(s.ts_column)))
+    if s.session_end:  # (Spark's filter: a row without a positive gap is in no session)
+        ts, end = (pc.cast(table.column(c), pa.int64()) for c in (s.ts_column, s.session_end))
+        keep = pc.fill_null(pc.greater(end, ts), False)
+        if not pc.all(keep).as_py():
+            table = table.filter(keep)
+    cols = {"ts": pc.cast(table.column(s.ts_column), pa.int64()).to_numpy()}
+    if s.session_end:
+        cols["end"] = pc.cast(table.column(s.session_end), pa.int64()).to_numpy()
+    key = table.column(s.key_column).combine_chunks()
+    if s.key_kind == "scalar":
+        cols["key"] = codec.ids(key)
+    else:
+        offsets, values = list_parts(key)
+        ids = codec.ids(values, force_intern=s.key_kind == "pairs")
+        if s.key_kind == "pairs" and share is not None:
+            ids = share.flag_firsts(ids, values)
+        cols["key"] = ListColumn(offsets, ids)
+    for c, vt in s.value_types.items():
+        if vt == "string":  # (a first/last/max_by/min_by value: its id, decoded on output)
+            cols[c] = codec.ids(table.column(c).combine_chunks(), force_intern=True)
+        else:
+            cols[c] = pc.cast(table.column(c), pa.int64() if vt == "long" else pa.float64()
+                              ).to_numpy()
+    return cols
 
 
 def per_aggregation(s: AggregateSpec, outs: list) -> list:

@@ -1,7 +1,10 @@
-"""The host engine process: one per host and driver, shared by every executor and task on it.
+"""The host engine process: one per host and application, shared by every executor and task on it.
 
-Started by :class:`spark_stretch.driver.engine.HostEngine` as ``python -m
-spark_stretch.host.daemon``. It serves the ``stretch`` data source on a Unix socket (executors
+Started as ``python -m spark_stretch.host.daemon``: by the driver on its own host
+(:class:`spark_stretch.driver.engine.HostEngine`), or, for a query on several hosts, by an
+executor on each executor host (the shim's ``StretchHosts`` launcher job: then it also listens
+on TCP at the host's address, takes the application's secret on its standard input, and lives
+on a lease the driver renews). It serves the ``stretch`` data source on a Unix socket (executors
 write input and read results: :mod:`.receiver`) and the driver's control requests
 (:mod:`spark_stretch.protocol.messages`: ``open``, ``step`` or ``submit``/``result``,
 ``reconfigure``, ``metrics``, ``close``, ...) for every query kind, opening the runtime the
@@ -18,6 +21,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Dict, Optional
 
@@ -33,23 +37,29 @@ __all__ = ["HostDaemon", "main"]
 class HostDaemon:
     """Routes data-source commits and control requests to the queries' runtimes."""
 
-    def __init__(self, socket_path: str):
+    def __init__(self, socket_path: str, tcp_host: Optional[str] = None,
+                 secret: Optional[bytes] = None, lease_s: float = 0.0):
         self._runtimes: Dict[str, type] = {}
+        self.lease_s = lease_s
+        self.renewed = time.monotonic()  # the driver's last request (its lease)
         self._loaded = threading.Event()  # the engine modules (numba) are imported: see load()
         self._load_error: Optional[BaseException] = None
         self.queries: Dict[str, Runtime] = {}
         self._opening: Dict[str, threading.Event] = {}  # set once its open ended (well or not)
         self.stop_event = threading.Event()
         self.signalled = False  # set by SIGTERM (a handler must not take the Event's lock)
-        self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit)
+        self.receiver = Receiver(socket_path=socket_path, on_commit=self._on_commit,
+                                 tcp_host=tcp_host, secret=secret)
+        self.receiver.on_request = self._renew
         for message, handler in (
                 (M.Open, self._open), (M.IngestFiles, self._ingest_files), (M.Step, self._step),
-                (M.Submit, lambda m: self._query(m).submit(m.batch)),
+                (M.Submit, lambda m: self._query(m).submit(m.batch, m.stream_max_ms)),
                 (M.Result, lambda m: self._query(m).result(m.batch)),
                 (M.Saved, lambda m: self._query(m).wait_saved()),
-                (M.Flush, lambda m: self._query(m).flush(m.batch_ts_ms)),
+                (M.Flush, self._flush),
                 (M.Flushed, lambda m: self._query(m).flushed()),
                 (M.WriteDelta, self._write_delta), (M.CreateDelta, self._create_delta),
+                (M.PrepareDelta, self._prepare_delta), (M.CommitDelta, self._commit_delta),
                 (M.Reconfigure, lambda m: self._query(m).reconfigure(m.parallelism, m.owner_map)),
                 (M.Metrics, self._metrics), (M.Close, self._close), (M.Shutdown, self._shutdown)):
             self.receiver.register(message, handler)
@@ -68,6 +78,12 @@ class HostDaemon:
             self._load_error = e
         finally:
             self._loaded.set()
+
+    def _renew(self, msg: M.Request) -> None:
+        # The driver's requests (a ping, any control op, a job's commit) renew its lease; the
+        # executors' data requests do not: an engine whose driver is gone must end.
+        if not isinstance(msg, (M.Write, M.Read, M.Schema)):
+            self.renewed = time.monotonic()
 
     def _query(self, msg) -> Runtime:
         return self._runtime(msg.query)
@@ -105,7 +121,14 @@ class HostDaemon:
         return self._query(msg).ingest_files(msg)
 
     def _step(self, msg: M.Step) -> M.StepResult:
-        return self._query(msg).step(msg.batch, msg.batch_ts_ms)
+        return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms)
+
+    def _flush(self, msg: M.Flush) -> M.FlushResult:
+        rt = self._query(msg)
+        if msg.stream_max_ms:
+            with rt.lock:
+                rt.fold_event_times(msg.stream_max_ms)
+        return rt.flush(msg.batch_ts_ms)
 
     def _write_delta(self, msg: M.WriteDelta) -> M.DeltaWritten:
         # The output offered on a stream, appended to a Delta table from here.
@@ -114,6 +137,18 @@ class HostDaemon:
         self._query(msg)
         return M.DeltaWritten(**append(msg.path, self.receiver.offered(msg.stream), msg.app_id,
                                        msg.version))
+
+    def _prepare_delta(self, msg: M.PrepareDelta) -> M.DeltaPrepared:
+        from .delta import prepare
+
+        self._query(msg)
+        got = prepare(msg.path, self.receiver.offered(msg.stream), msg.app_id, msg.version)
+        return M.DeltaPrepared(**{k: v for k, v in got.items() if k != "written"})
+
+    def _commit_delta(self, msg: M.CommitDelta) -> M.DeltaWritten:
+        from .delta import commit
+
+        return M.DeltaWritten(**commit(msg.path, msg.actions, msg.app_id, msg.version))
 
     def _create_delta(self, msg: M.CreateDelta) -> M.DeltaCreated:
         # The sink's table, empty, instead of a Spark job making it.
@@ -125,6 +160,8 @@ class HostDaemon:
         # writer_pids: the executor JVMs that wrote to this host engine (one engine, many JVMs)
         return M.Figures({**self._query(msg).metrics(),
                           "writer_pids": sorted(self.receiver.writer_pids),
+                          "bytes_in": dict(self.receiver.bytes_in),
+                          "refused": self.receiver.refused,
                           "engine_pid": os.getpid()})
 
     def _close(self, msg: M.Close) -> M.Closed:
@@ -139,11 +176,16 @@ class HostDaemon:
         return M.Empty()
 
     def serve(self, parent: int) -> None:
-        print("READY", flush=True)
+        tcp = self.receiver.tcp_endpoint
+        print("READY" if tcp is None else f"READY {tcp} {os.getpid()}", flush=True)
         threading.Thread(target=self.load, name="stretch-load", daemon=True).start()
         while not (self.stop_event.is_set() or self.signalled):
             if parent and os.getppid() != parent:  # the driver is gone: do not outlive it
                 break
+            if self.lease_s and time.monotonic() - self.renewed > self.lease_s:
+                print(f"stretch engine {os.getpid()}: the driver did not renew its lease in "
+                      f"{self.lease_s:g} s; exiting", file=sys.stderr, flush=True)
+                break  # (the driver is gone, or cannot reach this host any more)
             self.stop_event.wait(0.2)  # a shutdown request ends the wait at once
         orphaned = not self.stop_event.is_set()
         closing = threading.Thread(target=self._close_all, args=(orphaned,), name="stretch-close",
@@ -168,7 +210,12 @@ def main(argv=None) -> int:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--parent", type=int, default=0)
     ap.add_argument("--nice", type=int, default=0, help="run behind the host's other work")
+    ap.add_argument("--tcp", default=None, help="also listen on TCP at this (host's) address; "
+                    "the application's secret is the first line of standard input")
+    ap.add_argument("--lease", type=float, default=0.0,
+                    help="exit when the driver has sent nothing for this many seconds")
     args = ap.parse_args(argv)
+    secret = sys.stdin.buffer.readline().strip() if args.tcp else None
     if args.nice:
         os.nice(args.nice)  # (its threads and instance processes inherit it)
     # A batch's rows arrive (a socket read per chunk, each taking the GIL back) while the
@@ -176,7 +223,7 @@ def main(argv=None) -> int:
     # the executors writing them do not wait on a blocked reader (the ingest job: -6%).
     sys.setswitchinterval(0.0002)
     try:
-        daemon = HostDaemon(args.socket)
+        daemon = HostDaemon(args.socket, tcp_host=args.tcp, secret=secret, lease_s=args.lease)
     except Exception:
         traceback.print_exc()
         return 1
@@ -186,7 +233,8 @@ def main(argv=None) -> int:
     try:
         daemon.serve(args.parent)
     finally:
-        # The driver made the socket's directory; if the driver died first, nobody else removes it.
+        # The driver (or the launcher) made the socket's directory; if the driver died first,
+        # nobody else removes it.
         sock_dir = os.path.dirname(args.socket)
         if os.path.basename(sock_dir).startswith("stretch-engine-"):
             shutil.rmtree(sock_dir, ignore_errors=True)

@@ -30,13 +30,16 @@ False
 
 from __future__ import annotations
 
+import json
+import os
 import time
+import uuid
 
 import pyarrow as pa
 
 from . import faults
 
-__all__ = ["append", "create"]
+__all__ = ["append", "create", "prepare", "commit"]
 
 # Column types a new table gets the same way from Spark and from deltalake (protocol 1/2, no
 # table features); anything else (timestamp_ntz, decimals, maps, ...) Spark creates.
@@ -121,28 +124,92 @@ def append(path: str, table: pa.Table, app_id: str, version: int) -> dict:
     from now on (no ``deltalake``, a table feature or schema it does not write). Other errors
     (I/O) propagate.
     """
+    t0 = time.perf_counter()
+    dt, table = _opened(path, table, app_id, version)
+    if isinstance(dt, dict):
+        return dict(dt, ms=(time.perf_counter() - t0) * 1e3) if "unsupported" not in dt else dt
+    from deltalake import CommitProperties, Transaction, write_deltalake
+    from deltalake.exceptions import DeltaProtocolError, SchemaMismatchError
+
+    faults.inject("direct", version)
     try:
-        from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-        from deltalake.exceptions import DeltaProtocolError, SchemaMismatchError, TableNotFoundError
-    except ImportError as e:
-        return _unsupported(f"deltalake is not installed ({e})")
+        write_deltalake(dt, table, mode="append", commit_properties=CommitProperties(
+            app_transactions=[Transaction(app_id, version)]))
+    except (DeltaProtocolError, SchemaMismatchError) as e:
+        return _unsupported(f"deltalake cannot write the table: {e}")
+    return {"written": True, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+def prepare(path: str, table: pa.Table, app_id: str, version: int) -> dict:
+    """This host's part of a multi-host batch: ``table`` written into the Delta table's
+    directory as a data file, *not* committed. Returns ``{"actions": [add action], "ms"}``
+    (no action for no rows), ``{"done": True}`` if the table holds ``(app_id, version)``
+    already, or ``unsupported`` as :func:`append`. :func:`commit` makes every host's files one
+    commit; a file never committed (a crash in between) is not part of the table (Delta's
+    VACUUM removes it)."""
+    t0 = time.perf_counter()
+    dt, table = _opened(path, table, app_id, version)
+    if isinstance(dt, dict):
+        return {"done": True} if "unsupported" not in dt else dt
+    actions = []
+    if table.num_rows:
+        import pyarrow.parquet as pq
+
+        name = f"part-{uuid.uuid4()}-c000.snappy.parquet"
+        pq.write_table(table, os.path.join(_local(path), name), compression="snappy")
+        actions.append({"path": name, "size": os.path.getsize(os.path.join(_local(path), name)),
+                        "partition_values": {}, "modification_time": int(time.time() * 1000),
+                        "data_change": True,
+                        "stats": json.dumps({"numRecords": table.num_rows})})
+    return {"actions": actions, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+def commit(path: str, actions: list, app_id: str, version: int) -> dict:
+    """Commit the data files of every host (:func:`prepare`'s add actions) as one Delta commit
+    of transaction ``(app_id, version)``, unless the table holds it already (``written``
+    False: a replay)."""
+    from deltalake import CommitProperties, DeltaTable, Transaction
+    from deltalake.transaction import AddAction
 
     t0 = time.perf_counter()
-    try:
-        dt = DeltaTable(path)
-    except TableNotFoundError:
-        return _unsupported("no Delta table at the path yet", permanent=False)
-    except DeltaProtocolError as e:
-        return _unsupported(f"deltalake cannot read the table: {e}")
-    except Exception as e:  # e.g. an object store the engine has no credentials for: Spark has
-        first = (str(e).strip().splitlines() or [""])[0]  # delta-rs appends a backtrace
-        return _unsupported(f"deltalake cannot open the table: {type(e).__name__}: {first}")
-    why = _unsupported_protocol(dt)
-    if why:
-        return _unsupported(why)
+    dt = DeltaTable(path)
     done = dt.transaction_version(app_id)
     if done is not None and done >= version:
         return {"written": False, "ms": (time.perf_counter() - t0) * 1e3}
+    faults.inject("direct", version)
+    dt.create_write_transaction(
+        [AddAction(**a) for a in actions], mode="append", schema=dt.schema(),
+        commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]))
+    return {"written": True, "ms": (time.perf_counter() - t0) * 1e3}
+
+
+def _local(path: str) -> str:
+    return path[len("file:"):] if path.startswith("file:") else path
+
+
+def _opened(path: str, table: pa.Table, app_id: str, version: int):
+    """``(table at path, rows cast to its schema)``, or a dict: ``{"written": False}`` when
+    it holds ``(app_id, version)`` already, or why this writer cannot write it."""
+    try:
+        from deltalake import DeltaTable
+        from deltalake.exceptions import DeltaProtocolError, TableNotFoundError
+    except ImportError as e:
+        return _unsupported(f"deltalake is not installed ({e})"), None
+    try:
+        dt = DeltaTable(path)
+    except TableNotFoundError:
+        return _unsupported("no Delta table at the path yet", permanent=False), None
+    except DeltaProtocolError as e:
+        return _unsupported(f"deltalake cannot read the table: {e}"), None
+    except Exception as e:  # e.g. an object store the engine has no credentials for: Spark has
+        first = (str(e).strip().splitlines() or [""])[0]  # delta-rs appends a backtrace
+        return _unsupported(f"deltalake cannot open the table: {type(e).__name__}: {first}"), None
+    why = _unsupported_protocol(dt)
+    if why:
+        return _unsupported(why), None
+    done = dt.transaction_version(app_id)
+    if done is not None and done >= version:
+        return {"written": False}, None
     try:
         # The table's own types and nullability (Spark made the table): a plain cast, no change.
         target = pa.schema(dt.schema().to_arrow())
@@ -151,16 +218,9 @@ def append(path: str, table: pa.Table, app_id: str, version: int) -> dict:
         for have, want in zip(table.schema, target):
             if not _same_type(have.type, want.type):
                 raise TypeError(f"column '{have.name}' is {have.type}, the table's {want.type}")
-        table = table.cast(target)
+        return dt, table.cast(target)
     except (ValueError, TypeError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        return _unsupported(f"output schema: {e}")
-    faults.inject("direct", version)
-    try:
-        write_deltalake(dt, table, mode="append", commit_properties=CommitProperties(
-            app_transactions=[Transaction(app_id, version)]))
-    except (DeltaProtocolError, SchemaMismatchError) as e:
-        return _unsupported(f"deltalake cannot write the table: {e}")
-    return {"written": True, "ms": (time.perf_counter() - t0) * 1e3}
+        return _unsupported(f"output schema: {e}"), None
 
 
 # Writer features an append needs nothing for. Others (column mapping's physical names, identity

@@ -24,6 +24,7 @@ Examples
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import List, Optional
@@ -37,6 +38,8 @@ from .checkpoints import read_arrow
 
 __all__ = ["InputLog"]
 
+_EXTRA_KEY = b"stretch.input_log.extra"  # (the JSON logged with a batch's rows)
+
 
 class InputLog:
     """The input log in directory ``path`` (made on the first write)."""
@@ -44,16 +47,20 @@ class InputLog:
     def __init__(self, path: Path):
         self.path = Path(path)
 
-    def write(self, batch: int, table: Optional[pa.Table]) -> None:
-        """Log the input of ``batch`` (None: it had no rows)."""
+    def write(self, batch: int, table: Optional[pa.Table], extra: Optional[dict] = None) -> None:
+        """Log the input of ``batch`` (None: it had no rows), with ``extra`` (JSON) beside it:
+        what the driver decided for the batch (a query on several hosts: the event times of
+        every host up to the batch before), read back by :meth:`read` with ``extra=True``."""
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = self.path / f".{batch}.tmp"
         if table is None:  # no rows (Spark ran the batch, nothing reached the engine)
-            tmp.write_bytes(str(INPUT_LOG_FORMAT).encode())
+            tmp.write_bytes(str(INPUT_LOG_FORMAT).encode() + b"\n" + json.dumps(extra).encode())
             final = self.path / f"{batch}.empty"
         else:
             meta = dict(table.schema.metadata or {})
             meta[INPUT_LOG_KEY] = str(INPUT_LOG_FORMAT).encode()
+            if extra:
+                meta[_EXTRA_KEY] = json.dumps(extra).encode()
             table = table.replace_schema_metadata(meta)
             with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
                 w.write_table(table)
@@ -61,9 +68,10 @@ class InputLog:
         os.replace(tmp, final)
         faults.inject("logged", batch)
 
-    def read(self, batch: int) -> Optional[pa.Table]:
-        """The logged input of ``batch`` (None: it had no rows); a StateError naming the batch
-        if it is not in the log, or is in a format this version does not read."""
+    def read(self, batch: int, extra: bool = False):
+        """The logged input of ``batch`` (None: it had no rows), and with ``extra`` the dict
+        logged with it (``(table, dict)``); a StateError naming the batch if it is not in the
+        log, or is in a format this version does not read."""
         arrow, empty = self.path / f"{batch}.arrow", self.path / f"{batch}.empty"
         if arrow.exists():
             table = read_arrow(arrow)
@@ -71,13 +79,15 @@ class InputLog:
             found = meta.get(INPUT_LOG_KEY)
             check_format(None if found is None else _int(found), INPUT_LOG_FORMAT,
                          f"the input log file {arrow}")
-            rest = {k: v for k, v in meta.items() if k != INPUT_LOG_KEY}
-            return table.replace_schema_metadata(rest or None)
+            more = json.loads(meta[_EXTRA_KEY]) if _EXTRA_KEY in meta else None
+            rest = {k: v for k, v in meta.items() if k not in (INPUT_LOG_KEY, _EXTRA_KEY)}
+            table = table.replace_schema_metadata(rest or None)
+            return (table, more or {}) if extra else table
         if empty.exists():
-            found = empty.read_bytes().strip()
-            check_format(_int(found) if found else None, INPUT_LOG_FORMAT,
+            found, _, more = empty.read_bytes().partition(b"\n")
+            check_format(_int(found.strip()) if found.strip() else None, INPUT_LOG_FORMAT,
                          f"the input log file {empty}")
-            return None
+            return (None, json.loads(more) or {} if more.strip() else {}) if extra else None
         raise StateError(f"the input of batch {batch} is neither pending nor in the input log "
                          f"{self.path}: the engine cannot redo the batch (restart the query from "
                          "its checkpoint)")

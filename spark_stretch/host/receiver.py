@@ -19,6 +19,7 @@ other clients are not affected).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -32,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pyarrow as pa
 
 from ..protocol import messages as M
+from ..protocol.auth import challenge, verify
 from ..protocol.errors import BadRequest, NotOffered, StretchError, error_reply
 from ..protocol.framing import read_header, write_header
 from . import faults
@@ -39,6 +41,8 @@ from . import faults
 __all__ = ["Receiver"]
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid of the peer
+_AUTH_TIMEOUT_S = 10.0  # a TCP peer answers the challenge within this, or is dropped
+_log = logging.getLogger("spark_stretch.host")
 CommitCallback = Callable[[str, str, pa.Table], None]
 Handler = Callable[[M.Request], M.Reply]
 
@@ -65,16 +69,24 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         receiver: Receiver = self.server.receiver  # type: ignore[attr-defined]
+        tcp = self.server.secret is not None  # type: ignore[attr-defined]
+        if tcp and not self._authenticated(receiver):
+            return
         try:
             msg = M.decode_request(read_header(self.rfile))
             if isinstance(msg, (M.Write, M.Read)):
                 faults.inject(msg.op, faults.batch_of(msg.stream))
+            if receiver.on_request is not None:
+                receiver.on_request(msg)
             if isinstance(msg, M.Write):
-                creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                _CREDS.size)
-                receiver.writer_pids.add(_CREDS.unpack(creds)[0])
+                if not tcp:  # (the executor JVM's pid: a Unix socket tells it)
+                    creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                    _CREDS.size)
+                    receiver.writer_pids.add(_CREDS.unpack(creds)[0])
                 reader = pa.ipc.open_stream(self.rfile)
-                rows = receiver._stage(msg, list(reader), reader.schema)
+                batches = list(reader)
+                rows = receiver._stage(msg, batches, reader.schema)
+                receiver.bytes_in["tcp" if tcp else "unix"] += sum(b.nbytes for b in batches)
                 write_header(self.wfile, M.encode_reply(M.Staged(rows)))
             elif isinstance(msg, (M.Schema, M.Read)):
                 self._send_table(receiver, msg)
@@ -87,6 +99,23 @@ class _Handler(socketserver.StreamRequestHandler):
                 write_header(self.wfile, error_reply(e))
             except OSError:
                 pass
+
+    def _authenticated(self, receiver: "Receiver") -> bool:
+        """A TCP peer first answers the challenge (:mod:`spark_stretch.protocol.auth`); one that
+        does not is logged and dropped, the others served as before."""
+        peer = self.client_address
+        try:
+            self.request.settimeout(_AUTH_TIMEOUT_S)
+            ok = verify(self.rfile, self.server.secret, challenge(self.wfile))  # type: ignore
+            self.request.settimeout(None)
+        except OSError as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "a wrong or missing answer to the challenge"
+        if not ok:
+            receiver.refused += 1
+            _log.warning("stretch engine: refused the connection from %s (%s)", peer, why)
+        return ok
 
     def _send_table(self, receiver: "Receiver", msg) -> None:
         table = receiver.offered(msg.stream)
@@ -104,6 +133,12 @@ class _Handler(socketserver.StreamRequestHandler):
 
 class _Server(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
+    secret = None
+
+
+class _TcpServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
 
 
 class Receiver:
@@ -139,7 +174,8 @@ class Receiver:
     """
 
     def __init__(self, socket_path: Optional[str] = None, host: Optional[str] = None,
-                 on_commit: Optional[CommitCallback] = None, batch_rows: int = 65536):
+                 on_commit: Optional[CommitCallback] = None, batch_rows: int = 65536,
+                 tcp_host: Optional[str] = None, secret: Optional[bytes] = None):
         if batch_rows <= 0:
             raise ValueError(f"batch_rows must be positive, got {batch_rows}")
         self._tmpdir = None
@@ -162,19 +198,42 @@ class Receiver:
         self.jobs_committed = 0
         #: pids of the processes (executor JVMs) that wrote to this receiver
         self.writer_pids: set = set()
-        self._server = _Server(self.socket_path, _Handler)
-        self._server.receiver = self  # type: ignore[attr-defined]
-        # serve_forever polls for shutdown() every poll_interval (default 0.5 s, paid by every
-        # engine stop)
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
-                                        name="stretch-receiver", daemon=True)
-        self._thread.start()
+        self.refused = 0  # TCP connections refused (no or a wrong answer to the challenge)
+        #: bytes of rows written to this receiver, over TCP (from other hosts) and Unix sockets
+        self.bytes_in = {"tcp": 0, "unix": 0}
+        #: called with every request before it is served (the daemon's lease)
+        self.on_request: Optional[Callable[[M.Request], None]] = None
+        self._servers = [_Server(self.socket_path, _Handler)]
+        if tcp_host is not None:  # (a specific address, never a wildcard; a port of its own)
+            if not secret:
+                raise ValueError("a TCP endpoint needs the application's secret")
+            if tcp_host in ("", "0.0.0.0", "::"):
+                raise ValueError(f"tcp_host={tcp_host!r}: bind to the host's own address")
+            tcp = _TcpServer((tcp_host, 0), _Handler)
+            tcp.secret = secret
+            self._servers.append(tcp)
+        self.tcp_port = self._servers[1].server_address[1] if tcp_host is not None else None
+        self.tcp_host = tcp_host
+        self._threads = []
+        for srv in self._servers:
+            srv.receiver = self  # type: ignore[attr-defined]
+            # serve_forever polls for shutdown() every poll_interval (default 0.5 s, paid by
+            # every engine stop)
+            t = threading.Thread(target=srv.serve_forever, args=(0.05,), name="stretch-receiver",
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
 
     # -- public ---------------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
         """``host=/socket/path``: the value of the data source's ``endpoints`` option."""
         return f"{self.host}={self.socket_path}"
+
+    @property
+    def tcp_endpoint(self) -> Optional[str]:
+        """``tcp://host:port`` of the TCP listener (None: Unix socket only)."""
+        return None if self.tcp_port is None else f"tcp://{self.tcp_host}:{self.tcp_port}"
 
     def options(self, stream: str) -> Dict[str, str]:
         """Options for ``format("stretch")`` reading or writing ``stream`` through this receiver."""
@@ -217,17 +276,19 @@ class Receiver:
 
     def close(self) -> None:
         """Stop serving and remove the socket (and its temporary directory)."""
-        stopping = threading.Thread(target=self._server.shutdown, name="stretch-receiver-stop")
-        stopping.start()
-        while stopping.is_alive():  # a connection wakes serve_forever's poll to see shutdown()
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket_path)
-            except OSError:
-                pass
-            stopping.join(0.005)
-        self._server.server_close()
-        self._thread.join(timeout=10)
+        for srv in self._servers:
+            stopping = threading.Thread(target=srv.shutdown, name="stretch-receiver-stop")
+            stopping.start()
+            while stopping.is_alive():  # a connection wakes serve_forever's poll
+                try:
+                    with socket.socket(socket.AF_UNIX) as s:
+                        s.connect(self.socket_path)
+                except OSError:
+                    pass
+                stopping.join(0.005)
+            srv.server_close()
+        for t in self._threads:
+            t.join(timeout=10)
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:

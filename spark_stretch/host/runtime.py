@@ -108,6 +108,10 @@ class Runtime(ABC):
     def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
         """Checkpoint the state after ``batch`` (through ``self.store``)."""
 
+    def fold_event_times(self, stream_max_ms: list) -> None:
+        """Take every host's largest event times (ms, per input stream) in, before a step or
+        flush of a query on several hosts (the runtimes that have a watermark)."""
+
     def _arrived(self, table: pa.Table) -> pa.Table:
         """A batch's input as the query keeps (and logs) it, from the rows that arrived."""
         return table
@@ -183,10 +187,12 @@ class Runtime(ABC):
         return M.FilesIngested(rows=got.num_rows, event_times=stats)
 
     # -- micro-batches -------------------------------------------------------------------------
-    def step(self, batch: int, batch_ts_ms: Optional[int] = None) -> M.StepResult:
+    def step(self, batch: int, batch_ts_ms: Optional[int] = None,
+             stream_max_ms: Optional[list] = None) -> M.StepResult:
         """Step ``batch``: its pending input, or after a restart its logged one. The last batch
         again (Spark re-running it after a failure) gives the same rows without touching the
-        state; an older one is an error."""
+        state; an older one is an error. ``stream_max_ms``: every host's largest event times
+        up to the batch before (a query on several hosts)."""
         with self.lock:
             self.store.join()  # the previous checkpoint reads the state: let it finish
             table = self.pending.pop(batch, None)
@@ -199,19 +205,24 @@ class Runtime(ABC):
                     f"batch {batch} replayed after batch {self.last_batch}: the engine state of "
                     "that batch is gone (restart the query from its checkpoint)")
             if table is None and batch in self.replay and self.log is not None:
-                table = self.log.read(batch)  # after a restart: the batch again, from the log
+                # after a restart: the batch again, from the log (with what the driver decided)
+                table, extra = self.log.read(batch, extra=True)
+                stream_max_ms = stream_max_ms or extra.get("stream_max_ms")
             self._check_usable()
+            if stream_max_ms:
+                self.fold_event_times(stream_max_ms)
             self.last_reply = self._step(batch, table, batch_ts_ms)
             return self.last_reply
 
-    def submit(self, batch: int) -> M.Submitted:
+    def submit(self, batch: int, stream_max_ms: Optional[list] = None) -> M.Submitted:
         """Log the input of ``batch`` (after which Spark may commit it) and step it in the
         background; :meth:`result` waits for the step's reply."""
         if self.log is not None:
-            self.log.write(batch, self.pending.get(batch))
+            self.log.write(batch, self.pending.get(batch),
+                           {"stream_max_ms": stream_max_ms} if stream_max_ms else None)
         if self._stepper is None:
             self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"stretch-step-{self.qid}")
-        self._inflight[batch] = self._stepper.submit(self.step, batch)
+        self._inflight[batch] = self._stepper.submit(self.step, batch, None, stream_max_ms)
         return M.Submitted(batch)
 
     def result(self, batch: int) -> M.StepResult:

@@ -174,7 +174,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         if not np.issubdtype(vals.dtype, np.integer):
             raise EngineError(f"key column {key_col!r} has dtype {vals.dtype}; keys must be int ids or strings")
         vals = np.ascontiguousarray(vals, np.int64)
-        if pairs and vals.size and (vals.min() < 0 or vals.max() >= 2 ** 31):
+        # (pairs: an id flagged ~id, negative, starts no pair here: another host's first word)
+        if pairs and vals.size and (vals.min() < -2 ** 31 or vals.max() >= 2 ** 31):
             raise EngineError(f"keys column {key_col!r} has ids outside [0, 2**31); pair keys pack two 32-bit ids")
         vf, vi = _EMPTY_F, _EMPTY_I
         if value is not None:

@@ -1,4 +1,4 @@
-"""A frame on a stretch socket, and one request over a Unix socket.
+"""A frame on a stretch socket, and one request to a host engine (Unix socket or TCP).
 
 One request per connection: a 4-byte big-endian length and a UTF-8 JSON object (the header, see
 :mod:`.messages`), then, for a ``write``, an Arrow IPC stream. The reply is a framed header
@@ -26,9 +26,10 @@ import json
 import socket
 import struct
 
+from .auth import answer
 from .errors import BadRequest, raise_for
 
-__all__ = ["MAX_HEADER", "read_header", "write_header", "call"]
+__all__ = ["MAX_HEADER", "read_header", "write_header", "call", "connect", "tcp_address"]
 
 MAX_HEADER = 1 << 24  # 16 MiB: a spec with a pickled operator is a few KB
 _LEN = struct.Struct(">i")
@@ -69,8 +70,39 @@ def write_header(f, obj: dict) -> None:
     f.flush()
 
 
-def call(socket_path: str, header: dict, timeout: float = 120.0) -> dict:
-    """Send one request to the server on ``socket_path``; return its reply header.
+def tcp_address(endpoint: str):
+    """``(host, port)`` of a ``tcp://host:port`` endpoint, or None (a Unix socket path)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[6:].rpartition(":")
+    return host, int(port)
+
+
+def connect(endpoint: str, timeout: float, secret: bytes = None) -> socket.socket:
+    """A connected socket to ``endpoint`` (a Unix socket path, or ``tcp://host:port``: then the
+    engine's challenge answered with ``secret``, :mod:`.auth`)."""
+    addr = tcp_address(endpoint)
+    if addr is None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        if secret is None:
+            raise ValueError(f"'{endpoint}' is a TCP endpoint: a secret is needed to reach it")
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        s.connect(endpoint if addr is None else addr)
+        if addr is not None:
+            with s.makefile("rwb") as f:
+                answer(f, secret)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def call(endpoint: str, header: dict, timeout: float = 120.0, secret: bytes = None) -> dict:
+    """Send one request to the server on ``endpoint`` (a Unix socket path, or
+    ``tcp://host:port`` with the application's ``secret``); return its reply header.
 
     Raises
     ------
@@ -79,15 +111,14 @@ def call(socket_path: str, header: dict, timeout: float = 120.0) -> dict:
     spark_stretch.protocol.errors.RemoteError
         The server answered with a failed reply (its code and message).
     """
+    if secret is None and tcp_address(endpoint) is not None:
+        raise ValueError(f"'{endpoint}' is a TCP endpoint: a secret is needed to reach it")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(socket_path)
-            with s.makefile("rwb") as f:
-                write_header(f, header)
-                reply = read_header(f)
+        with connect(endpoint, timeout, secret) as s, s.makefile("rwb") as f:
+            write_header(f, header)
+            reply = read_header(f)
     except (OSError, ConnectionError, ValueError) as e:
-        raise ConnectionError(f"stretch engine at '{socket_path}' is unreachable or did not answer "
+        raise ConnectionError(f"stretch engine at '{endpoint}' is unreachable or did not answer "
                               f"'{header.get('op')}' ({type(e).__name__}: {e})") from e
     raise_for(reply)
     return reply

@@ -7,6 +7,7 @@ Under the query's ``checkpointLocation`` (beside Spark's own ``offsets/``, ``com
     stretch/engine.lock       flock held by the one engine writing this checkpoint (host)
     stretch/input/<N>.arrow   the input log: batch N's input, Arrow IPC (host); <N>.empty: no rows
     stretch/state/<N>/        the state after batch N: <meta> last, then its files (host)
+    stretch/hosts/<i>/        a query on several hosts: host i's engine.lock, input/, state/
 
 and, in shared memory, the drop-in's bucket files ``stretch-<query>-<pid>-*/b<bucket>.pkl``
 (host and worker). Each JSON file and the input log carry a format version; a reader refuses a
@@ -62,6 +63,11 @@ class QueryLayout:
     @property
     def state_dir(self) -> Path:
         return self.root / "state"
+
+    def host_state_dir(self, host: int) -> Path:
+        """Host ``host``'s state directory of a query on several hosts (its input log and lock
+        beside it)."""
+        return self.root / "hosts" / str(host) / "state"
 
     @property
     def input_log(self) -> Path:

@@ -16,7 +16,7 @@ Examples
 >>> wire["op"], wire["batch"]
 ('step', 3)
 >>> decode_request(wire)
-Step(query='q1', batch=3, batch_ts_ms=None)
+Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None)
 >>> decode_request({"v": 1, "op": "step", "query": "q1", "batch": "three"})
 Traceback (most recent call last):
 ...
@@ -37,9 +37,9 @@ from .errors import BadRequest
 __all__ = ["PROTOCOL_VERSION", "Request", "Reply", "decode_request", "encode_request",
            "decode_reply", "encode_reply", "schema_to_wire", "schema_from_wire", "Write", "Commit", "Abort", "Schema", "Read", "Ping",
            "Open", "IngestFiles", "Step", "Submit", "Result", "Saved", "Flush", "Flushed",
-           "WriteDelta", "CreateDelta", "Reconfigure", "Metrics", "Close", "Shutdown",
+           "WriteDelta", "PrepareDelta", "CommitDelta", "CreateDelta", "Reconfigure", "Metrics", "Close", "Shutdown",
            "Empty", "Staged", "Pong", "Opened", "FilesIngested", "StepResult", "Submitted",
-           "SaveStats", "FlushResult", "DeltaWritten", "DeltaCreated", "Reconfigured",
+           "SaveStats", "FlushResult", "DeltaWritten", "DeltaPrepared", "DeltaCreated", "Reconfigured",
            "Figures", "Closed"]
 
 PROTOCOL_VERSION = 1
@@ -93,6 +93,7 @@ class Opened(Reply):
     replay: List[int] = field(default_factory=list)
     checkpoint: Optional[int] = None
     instance_pids: List[int] = field(default_factory=list)
+    stream_max_ms: Optional[List[Optional[int]]] = None  # (the event times its state has seen)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,18 @@ class DeltaWritten(Reply):
     ``unsupported``: Spark must write it, this once (``permanent`` False) or from now on."""
 
     written: bool
+    ms: Optional[float] = None
+    unsupported: Optional[str] = None
+    permanent: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class DeltaPrepared(Reply):
+    """A host's data files for one Delta commit (``actions``: their add actions), or why the
+    engine cannot write the table (then Spark does, as for :class:`DeltaWritten`)."""
+
+    actions: List[Dict[str, object]] = field(default_factory=list)
+    done: bool = False                 # the table holds the version already: nothing written
     ms: Optional[float] = None
     unsupported: Optional[str] = None
     permanent: Optional[bool] = None
@@ -286,6 +299,9 @@ class Step(Request):
     query: str
     batch: int
     batch_ts_ms: Optional[int] = None
+    # A query on several hosts: each input stream's largest event time (ms) over every host
+    # up to the batch before (the engine folds it into its own, so all agree on W_N)
+    stream_max_ms: Optional[List[Optional[int]]] = None
 
 
 @dataclass(frozen=True)
@@ -296,6 +312,7 @@ class Submit(Request):
     reply: ClassVar[type] = Submitted
     query: str
     batch: int
+    stream_max_ms: Optional[List[Optional[int]]] = None  # (as for Step)
 
 
 @dataclass(frozen=True)
@@ -325,6 +342,7 @@ class Flush(Request):
     reply: ClassVar[type] = FlushResult
     query: str
     batch_ts_ms: Optional[int] = None
+    stream_max_ms: Optional[List[Optional[int]]] = None  # (as for Step)
 
 
 @dataclass(frozen=True)
@@ -347,6 +365,34 @@ class WriteDelta(Request):
     path: str
     app_id: str
     version: int
+
+
+@dataclass(frozen=True)
+class PrepareDelta(Request):
+    """Write the output offered on a stream into a Delta table's directory as data files,
+    uncommitted: their add actions, for one commit of every host's files (:class:`CommitDelta`)."""
+
+    op: ClassVar[str] = "prepare_delta"
+    reply: ClassVar[type] = DeltaPrepared
+    query: str
+    stream: str
+    path: str
+    app_id: str
+    version: int
+
+
+@dataclass(frozen=True)
+class CommitDelta(Request):
+    """Commit data files that hosts wrote (:class:`PrepareDelta`) as one Delta commit of
+    transaction ``(app_id, version)``, unless the table already holds it."""
+
+    op: ClassVar[str] = "commit_delta"
+    reply: ClassVar[type] = DeltaWritten
+    query: str
+    path: str
+    app_id: str
+    version: int
+    actions: List[Dict[str, object]]
 
 
 @dataclass(frozen=True)

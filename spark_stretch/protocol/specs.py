@@ -26,7 +26,7 @@ import msgspec
 
 from .errors import BadRequest
 
-__all__ = ["SPEC_VERSION", "Checkpointing", "QuerySpec", "AggregateSpec", "OperatorSpec",
+__all__ = ["SPEC_VERSION", "Checkpointing", "HostShare", "QuerySpec", "AggregateSpec", "OperatorSpec",
            "StreamSpec", "GroupedSpec", "spec_from_wire", "spec_to_wire"]
 
 SPEC_VERSION = 1
@@ -45,6 +45,23 @@ class Checkpointing:
 
 
 @dataclass(kw_only=True)
+class HostShare:
+    """One host's share of a query that runs on several hosts (:mod:`.placement`): the query's
+    key space is split into ``key_groups`` groups, ``host_map[g]`` the index of the host that
+    owns group ``g``; this engine is host ``host`` of ``hosts``. It keeps the keys of the
+    groups it owns, and every input stream's event times (for the one watermark)."""
+
+    host: int
+    hosts: int
+    key_groups: int
+    host_map: List[int]
+
+    def owned(self) -> List[int]:
+        """The key groups this host owns."""
+        return [g for g, h in enumerate(self.host_map) if h == self.host]
+
+
+@dataclass(kw_only=True)
 class QuerySpec:
     """What every query kind's spec has: its sizes, its checkpoint, and where it resumes."""
 
@@ -57,6 +74,7 @@ class QuerySpec:
     resume_batch: Optional[int] = None  # continue after this batch (Spark's last committed)
     input_schema: Optional[str] = None  # the input's Arrow schema (base64 IPC), for the warm-up
     warm_up: bool = False               # a throwaway copy warming the engine up
+    share: Optional[HostShare] = None   # on several hosts: this host's key groups (None: one)
 
 
 @dataclass(kw_only=True)

@@ -27,6 +27,12 @@ SAMPLES = [
     M.CreateDelta(path="/t", schema="AAA="),
     M.Reconfigure(query="q", parallelism=2, owner_map=[0, 1, 1, 0]), M.Metrics(query="q"),
     M.Close(query="q"), M.Shutdown(),
+    M.Submit(query="q", batch=2, stream_max_ms=[5000, None]),
+    M.PrepareDelta(query="q", stream="q:out:3", path="/t", app_id="a", version=3),
+    M.CommitDelta(query="q", path="/t", app_id="a", version=3,
+                  actions=[{"path": "part-0.parquet", "size": 10, "partition_values": {},
+                            "modification_time": 1, "data_change": True,
+                            "stats": "{\"numRecords\": 1}"}]),
 ]
 
 

@@ -32,7 +32,7 @@ class StretchDataSource extends TableProvider with DataSourceRegister {
   /** The schema of what the receiver offers on `stream` (asked of the first endpoint). */
   override def inferSchema(options: CaseInsensitiveStringMap): StructType = {
     val opts = StretchOptions.parse(options)
-    val client = new ReceiverClient(opts.endpoints.head._2, opts.timeoutMs)
+    val client = opts.client(opts.endpoints.head)
     try {
       client.request(ReceiverClient.header("schema", opts.stream))
       val reader = new ArrowStreamReader(client.in, ArrowUtils.rootAllocator)

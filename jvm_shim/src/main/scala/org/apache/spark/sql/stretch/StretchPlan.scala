@@ -127,9 +127,11 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     val answer = step("")
     val rows = answer.get("rows").asLong()
     if (rows == 0) return sparkContext.emptyRDD[InternalRow]
-    val opts = StretchOptions.parse(new CaseInsensitiveStringMap(Map(
+    val secret = if (answer.has("secret")) Map("secret" -> answer.get("secret").asText())
+      else Map.empty[String, String]
+    val opts = StretchOptions.parse(new CaseInsensitiveStringMap((Map(
       "endpoints" -> answer.get("endpoint").asText(), "stream" -> answer.get("stream").asText(),
-      "splits" -> answer.get("splits").asText()).asJava))
+      "splits" -> answer.get("splits").asText()) ++ secret).asJava))
     val factory = StretchReaderFactory(t.engineSchema, opts)
     val result = t.result
     new StretchOutputRDD(sparkContext, StretchInputPartition.all(opts), factory).mapPartitionsWithIndexInternal { (i, it) =>

@@ -58,7 +58,7 @@ case class StretchReaderFactory(schema: StructType, opts: StretchOptions)
   override def createColumnarReader(partition: InputPartition): PartitionReader[ColumnarBatch] = {
     val p = partition.asInstanceOf[StretchInputPartition]
     new PartitionReader[ColumnarBatch] {
-      private val client = new ReceiverClient(p.endpoint, opts.timeoutMs)
+      private val client = opts.client((p.host, p.endpoint))
       client.request({
         val h = ReceiverClient.header("read", opts.stream)
         h.put("partition", p.index)

@@ -21,9 +21,13 @@ class StretchWriteBuilder(schema: StructType, opts: StretchOptions, queryId: Str
   }
 }
 
-/** What a task reports on commit: where its rows went and under which attempt. */
+/** What a task reports on commit: where its rows went and under which attempt (one per endpoint
+ * it wrote to). */
 case class StretchCommitMessage(endpoint: String, partition: Int, taskId: Long, rows: Long)
   extends WriterCommitMessage
+
+/** A routed task's commit: one message per endpoint its rows went to. */
+case class StretchCommitMessages(parts: Seq[StretchCommitMessage]) extends WriterCommitMessage
 
 /**
  * Two-phase write: tasks stage their Arrow batches at the receiver under (job, partition, task);
@@ -40,7 +44,11 @@ class StretchBatchWrite(schema: StructType, opts: StretchOptions, queryId: Strin
   override def useCommitCoordinator(): Boolean = true
 
   override def commit(messages: Array[WriterCommitMessage]): Unit =
-    StretchBatchWrite.commit(opts, job, messages.collect { case m: StretchCommitMessage => m })
+    StretchBatchWrite.commit(opts, job, messages.toSeq.flatMap {
+      case m: StretchCommitMessage => Seq(m)
+      case StretchCommitMessages(parts) => parts
+      case _ => Nil
+    })
 
   override def abort(messages: Array[WriterCommitMessage]): Unit = StretchBatchWrite.abort(opts, job)
 }
@@ -51,7 +59,8 @@ object StretchBatchWrite {
     // Every endpoint hears the commit, also those that got no rows, so each sees every job end.
     val byEndpoint = msgs.groupBy(_.endpoint)
     (opts.endpoints.map(_._2).toSet ++ byEndpoint.keySet).foreach { endpoint =>
-      val client = new ReceiverClient(endpoint, opts.timeoutMs)
+      val client = opts.client((opts.endpoints.find(_._2 == endpoint).map(_._1).getOrElse(""),
+        endpoint))
       try {
         val h = ReceiverClient.header("commit", opts.stream)
         h.put("job", job)
@@ -65,9 +74,9 @@ object StretchBatchWrite {
 
   /** Drops whatever the job staged at every endpoint (best effort). */
   def abort(opts: StretchOptions, job: String): Unit = {
-    opts.endpoints.map(_._2).distinct.foreach { endpoint =>
+    opts.endpoints.distinct.foreach { entry =>
       try {
-        val client = new ReceiverClient(endpoint, opts.timeoutMs)
+        val client = opts.client(entry)
         try {
           val h = ReceiverClient.header("abort", opts.stream)
           h.put("job", job)
@@ -90,15 +99,41 @@ class StretchDataWriter(
     schema: StructType, opts: StretchOptions, job: String, timeZoneId: String,
     partitionId: Int, taskId: Long) extends DataWriter[InternalRow] {
 
-  private val out = new TaskStream(schema, opts, job, timeZoneId, partitionId, taskId)
+  // Routed (a query on several hosts): the row goes to each host its last column lists, as
+  // the rows of the schema without that column; else to this executor's host.
+  private val routed = opts.route != null
+  private val rowSchema = if (routed) StructType(schema.fields.dropRight(1)) else schema
+  private val outs = new Array[TaskStream](if (routed) opts.endpoints.size else 1)
+  private val routeAt = schema.fields.length - 1
+  if (routed && schema.fields.last.name != opts.route) {
+    throw new IllegalArgumentException(s"The option '${StretchOptions.ROUTE}' names " +
+      s"'${opts.route}', but the last column is '${schema.fields.last.name}'")
+  }
 
-  override def write(row: InternalRow): Unit = out.write(row)
+  private def out(i: Int): TaskStream = {
+    if (outs(i) == null) {
+      outs(i) = new TaskStream(rowSchema, opts, job, timeZoneId, partitionId, taskId,
+        if (routed) opts.endpoints(i) else opts.entryFor(StretchOptions.hostOf()))
+    }
+    outs(i)
+  }
 
-  override def commit(): WriterCommitMessage = out.commit()
+  override def write(row: InternalRow): Unit = if (!routed) out(0).write(row) else {
+    val hosts = row.getArray(routeAt)
+    var k = 0
+    while (k < hosts.numElements()) {
+      out(hosts.getInt(k)).write(row)  // (ArrowWriter reads the fields of rowSchema only)
+      k += 1
+    }
+  }
+
+  override def commit(): WriterCommitMessage =
+    if (!routed) out(0).commit()
+    else StretchCommitMessages(outs.toSeq.filter(_ != null).map(_.commit()))
 
   override def abort(): Unit = close()
 
-  override def close(): Unit = out.close()
+  override def close(): Unit = outs.foreach(o => if (o != null) o.close())
 }
 
 /**
@@ -108,10 +143,14 @@ class StretchDataWriter(
  */
 class TaskStream(
     schema: StructType, opts: StretchOptions, job: String, timeZoneId: String,
-    partitionId: Int, taskId: Long) {
+    partitionId: Int, taskId: Long, entry: (String, String)) {
 
-  private val endpoint = opts.endpointFor(StretchOptions.hostOf())
-  private val client = new ReceiverClient(endpoint, opts.timeoutMs)
+  def this(schema: StructType, opts: StretchOptions, job: String, timeZoneId: String,
+           partitionId: Int, taskId: Long) =
+    this(schema, opts, job, timeZoneId, partitionId, taskId, opts.entryFor(StretchOptions.hostOf()))
+
+  private val endpoint = entry._2
+  private val client = opts.client(entry)
   private val arrow = ArrowWriter.create(schema, timeZoneId, true, false)
   private val stream = new ArrowStreamWriter(arrow.root, null, client.out)
   private var inBatch = 0

@@ -1,0 +1,125 @@
+package org.apache.spark.sql.stretch
+
+import java.io.{File, IOException, RandomAccessFile}
+import java.nio.charset.StandardCharsets
+import java.nio.file.Files
+
+import scala.jdk.CollectionConverters._
+
+import org.apache.spark.SparkContext
+
+/**
+ * Starts the spark-stretch host engine on executor hosts, from the executors (as Ray on Spark
+ * starts its nodes): a small Spark job with one task per host, placed there by its preferred
+ * location, each of which starts `python -m spark_stretch.host.daemon` on its own host unless
+ * the application's engine already runs there, and answers where it listens.
+ *
+ * The task does not stay: the engine outlives it (and the executor that started it, which may be
+ * lost while other executors of the host still use the engine), living on a lease the driver
+ * renews; it exits when the driver stops it, or stops renewing. So no core of the host is held
+ * by a launcher task. Per host, `<dir>/stretch-engine-<app>-<host>/` holds the engine's Unix
+ * socket, its `engine.json` (pid, TCP address: how a second launcher finds it), its log and a
+ * lock that lets one launcher at a time start it; the engine removes the directory when it exits.
+ */
+object StretchHosts {
+
+  /**
+   * Make sure the application's engine runs on each of `hosts` (as executors name them).
+   * `command` starts one (`--socket`, `--tcp` and `--lease` are added); the secret is written
+   * to its standard input. Returns, per host in order, `host|socket|tcp://address:port|pid`.
+   */
+  def launch(sc: SparkContext, hosts: Array[String], command: Array[String], secret: String,
+             baseDir: String, lease: Double, timeoutMs: Int): Array[String] = {
+    val app = sc.applicationId.replaceAll("[^A-Za-z0-9_.-]", "_")
+    val cmd = command.toSeq
+    val rdd = sc.makeRDD(hosts.toSeq.map(h => (h, Seq(h))))
+    sc.setJobDescription(s"spark-stretch: start the host engines on ${hosts.mkString(", ")}")
+    try {
+      rdd.mapPartitions { it =>
+        val host = it.next()
+        val here = StretchOptions.hostOf()
+        if (here != host) {
+          throw new IllegalStateException(s"stretch: the engine launcher for host $host ran on " +
+            s"$here (Spark retries it on $host)")
+        }
+        Iterator(ensure(host, app, cmd, secret, baseDir, lease, timeoutMs))
+      }.collect()
+    } finally sc.setJobDescription(null)
+  }
+
+  private def alive(pid: Long): Boolean =
+    java.lang.ProcessHandle.of(pid).map[Boolean](_.isAlive).orElse(false)
+
+  /** On `host` (this executor's): the running engine's line, or a new engine's. */
+  def ensure(host: String, app: String, cmd: Seq[String], secret: String, baseDir: String,
+             lease: Double, timeoutMs: Int): String = {
+    val safe = host.replaceAll("[^A-Za-z0-9_.-]", "_")
+    val dir = new File(baseDir, s"stretch-engine-$app-$safe")
+    dir.mkdirs()
+    val lock = new RandomAccessFile(new File(dir, "launch.lock"), "rw")
+    try {
+      val held = lock.getChannel.lock()
+      try {
+        val info = new File(dir, "engine.json")
+        if (info.exists()) {
+          val node = StretchPlans.mapper.readTree(info)
+          if (alive(node.get("pid").asLong())) {
+            return Seq(host, node.get("socket").asText(), node.get("tcp").asText(),
+              node.get("pid").asText()).mkString("|")
+          }
+        }
+        start(host, dir, cmd, secret, lease, timeoutMs)
+      } finally held.release()
+    } finally lock.close()
+  }
+
+  private def start(host: String, dir: File, cmd: Seq[String], secret: String, lease: Double,
+                    timeoutMs: Int): String = {
+    val socket = new File(dir, "engine.sock").getPath
+    val out = new File(dir, "engine.out")
+    // (what an engine killed with -9 left: its successor listens on the same socket path)
+    Seq("engine.sock", "engine.json", "engine.out").foreach(f => new File(dir, f).delete())
+    val pb = new ProcessBuilder((cmd ++ Seq("--socket", socket, "--tcp", host,
+      "--lease", lease.toString)).asJava)
+    pb.environment().put("SPARK_STRETCH_PROCESS", "host")
+    pb.environment().remove("PYSPARK_GATEWAY_PORT")
+    pb.redirectOutput(out)
+    pb.redirectError(new File(dir, "engine.log"))
+    val proc = pb.start()
+    proc.getOutputStream.write((secret + "\n").getBytes(StandardCharsets.UTF_8))
+    proc.getOutputStream.close()
+    val deadline = System.nanoTime() + timeoutMs * 1000000L
+    while (System.nanoTime() < deadline) {
+      val lines = if (out.exists()) Files.readAllLines(out.toPath).asScala else Nil
+      lines.find(_.startsWith("READY ")) match {
+        case Some(line) =>
+          val parts = line.split(" ")
+          val tcp = parts(1)
+          val pid = proc.pid()
+          val json = StretchPlans.mapper.createObjectNode()
+          json.put("pid", pid).put("socket", socket).put("tcp", tcp)
+          val tmp = new File(dir, ".engine.json.tmp")
+          StretchPlans.mapper.writeValue(tmp, json)
+          Files.move(tmp.toPath, new File(dir, "engine.json").toPath,
+            java.nio.file.StandardCopyOption.ATOMIC_MOVE)
+          return Seq(host, socket, tcp, pid.toString).mkString("|")
+        case None =>
+          if (!proc.isAlive) {
+            val log = new File(dir, "engine.log")
+            val err = if (log.exists()) new String(Files.readAllBytes(log.toPath),
+              StandardCharsets.UTF_8).takeRight(4000) else ""
+            Option(dir.listFiles()).foreach(_.foreach(_.delete()))  // (nothing to keep)
+            dir.delete()
+            throw new IOException(s"the stretch host engine on $host exited with status " +
+              s"${proc.exitValue()} before it was ready: $err")
+          }
+          Thread.sleep(20)
+      }
+    }
+    proc.destroyForcibly()
+    proc.waitFor()
+    Option(dir.listFiles()).foreach(_.foreach(_.delete()))
+    dir.delete()
+    throw new IOException(s"the stretch host engine on $host was not ready within $timeoutMs ms")
+  }
+}

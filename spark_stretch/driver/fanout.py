@@ -1,0 +1,218 @@
+"""How one request becomes a request to every host's engine, and their replies one reply.
+
+:class:`FanOut` is the request half of :class:`~.cluster.ClusterEngine` (see its module
+docstring): ``call(msg)`` sends ``msg`` to every host in parallel (or what the request needs
+instead: ``open`` gives each host its share, ``write_delta`` is every host's data files and one
+commit) and merges the replies into the reply one host would give.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..protocol import messages as M
+from ..protocol.layout import write_json
+from ..protocol.placement import balanced_host_map, validate_host_map
+from ..protocol.specs import AggregateSpec, HostShare, spec_from_wire, spec_to_wire
+from .engine import EngineDiedError
+from .settings import read_settings
+
+__all__ = ["FanOut"]
+
+
+@dataclass
+class _Query:
+    """What the handle keeps per open query: its host map, what each host replays, and the
+    largest event time of every input stream over all hosts."""
+
+    share: HostShare
+    replay: List[List[int]]
+    key_kind: str
+    key_column: str
+    stream_max_ms: Optional[List[Optional[int]]] = None
+
+    def saw(self, tops) -> None:
+        if not tops:
+            return
+        if self.stream_max_ms is None:
+            self.stream_max_ms = list(tops)
+            return
+        self.stream_max_ms = [b if a is None else a if b is None else max(a, b)
+                              for a, b in zip(self.stream_max_ms, tops)]
+
+
+class FanOut:
+    """Requests to the engines of every host (a mixin: the class provides ``engines``, ``hosts``,
+    ``_spark`` and ``_one(i, msg, timeout)``, a request to host ``i``)."""
+
+    _queries: Dict[str, _Query]
+
+    # -- requests ----------------------------------------------------------------------------
+    def call(self, msg: M.Request, timeout: float = 600.0):
+        handler = getattr(self, f"_on_{msg.op}", None)
+        if handler is not None:
+            return handler(msg, timeout)
+        return self._merge(msg, self._all(msg, timeout))
+
+    def _all(self, msg: M.Request, timeout: float, hosts=None) -> list:
+        """``msg`` to every host (or to ``hosts``) in parallel; the replies, in host order."""
+        idx = range(len(self.engines)) if hosts is None else hosts
+        return self._all_each([(i, msg) for i in idx], timeout)
+
+    def _on_open(self, msg: M.Open, timeout: float) -> M.Opened:
+        spec = spec_from_wire(msg.spec)
+        if not isinstance(spec, AggregateSpec):
+            raise NotImplementedError(
+                f"executors on hosts {self.hosts}: a {spec.kind} query runs on one host so far "
+                "(the built-in aggregations of stretchAggregate and stretch(df) run on several)")
+        if msg.query in self._queries:  # opened again (a restart): from its checkpoints only
+            for i in range(len(self.engines)):
+                try:
+                    self._one(i, M.Close(query=msg.query), timeout)
+                except Exception:
+                    pass
+        share = self._share_of(msg.query, spec)
+        replies = []
+        for i in range(len(self.engines)):  # (in order: the first creates shared files)
+            state = None if spec.checkpoint.state_dir is None else \
+                str(Path(spec.checkpoint.state_dir).parent / "hosts" / str(i) / "state")
+            mine = replace(spec, share=replace(share, host=i),
+                           checkpoint=replace(spec.checkpoint, state_dir=state))
+            replies.append((i, M.Open(query=msg.query, spec=spec_to_wire(mine))))
+        got = [r for r in self._all_each(replies, timeout)]
+        q = self._queries[msg.query] = _Query(share, [list(r.replay) for r in got],
+                                              spec.key_kind, spec.key_column)
+        for r in got:
+            q.saw(r.stream_max_ms)
+        starts = [r.checkpoint for r in got]
+        return replace(got[0], replay=sorted({b for r in got for b in r.replay}),
+                       checkpoint=None if None in starts else min(starts),
+                       instance_pids=[p for r in got for p in r.instance_pids])
+
+    def _all_each(self, pairs, timeout: float) -> list:
+        """Each ``(host, message)`` to its host in parallel; the replies in order."""
+        out, errors = [None] * len(pairs), []
+
+        def one(k, i, m):
+            try:
+                out[k] = self._one(i, m, timeout)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(k, i, m), daemon=True)
+                   for k, (i, m) in enumerate(pairs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise next((e for e in errors if isinstance(e, EngineDiedError)), errors[0])
+        return out
+
+    def _share_of(self, qid: str, spec) -> HostShare:
+        """The query's key groups and host map, kept in its ``query.json`` (made the first
+        time from ``spark.stretch.keyGroups``, a contiguous range of groups per host)."""
+        n = len(self.engines)
+        if spec.checkpoint.state_dir is None or spec.warm_up:
+            g = read_settings(self._spark.conf).key_groups
+            return HostShare(host=0, hosts=n, key_groups=g,
+                             host_map=balanced_host_map(g, n).tolist())
+        f = Path(spec.checkpoint.state_dir).parent / "query.json"
+        meta = json.loads(f.read_text()) if f.exists() else {"format": 1}
+        hosts = meta.get("hosts")
+        if hosts is None:
+            g = read_settings(self._spark.conf).key_groups
+            hosts = {"key_groups": g, "host_map": balanced_host_map(g, n).tolist(), "count": n}
+            meta["hosts"] = hosts
+            write_json(f, meta)
+        elif hosts["count"] != n:
+            raise RuntimeError(
+                f"the query's checkpoint {f.parent.parent} was written on {hosts['count']} "
+                f"hosts; it runs on {n} ({', '.join(self.hosts)}): restart it on "
+                f"{hosts['count']} executor hosts, or from a new checkpointLocation")
+        g = int(hosts["key_groups"])
+        return HostShare(host=0, hosts=n, key_groups=g,
+                         host_map=validate_host_map(hosts["host_map"], g, n).tolist())
+
+    def _on_step(self, msg: M.Step, timeout: float) -> M.StepResult:
+        q = self._queries[msg.query]
+        hosts = [i for i, r in enumerate(q.replay) if msg.batch in r]
+        got = self._all(msg, timeout, hosts=hosts or None)
+        return self._steps(q, got)
+
+    def _on_submit(self, msg: M.Submit, timeout: float) -> M.Submitted:
+        q = self._queries[msg.query]
+        return self._all(replace(msg, stream_max_ms=q.stream_max_ms), timeout)[0]
+
+    def _on_result(self, msg: M.Result, timeout: float) -> M.StepResult:
+        return self._steps(self._queries[msg.query], self._all(msg, timeout))
+
+    def _steps(self, q: _Query, got: list) -> M.StepResult:
+        for r in got:
+            q.saw(r.metrics.get("stream_max_ms"))
+        m = dict(got[0].metrics)
+        m["late_rows"] = sum(int(r.metrics.get("late_rows", 0)) for r in got)
+        m["engine_ms"] = max(float(r.metrics.get("engine_ms", 0.0)) for r in got)
+        m["stream_max_ms"] = q.stream_max_ms
+        m["hosts"] = [{"rows": r.rows, **{k: r.metrics.get(k) for k in ("engine_ms",)}}
+                      for r in got]
+        return M.StepResult(rows=sum(r.rows for r in got), stream=got[0].stream, metrics=m,
+                            replayed=all(r.replayed for r in got))
+
+    def _on_flush(self, msg: M.Flush, timeout: float) -> M.FlushResult:
+        q = self._queries[msg.query]
+        got = self._all(replace(msg, stream_max_ms=q.stream_max_ms), timeout)
+        return M.FlushResult(rows=sum(r.rows for r in got), batch=got[0].batch,
+                             stream=next((r.stream for r in got if r.stream), None),
+                             changed=any(r.changed for r in got), metrics=dict(got[0].metrics))
+
+    def _on_write_delta(self, msg: M.WriteDelta, timeout: float) -> M.DeltaWritten:
+        prep = M.PrepareDelta(query=msg.query, stream=msg.stream, path=msg.path,
+                              app_id=msg.app_id, version=msg.version)
+        got = self._all(prep, timeout)
+        bad = next((r for r in got if r.unsupported is not None), None)
+        if bad is not None:
+            return M.DeltaWritten(written=False, unsupported=bad.unsupported,
+                                  permanent=bad.permanent)
+        if all(r.done for r in got):
+            return M.DeltaWritten(written=False, ms=max(r.ms or 0.0 for r in got))
+        actions = [a for r in got for a in r.actions]
+        return self._one(0, M.CommitDelta(query=msg.query, path=msg.path, app_id=msg.app_id,
+                                          version=msg.version, actions=actions), timeout)
+
+    def _on_create_delta(self, msg: M.CreateDelta, timeout: float) -> M.DeltaCreated:
+        return self._one(0, msg, timeout)
+
+    def _on_ingest_files(self, msg: M.IngestFiles, timeout: float) -> M.FilesIngested:
+        got = self._all(msg, timeout)  # (every host reads every file, keeping its keys)
+        return next((r for r in got if r.unsupported is not None), got[0])
+
+    def _on_close(self, msg: M.Close, timeout: float) -> M.Closed:
+        got = self._all(msg, timeout)
+        return M.Closed(max(r.open_queries for r in got))
+
+    def _on_metrics(self, msg: M.Metrics, timeout: float) -> M.Figures:
+        got = [r.figures for r in self._all(msg, timeout)]
+        share = self._queries[msg.query].share if msg.query in self._queries else None
+        merged = dict(got[0])
+        for k in ("input_rows", "late_rows", "output_rows", "live_windows"):
+            if k in merged:
+                merged[k] = sum(int(f.get(k, 0)) for f in got)
+        merged["hosts"] = [
+            {"host": e.host, "pid": e.pid, "parallelism": f.get("parallelism"),
+             "key_groups": None if share is None else share.host_map.count(i),
+             "input_rows": f.get("input_rows"), "live_windows": f.get("live_windows"),
+             "bytes_in": f.get("bytes_in"), "refused": f.get("refused")}
+            for i, (e, f) in enumerate(zip(self.engines, got))]
+        return M.Figures(merged)
+
+    def _merge(self, msg: M.Request, got: list):
+        """The reply of a request every host answered alike (the first one's)."""
+        if isinstance(msg, M.Reconfigure):
+            return replace(got[0], switch_ms=max(r.switch_ms for r in got),
+                           live_windows=sum(r.live_windows or 0 for r in got))
+        return got[0]

@@ -1,0 +1,51 @@
+"""Which hosts a row must reach, computed by Spark: a query on several hosts, the rows path.
+
+Each row goes to each host that owns at least one of its keys, once per such host (never once
+per key): the route is an ``array<int>`` of host indices, added as the last column, which the
+shim's writer (``StretchDataWriter``, option ``route``) reads to send the row to those hosts'
+engines, and drops. A key's host is ``host_map[pmod(xxhash64(key), G)]`` (Spark's own
+``xxhash64``; integral keys as ``bigint``), the function every host's engine applies to keep
+its keys (:mod:`spark_stretch.host.share`). A row with no key goes to host 0: its event time
+still counts for the watermark. A batch whose key the engine computes itself (``stretch(df)``
+evaluating the input projection on the engine) has no key column yet: each of its rows goes to
+every host, which keeps its own keys.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import IntegralType
+
+__all__ = ["ROUTE", "route"]
+
+ROUTE = "__stretch_route"
+
+
+def _host_of(key: Column, host_map: Column, key_groups: int) -> Column:
+    group = F.pmod(F.xxhash64(key), F.lit(key_groups))
+    return F.element_at(host_map, (group + 1).cast("int"))
+
+
+def route(df: DataFrame, key_kind: str, key_column: str, host_map: List[int],
+          key_groups: int, hosts: int) -> DataFrame:
+    """``df`` with :data:`ROUTE` last: the hosts (of ``hosts``) owning the keys of each row
+    (``key_kind`` ``scalar``, ``array`` or ``pairs`` of the column ``key_column``)."""
+    if key_column not in df.columns:
+        return df.withColumn(ROUTE, F.array(*[F.lit(i) for i in range(hosts)]))
+    hm = F.array(*[F.lit(int(h)) for h in host_map])
+    col = F.col(f"`{key_column}`")
+    if key_kind == "scalar":
+        if isinstance(df.schema[key_column].dataType, IntegralType):
+            col = col.cast("bigint")
+        hosts = F.array(_host_of(col, hm, key_groups))
+    else:
+        elem = df.schema[key_column].dataType.elementType
+        cast = isinstance(elem, IntegralType)
+        hosts = F.array_distinct(F.transform(
+            F.coalesce(col, F.array().cast(df.schema[key_column].dataType)),
+            lambda w: _host_of(w.cast("bigint") if cast else w, hm, key_groups)))
+        hosts = F.when(F.size(hosts) == 0, F.array(F.lit(0))).otherwise(hosts)
+    return df.withColumn(ROUTE, hosts)

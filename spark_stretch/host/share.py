@@ -1,0 +1,83 @@
+"""This host's share of a query that runs on several hosts: the keys of the groups it owns.
+
+Every host's engine sees the rows routed to it (each row reaches each host that owns at least one
+of its keys) or, on the files path, every row of the batch; it keeps only the keys of its own key
+groups (:class:`~spark_stretch.protocol.specs.HostShare`, :mod:`spark_stretch.protocol.placement`):
+
+- a scalar key: the rows whose key it owns;
+- an array of keys: each row with only the keys it owns (a row with none is dropped), which is
+  the same to an aggregation as the row with all its keys split among the hosts;
+- word pairs: a pair belongs to the group of its first word, so the row keeps all its words and
+  the words it does not own as a first word are flagged (``~id``, negative): the kernel forms
+  no pair starting there (``engine.kernels._mk_builtin_keys``).
+
+A key's group is Spark's ``pmod(xxhash64(key), G)`` of its content (:mod:`spark_stretch.engine.hashing`),
+never of an id this engine interned, so the JVM that routes rows and every host agree.
+
+Examples
+--------
+>>> import pyarrow as pa
+>>> from spark_stretch.protocol.specs import HostShare
+>>> from spark_stretch.host.share import KeyShare
+>>> share = KeyShare(HostShare(host=0, hosts=2, key_groups=2, host_map=[0, 1]), "array", "k")
+>>> t = share.keep(pa.table({"k": [["a", "b", "c"], ["b"]], "x": [1, 2]}))
+>>> t.column("k").to_pylist(), t.column("x").to_pylist()   # 'b' is in group 1: host 1's
+([['a', 'c']], [1])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..engine.hashing import xxhash64
+from ..protocol.placement import key_group
+from ..protocol.specs import HostShare
+from .columns import list_parts
+
+__all__ = ["KeyShare", "top_ms"]
+
+
+def top_ms(table: pa.Table, ts_column: str):
+    """A batch's largest event time (ms; None: none), before a host keeps its share of the rows
+    (every row's event time counts for the one watermark of all hosts)."""
+    top = pc.max(pc.cast(table.column(ts_column), pa.int64())).as_py()
+    return None if top is None else top // 1000
+
+
+class KeyShare:
+    """Keeps a batch's keys of this host's key groups (``key_kind``: ``scalar``, ``array`` or
+    ``pairs``, of the key column ``key_column``)."""
+
+    def __init__(self, share: HostShare, key_kind: str, key_column: str):
+        self.share = share
+        self.key_kind = key_kind
+        self.key_column = key_column
+        self.mine = np.zeros(share.key_groups, np.bool_)
+        self.mine[share.owned()] = True
+
+    def is_mine(self, keys: pa.Array) -> np.ndarray:
+        """Whether each key of ``keys`` (content, not ids) is in a group this host owns."""
+        return self.mine[key_group(xxhash64(keys), self.share.key_groups)]
+
+    def keep(self, table: pa.Table) -> pa.Table:
+        """``table`` with only what this host keeps of it (pairs: all their rows, see
+        :meth:`flag_firsts`)."""
+        if self.key_kind == "pairs":
+            return table
+        i = table.schema.get_field_index(self.key_column)
+        col = table.column(i).combine_chunks()
+        if self.key_kind == "scalar":
+            return table.filter(pa.array(self.is_mine(col)))
+        offsets, values = list_parts(col)
+        mine = self.is_mine(values)
+        kept = np.concatenate([[0], np.cumsum(mine)])[offsets]
+        lists = pa.ListArray.from_arrays(pa.array(kept.astype(np.int32)), values.filter(mine))
+        return table.set_column(i, table.field(i).with_type(lists.type), lists) \
+            .filter(pa.array(kept[1:] > kept[:-1]))
+
+    def flag_firsts(self, ids: np.ndarray, words: pa.Array) -> np.ndarray:
+        """Pair keys: the interned ``ids`` of a batch's ``words``, those this host does not own
+        flagged as ``~id`` (no pair of this host starts with them)."""
+        return np.where(self.is_mine(words), ids, ~ids)

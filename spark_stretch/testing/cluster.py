@@ -1,0 +1,124 @@
+"""A real multi-host Spark standalone cluster on one machine, for tests and demos.
+
+Every 127/8 address is loopback on Linux, so a master on 127.0.0.1 and workers bound to
+127.0.0.2, 127.0.0.3, ... (``SPARK_LOCAL_IP`` and ``--host``) give executors on distinct hosts
+as Spark sees them: a query's engines run one per host, reached over TCP. The pip ``pyspark``
+ships what it needs (``bin/spark-class``). The cluster is always stopped on exit, its processes
+(workers, their executors, and what those started) ended, its work directories removed.
+
+Examples
+--------
+::
+
+    from spark_stretch.testing.cluster import StandaloneCluster
+
+    with StandaloneCluster(hosts=("127.0.0.2", "127.0.0.3")) as cluster:
+        spark = spark_stretch.session(master=cluster.url)
+        ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import List, Sequence
+
+__all__ = ["StandaloneCluster", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class StandaloneCluster:
+    """A standalone master on ``master_host`` and one worker per address in ``hosts`` (each with
+    ``cores`` cores and ``memory``), started on ``__enter__`` and stopped on ``__exit__``."""
+
+    def __init__(self, hosts: Sequence[str] = ("127.0.0.2", "127.0.0.3"), cores: int = 1,
+                 memory: str = "2g", master_host: str = "127.0.0.1", start_timeout: float = 120):
+        import pyspark
+
+        self.hosts = list(hosts)
+        self.cores = cores
+        self.memory = memory
+        self.master_host = master_host
+        self.start_timeout = start_timeout
+        self._spark_class = str(Path(pyspark.__file__).parent / "bin" / "spark-class")
+        self._dir = Path(tempfile.mkdtemp(prefix="stretch-cluster-"))
+        self._procs: List[subprocess.Popen] = []
+        self.port = free_port(master_host)
+        self.ui_port = free_port(master_host)
+        self.url = f"spark://{master_host}:{self.port}"
+
+    def _start(self, name: str, host: str, args: List[str], env: dict) -> subprocess.Popen:
+        log = open(self._dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(
+            [self._spark_class, *args], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "SPARK_LOCAL_IP": host, **env}, start_new_session=True)
+        log.close()
+        self._procs.append(proc)
+        return proc
+
+    def workers_alive(self) -> int:
+        """How many workers the master has registered (ALIVE)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.master_host}:{self.ui_port}/json/",
+                                        timeout=2) as r:
+                info = json.loads(r.read())
+        except OSError:
+            return 0
+        return sum(1 for w in info.get("workers", []) if w.get("state") == "ALIVE")
+
+    def __enter__(self) -> "StandaloneCluster":
+        try:
+            self._start("master", self.master_host,
+                        ["org.apache.spark.deploy.master.Master", "--host", self.master_host,
+                         "--port", str(self.port), "--webui-port", str(self.ui_port)], {})
+            for i, h in enumerate(self.hosts):
+                work = self._dir / f"worker-{h}"
+                work.mkdir()
+                self._start(f"worker-{h}", h,
+                            ["org.apache.spark.deploy.worker.Worker", "--host", h, "--cores",
+                             str(self.cores), "--memory", self.memory, "--webui-port", "0",
+                             "--work-dir", str(work), self.url],
+                            {"SPARK_WORKER_DIR": str(work)})
+            deadline = time.monotonic() + self.start_timeout
+            while self.workers_alive() < len(self.hosts):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
+                    raise RuntimeError(f"the standalone cluster did not start: see {self._dir}")
+                time.sleep(0.3)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """End the workers (and their executors), then the master; remove the work dirs."""
+        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            for p in reversed(self._procs):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait
+            for p in self._procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self._procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,179 @@
+"""Run by test_hosts.py in its own process: a driver on a two-host standalone cluster.
+
+    python hosts_job.py <master url> <part> [<work dir>]
+
+Parts (each prints ``RESULT <json>``):
+
+- ``equal``: word count (array keys, the files path), pair count (the rows path, routed) and a
+  sum/max by user (scalar keys, routed), each against native Spark on the same input; while
+  the pair count runs, an unauthenticated connection and a garbage frame to an engine's port;
+  after ``stop()``, no engine left;
+- ``faults``: kill -9 of one host's engine mid-batch, then of one executor JVM, each against
+  native Spark;
+- ``hold``: a query that keeps running (the test kills this driver with -9).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from chispa import assert_df_equality
+from pyspark.sql import functions as F
+
+import spark_stretch
+from spark_stretch.driver import jvm
+from spark_stretch.testing import key_str, run_native, write_tweets
+from spark_stretch.testing import tweet_source as source
+
+url, part = sys.argv[1], sys.argv[2]
+tmp = Path(sys.argv[3]) if len(sys.argv) > 3 else Path(tempfile.mkdtemp(prefix="hosts-job-"))
+tmp.mkdir(parents=True, exist_ok=True)
+FAULT = "SPARK_STRETCH_TEST_FAULT"
+conf = {"spark.driver.memory": "1g", "spark.executor.memory": "1g", "spark.executor.cores": "1",
+        "spark.stretch.engine.leaseSeconds": "4", "spark.stretch.keyGroups": "16",
+        "spark.stretch.engine.niceness": "0",
+        # one partition per file: each executor (one per host) reads one of a batch's files
+        "spark.sql.files.openCostInBytes": str(1 << 30)}
+if part == "faults":  # (the engines inherit their executor's environment)
+    conf[f"spark.executorEnv.{FAULT}"] = f"kill@step:2:{tmp}/engine-killed"
+spark = spark_stretch.session(master=url, app_name=f"stretch hosts {part}", conf=conf)
+spark.sparkContext.setLogLevel("ERROR")
+deadline = time.time() + 90
+while len(jvm.executor_hosts(spark, driver=False)) < 2 and time.time() < deadline:
+    time.sleep(0.3)
+result = {"hosts": sorted(jvm.executor_hosts(spark, driver=False))}
+
+
+def engines():
+    """The host engine processes on this machine: pid -> its command line."""
+    out = {}
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = p.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"spark_stretch.host.daemon" in cmd and b"--tcp" in cmd:  # (executor hosts')
+            out[int(p.parent.name)] = [c.decode() for c in cmd if c]
+    return out
+
+
+def run(agg, name, rows_path=False, during=None):
+    """``agg`` into Delta on the cluster (availableNow), and natively; both tables."""
+    spark.conf.set("spark.stretch.ingest.files", "false" if rows_path else "true")
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp / f"{name}-c"))
+         .trigger(availableNow=True).start(str(tmp / name)))
+    if during is not None:
+        during(q)
+    q.awaitTermination()
+    got = spark.read.format("delta").load(str(tmp / name))
+    want = run_native(spark, agg, tmp / f"{name}-n")
+    assert want.count() > 0, name
+    return q, got, want
+
+
+def equal(got, want):
+    assert_df_equality(key_str(got), key_str(want), ignore_row_order=True, ignore_nullable=True,
+                       ignore_metadata=True)
+
+
+def intruders(q):
+    """While ``q`` runs: connect to each engine's TCP port without the secret, and with
+    garbage; each connection must be closed without an answer."""
+    while not q.metrics().get("engine"):
+        time.sleep(0.2)
+    refused = []
+    for host in q.metrics()["engine"]["hosts"]:
+        info = json.loads((Path(tempfile.gettempdir()) /
+                           f"stretch-engine-{spark.sparkContext.applicationId}-{host['host']}" /
+                           "engine.json").read_text())
+        addr, port = info["tcp"][len("tcp://"):].rsplit(":", 1)
+        for payload in (b"", b"\x00\x00\x00\x10{\"op\": \"ping\"}", os.urandom(64)):
+            with socket.create_connection((addr, int(port)), timeout=15) as s:
+                challenge = s.recv(64)
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+                reply = b""
+                while True:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+            refused.append(challenge.startswith(b"STRETCH-AUTH") and reply == b"")
+    result["intruders_refused"] = refused
+
+
+try:
+    src = write_tweets(tmp / "src", 6000, files=6, rate=20.0, vocab=300, late_fraction=0.02,
+                       jitter_s=4.0, seed=11)
+    if part == "equal":
+        wc = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+        q, got, want = run(wc, "wc")
+        equal(got, want)
+        result["wordcount_rows"] = got.count()
+        result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
+
+        pc = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=spark_stretch.pairs("words", distance=3), window="60 seconds",
+            max_parallelism=2)
+        q, got, want = run(pc, "pc", rows_path=True,
+                           during=lambda q: threading.Thread(target=intruders, args=(q,)).start())
+        equal(got, want)
+        result["paircount_rows"] = got.count()
+        result["paircount_inputs"] = [h["input_rows"] for h in q.metrics()["engine"]["hosts"]]
+
+        # (column names such as sum(len) need Delta's column mapping: Spark writes those tables,
+        # reading each host's output through the stretch data source)
+        spark.conf.set("spark.databricks.delta.properties.defaults.columnMapping.mode", "name")
+        sm = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("user"), window="60 seconds", agg=["count", "sum(len)", "max(len)"],
+            max_parallelism=2)
+        q, got, want = run(sm, "sm", rows_path=True)
+        spark.conf.unset("spark.databricks.delta.properties.defaults.columnMapping.mode")
+        equal(got, want)
+        result["summax_rows"] = got.count()
+        result["summax_inputs"] = [h["input_rows"] for h in q.metrics()["engine"]["hosts"]]
+    elif part == "faults":
+        wc = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+        q, got, want = run(wc, "wc")
+        equal(got, want)
+        result["engine_restarts"] = q.metrics().get("engine_restarts", [])
+
+        # kill -9 of an executor JVM mid-run: Spark retries its tasks, the master starts a new
+        # executor on that host, which finds the host's engine still running
+        def kill_executor(q):
+            while q.metrics().get("batches", 0) < 2:
+                time.sleep(0.05)
+            pids = subprocess.run(["pgrep", "-f", "CoarseGrainedExecutorBackend"],
+                                  capture_output=True, text=True).stdout.split()
+            os.kill(int(pids[0]), signal.SIGKILL)
+            result["killed_executor"] = int(pids[0])
+
+        sm = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("user"), window="60 seconds", agg="count", max_parallelism=2)
+        q, got, want = run(sm, "sm", rows_path=True, during=lambda q: threading.Thread(
+            target=kill_executor, args=(q,)).start())
+        equal(got, want)
+    elif part == "hold":
+        wc = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+        q = (wc.writeStream.format("delta").option("checkpointLocation", str(tmp / "hold-c"))
+             .trigger(processingTime="1 second").start(str(tmp / "hold")))
+        while not q.metrics().get("engine"):
+            time.sleep(0.2)
+        print("RESULT " + json.dumps({"engines": sorted(engines())}), flush=True)
+        time.sleep(600)  # (killed by the test)
+    result["ok"] = True
+finally:
+    spark.stop()
+result["engines_after_stop"] = sorted(engines())
+print("RESULT " + json.dumps(result))
+sys.exit(0 if result.get("ok") else 1)

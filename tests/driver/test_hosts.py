@@ -1,0 +1,97 @@
+"""A query on a real two-host Spark standalone cluster (workers on 127.0.0.2 and 127.0.0.3 of
+this machine): one engine per executor host, each keeping its key groups, against native Spark.
+The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from spark_stretch.testing import run_script
+from spark_stretch.testing.cluster import StandaloneCluster
+
+pytestmark = pytest.mark.cluster
+JOB = Path(__file__).with_name("hosts_job.py")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with StandaloneCluster(hosts=("127.0.0.2", "127.0.0.3"), cores=1, memory="2g") as c:
+        yield c
+
+
+def _engine_pids() -> set:
+    out = set()
+    for p in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            cmd = Path(p).read_bytes()
+        except OSError:
+            continue
+        if b"spark_stretch.host.daemon" in cmd and b"--tcp" in cmd:
+            out.add(int(p.split("/")[2]))
+    return out
+
+
+def _engine_dirs() -> list:
+    return glob.glob(os.path.join(tempfile.gettempdir(), "stretch-engine-app-*"))
+
+
+def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
+    r = run_script(JOB, cluster.url, "equal", tmp_path, timeout=900)
+    assert r["hosts"] == ["127.0.0.2", "127.0.0.3"]
+    # one engine per host, each owning half of the 16 key groups, each holding its windows
+    hosts = r["wordcount_hosts"]
+    assert sorted(h["host"] for h in hosts) == r["hosts"]
+    assert [h["key_groups"] for h in hosts] == [8, 8]
+    assert all(h["live_windows"] > 0 for h in hosts) and len({h["pid"] for h in hosts}) == 2
+    assert r["wordcount_rows"] > 0 and r["paircount_rows"] > 0 and r["summax_rows"] > 0
+    # routed: a user's rows go to the host of that user only (the hosts share the 6000 rows)
+    assert sum(r["summax_inputs"]) == 6000 and min(r["summax_inputs"]) > 0
+    # a tweet reaches each host owning one of its words: at most once per host
+    assert max(r["paircount_inputs"]) <= 6000
+    # no challenge answered, garbage, or nothing: each connection closed without a reply,
+    # and the query it ran beside equalled native Spark
+    assert r["intruders_refused"] and all(r["intruders_refused"])
+    # stop(): no engine process or directory left on either host
+    assert r["engines_after_stop"] == []
+    assert not _engine_dirs()
+
+
+def test_engine_and_executor_killed(cluster, tmp_path):
+    r = run_script(JOB, cluster.url, "faults", tmp_path, timeout=900)
+    assert r["ok"] and (tmp_path / "engine-killed").exists()
+    assert len(r["engine_restarts"]) == 1  # kill -9 of one host's engine mid-batch
+    assert r["killed_executor"] > 0
+    assert r["engines_after_stop"] == []
+
+
+def test_killed_driver_leaves_nothing(cluster, tmp_path):
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.Popen([sys.executable, str(JOB), cluster.url, "hold", str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.time() + 300
+        while not line.startswith("RESULT ") and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        held = json.loads(line[len("RESULT "):])["engines"]
+        assert len(held) == 2 and set(held) <= _engine_pids()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the driver, without a goodbye
+        proc.wait()
+    deadline = time.time() + 30  # (the engines' lease is 4 s)
+    while (set(held) & _engine_pids() or _engine_dirs()) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not set(held) & _engine_pids(), "an engine outlived its killed driver"
+    assert not _engine_dirs()
