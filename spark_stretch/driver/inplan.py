@@ -193,7 +193,10 @@ class _Kind:
         self.session = spark
         self.schema = schema   # the aggregation's rows (a Spark StructType), for a new table
 
-    def flush_time(self, query, replay: bool = False):
+    def flush_time(self, query, at_ms=None):
+        return None
+
+    def kept_flush_time(self, query, batch: int, seq: int):
         return None
 
 

@@ -155,9 +155,10 @@ class Recovery:
                 self._sink.emit(step.stream, step.rows, b)
         start = opened.checkpoint
         if resume is not None and self._sink.holds_flush(resume):
-            # The last flush reached the table but not the saved state: replay it, unwritten.
+            # The last flush reached the table but not the saved state: replay it, unwritten,
+            # at the time it ran.
             self.engine.call(M.Flush(query=self.qid,
-                                     batch_ts_ms=self._kind.flush_time(self, replay=True)))
+                                     batch_ts_ms=self._kind.kept_flush_time(self, resume, 0)))
             self.engine.call(M.Flushed(query=self.qid))
         return start
 

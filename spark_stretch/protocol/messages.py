@@ -137,13 +137,16 @@ class SaveStats(Reply):
 @dataclass(frozen=True)
 class FlushResult(Reply):
     """Spark's no-data batch after ``batch``: ``rows`` on ``stream``; ``changed``: the state
-    moved (the watermark, timeouts), so it must be checkpointed once the sink has the rows."""
+    moved (the watermark, timeouts), so it must be checkpointed once the sink has the rows.
+    ``again``: another no-data batch after this one may have rows too, so the driver plays one
+    on every trigger that finds no data."""
 
     rows: int
     batch: int
     stream: Optional[str] = None
     changed: bool = False
     metrics: Dict[str, object] = field(default_factory=dict)
+    again: bool = False
 
 
 @dataclass(frozen=True)
