@@ -154,9 +154,10 @@ def stretch_apply_in_pandas_with_state(
     - Spark runs a no-data micro-batch to fire timeouts when the watermark moved (event time) or
       on every trigger (processing time) where a trigger finds no new data; a ``foreachBatch``
       query gets none, so the driver plays it after such a trigger of its own query (before the
-      next batch's rows, and before ``processAllAvailable`` returns) and when an
-      ``availableNow``/``once`` run ends (once per micro-batch for processing time: native
-      Spark's ``availableNow`` never ends with ``ProcessingTimeTimeout``).
+      next batch's rows, and before ``processAllAvailable`` returns; for processing time on
+      every trigger without data, so keys time out while the stream is idle) and when an
+      ``availableNow``/``once`` run ends (native Spark's ``availableNow`` never ends with
+      ``ProcessingTimeTimeout``). Timeouts written to Delta are written once, across restarts.
       ``spark.stretch.testClockMs=<start>[+<step>]`` makes batch ``N``'s timestamp
       ``start + N * step`` (tests).
     - The grouping columns must be columns of the DataFrame (not expressions).

@@ -176,7 +176,7 @@ class _NoSink:
     def emit(self, *args, **kwargs):
         return None
 
-    def holds_flush(self, batch: int) -> bool:
+    def holds_flush(self, batch: int, seq: int = 0, serial: int = 0) -> bool:
         return False
 
     def join(self, timeout=None) -> None:

@@ -205,16 +205,18 @@ class Pipeline:
     def _flush(self, final: bool, at_ms: Optional[int] = None) -> M.FlushResult:
         """The no-data batch after the last batch, as if run at ``at_ms`` (a trigger's start).
 
-        Written under its own Delta app id (``<app>-idle``, version = the last batch id), so a
-        repeated flush after a restart is a no-op in the table like a replayed batch.
+        Its rows are written under their own Delta app id, so a flush repeated after a restart
+        is a no-op in the table like a replayed batch: ``<app>-idle`` with the last batch id as
+        the version, for the first no-data batch with rows after a batch, and ``<app>-timeouts``
+        with the engine's serial for later ones (:meth:`.sink.Sink.emit_flush`).
         """
         self._drain()  # the last batch first
         eng = self._rec.engine
         ts = self._kind.flush_time(self._rec, at_ms)
         reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=ts))
         if reply.rows:
-            self._kind.keep_flush_time(self._rec, reply.batch, 0, ts)  # for a replay
-            self._sink.emit(reply.stream, reply.rows, reply.batch, app_suffix="-idle")
+            self._kind.keep_flush_time(self._rec, reply.batch, reply.seq, ts)  # for a replay
+            self._sink.emit_flush(reply.stream, reply.rows, reply.batch, reply.seq, reply.serial)
         if reply.rows or reply.changed:
             # Only now is the state after the flush the state of that batch. The run's last
             # flush need not wait for that checkpoint when it wrote rows to a Delta path: the

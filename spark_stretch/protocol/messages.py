@@ -85,7 +85,8 @@ class Pong(Reply):
 class Opened(Reply):
     """The query is open. ``replay``: the batches to step and write again, in order (a
     checkpoint's stored output, then logged inputs); ``checkpoint``: the batch of the state it
-    continued from (None: from the start)."""
+    continued from (None: from the start); ``flush_seq`` and ``flush_serial``: those of the next
+    no-data batch with rows (see :class:`FlushResult`)."""
 
     query: str
     parallelism: int
@@ -93,6 +94,8 @@ class Opened(Reply):
     replay: List[int] = field(default_factory=list)
     checkpoint: Optional[int] = None
     instance_pids: List[int] = field(default_factory=list)
+    flush_seq: int = 0
+    flush_serial: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,20 @@ class SaveStats(Reply):
 class FlushResult(Reply):
     """Spark's no-data batch after ``batch``: ``rows`` on ``stream``; ``changed``: the state
     moved (the watermark, timeouts), so it must be checkpointed once the sink has the rows.
-    ``again``: another no-data batch after this one may have rows too, so the driver plays one
-    on every trigger that finds no data."""
+
+    What identifies the rows in the sink: ``seq``, how many no-data batches with rows came after
+    ``batch`` before this one (only processing-time timeouts have more than one), and for
+    ``seq >= 1`` ``serial``, how many such later ones the query has had before. ``again``:
+    another no-data batch after this one may have rows too (processing-time timeouts), so the
+    driver plays one on every idle trigger."""
 
     rows: int
     batch: int
     stream: Optional[str] = None
     changed: bool = False
     metrics: Dict[str, object] = field(default_factory=dict)
+    seq: int = 0
+    serial: int = 0
     again: bool = False
 
 
