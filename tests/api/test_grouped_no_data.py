@@ -63,7 +63,7 @@ def _stretch(g, out: Path, checkpoint: Path, **trigger):
     return q, rows
 
 
-def _until(cond, what: str, timeout: float = 30.0) -> None:
+def _until(cond, what: str, timeout: float = 60.0) -> None:
     deadline = time.time() + timeout
     while not cond():
         assert time.time() < deadline, f"timed out waiting for {what}"
@@ -105,10 +105,12 @@ def test_event_time_step_applies_before_the_next_rows_as_native(spark, tmp_path)
     seen = []
     try:
         for i, (k, t) in enumerate([("a", 15), ("a", 4), ("b", 31)]):
-            for src, q in ((tmp_path / "ns", nq), (tmp_path / "ss", sq)):
+            step = []  # each query's rows as soon as its processAllAvailable returned
+            for src, q, rows in ((tmp_path / "ns", nq, native), (tmp_path / "ss", sq, stretch)):
                 _drop(src, f"{i}.json", [json.dumps({"k": k, "t": t})])
                 q.processAllAvailable()
-            seen.append((native(), stretch()))
+                step.append(rows())
+            seen.append(tuple(step))
     finally:
         nq.stop()
         sq.stop()
