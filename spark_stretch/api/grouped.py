@@ -152,11 +152,14 @@ def stretch_apply_in_pandas_with_state(
       rows; where a long group is cut may differ from native Spark (the function should not
       depend on it, as the pyspark documentation says).
     - Spark runs a no-data micro-batch to fire timeouts when the watermark moved (event time) or
-      on every trigger (processing time); a ``foreachBatch`` query gets none, so the driver plays
-      it when the query is idle and when an ``availableNow``/``once`` run ends (once per
-      micro-batch for processing time: native Spark's ``availableNow`` never ends with
-      ``ProcessingTimeTimeout``). ``spark.stretch.testClockMs=<start>[+<step>]`` makes batch
-      ``N``'s timestamp ``start + N * step`` (tests).
+      on every trigger (processing time) where a trigger finds no new data; a ``foreachBatch``
+      query gets none, so the driver plays it after such a trigger of its own query (before the
+      next batch's rows, and before ``processAllAvailable`` returns; for processing time on
+      every trigger without data, so keys time out while the stream is idle) and when an
+      ``availableNow``/``once`` run ends (native Spark's ``availableNow`` never ends with
+      ``ProcessingTimeTimeout``). Timeouts written to Delta are written once, across restarts.
+      ``spark.stretch.testClockMs=<start>[+<step>]`` makes batch ``N``'s timestamp
+      ``start + N * step`` (tests).
     - The grouping columns must be columns of the DataFrame (not expressions).
     """
     from pyspark import cloudpickle
@@ -231,29 +234,48 @@ class StretchGroupedAggregation(StretchResult):
         output mode mismatch, event-time timeout without a watermark, ...)."""
         jvm.check_streaming(self._native, mode)
 
-    def batch_time(self, query, batch_id: int, flush: bool = False) -> int:
+    def batch_time(self, query, batch_id: int) -> int:
         """Batch ``batch_id``'s processing time: Spark's (offset log) or the test clock."""
-        test = query.settings.test_clock
-        if test:
-            start, _, step = test.partition("+")
-            return int(start) + batch_id * int(step or 0)
-        if not flush:
-            try:  # offsets/<N>: "v1", then {"batchWatermarkMs":..,"batchTimestampMs":..,...}
-                offsets = query.layout.root.parent / "offsets" / str(batch_id)
-                return int(json.loads(offsets.read_text().splitlines()[1])["batchTimestampMs"])
-            except (OSError, IndexError, KeyError, ValueError):
-                pass
-        return int(time.time() * 1000)
+        test = _test_time(query, batch_id)
+        if test is not None:
+            return test
+        try:  # offsets/<N>: "v1", then {"batchWatermarkMs":..,"batchTimestampMs":..,...}
+            offsets = query.layout.root.parent / "offsets" / str(batch_id)
+            return int(json.loads(offsets.read_text().splitlines()[1])["batchTimestampMs"])
+        except (OSError, IndexError, KeyError, ValueError):
+            return int(time.time() * 1000)
 
-    def flush_time(self, query, replay: bool = False) -> int:
-        """The no-data batch's timestamp, kept in the checkpoint so a replay uses the same one."""
-        f = query.layout.flush_file
+    def flush_time(self, query, at_ms: Optional[int] = None) -> int:
+        """A no-data batch's timestamp: the start of the trigger it stands for (as Spark's
+        would be), now, or the test clock's for the batch after the last one."""
         last = query.last_done
-        if f.exists():  # one timestamp per batch's no-data batch (idle flushes repeat, replays too)
-            saved = json.loads(f.read_text())
-            check_format(saved.get("format"), FLUSH_FORMAT, f"the stretch flush file {f}")
-            if saved.get("batch") == last:
-                return int(saved["batch_ts_ms"])
-        ts = self.batch_time(query, (last if last is not None else -1) + 1, flush=True)
-        write_json(f, {"format": FLUSH_FORMAT, "batch": last, "batch_ts_ms": ts})
-        return ts
+        test = _test_time(query, (last if last is not None else -1) + 1)
+        if test is not None:
+            return test
+        return int(at_ms) if at_ms is not None else int(time.time() * 1000)
+
+    def keep_flush_time(self, query, batch: int, seq: int, ts_ms: Optional[int]) -> None:
+        """Kept in the checkpoint (``flush.json``) before the rows reach the sink, so that a
+        restart that must run this no-data batch again runs it at the same time."""
+        write_json(query.layout.flush_file,
+                   {"format": FLUSH_FORMAT, "batch": batch, "seq": seq, "batch_ts_ms": ts_ms})
+
+    def kept_flush_time(self, query, batch: int, seq: int) -> Optional[int]:
+        f = query.layout.flush_file
+        if not f.exists():
+            return None
+        saved = json.loads(f.read_text())
+        check_format(saved.get("format"), FLUSH_FORMAT, f"the stretch flush file {f}")
+        if saved.get("batch") != batch or saved.get("seq", 0) != seq:
+            return None
+        return saved["batch_ts_ms"]
+
+
+def _test_time(query, batch_id: int) -> Optional[int]:
+    """``spark.stretch.testClockMs=<start>[+<step>]``: batch ``batch_id``'s time is
+    ``start + batch_id * step`` (tests); None without it."""
+    test = query.settings.test_clock
+    if not test:
+        return None
+    start, _, step = test.partition("+")
+    return int(start) + batch_id * int(step or 0)

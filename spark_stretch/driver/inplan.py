@@ -176,7 +176,7 @@ class _NoSink:
     def emit(self, *args, **kwargs):
         return None
 
-    def holds_flush(self, batch: int) -> bool:
+    def holds_flush(self, batch: int, seq: int = 0, serial: int = 0) -> bool:
         return False
 
     def join(self, timeout=None) -> None:
@@ -193,7 +193,10 @@ class _Kind:
         self.session = spark
         self.schema = schema   # the aggregation's rows (a Spark StructType), for a new table
 
-    def flush_time(self, query, replay: bool = False):
+    def flush_time(self, query, at_ms=None):
+        return None
+
+    def kept_flush_time(self, query, batch: int, seq: int):
         return None
 
 

@@ -14,8 +14,9 @@ from typing import List, Optional, Set, Tuple
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
-__all__ = ["executor_hosts", "launch_engines", "batch_plan", "plan_string", "watermarks", "interval_us", "ShimPlans",
-           "dataframe", "requery", "splits_for", "session_key",
+__all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "plan_string",
+           "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "splits_for",
+           "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
 
 
@@ -58,6 +59,29 @@ def batch_plan(query, batch_id: int):
     if ex is None or ex.currentBatchId() != batch_id:
         return None
     return ex.executedPlan()
+
+
+def trigger_state(query) -> Optional[Tuple[int, int, int, bool]]:
+    """Spark's latest trigger of a running micro-batch ``StreamingQuery``: ``(batch, start,
+    before, idle)``, the batch id it is for, its start (ms), the start of the trigger before it
+    for the same batch id (or, if there was none, of the one that ran the batch before), and
+    whether it is over without a batch (it found no data). None before the first trigger.
+
+    Spark keeps a micro-batch's execution context from the trigger that looks for its data to
+    the one that runs it, and each trigger's start moves to ``lastTriggerStartTimestamp``:
+    ``before`` is not the start of the previous batch's trigger exactly when a trigger found
+    no data in between (where a stateful query runs its no-data batch).
+    """
+    ctx = query._jsq.streamingQuery().getLatestExecutionContext()
+    if ctx is None:
+        return None
+    start = ctx.currentTriggerStartTimestamp()
+    over = not ctx.currentStatus().isTriggerActive()
+    idle = over and not ctx.isCurrentBatchConstructed()
+    before, batch = ctx.lastTriggerStartTimestamp(), ctx.batchId()
+    if start < 0 or ctx.currentTriggerStartTimestamp() != start:
+        return None  # none yet, or another trigger began while these were read
+    return int(batch), int(start), int(before), bool(idle)
 
 
 def plan_string(ran) -> str:

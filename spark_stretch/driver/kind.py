@@ -65,6 +65,15 @@ class QueryKind(ABC):
         ``last_done``)."""
         return None
 
-    def flush_time(self, query, replay: bool = False) -> Optional[int]:
-        """The processing time (ms) of the no-data batch after the last one, or None."""
+    def flush_time(self, query, at_ms: Optional[int] = None) -> Optional[int]:
+        """The processing time (ms) of a no-data batch after the last batch, run at ``at_ms``
+        (the start of the trigger it stands for; None: now), or None (it needs none)."""
+        return None
+
+    def keep_flush_time(self, query, batch: int, seq: int, ts_ms: Optional[int]) -> None:
+        """Keep the time of the no-data batch ``seq`` after ``batch`` before its rows reach
+        the sink (a restart may have to run it again: :meth:`kept_flush_time`)."""
+
+    def kept_flush_time(self, query, batch: int, seq: int) -> Optional[int]:
+        """The time kept for the no-data batch ``seq`` after ``batch``, or None."""
         return None

@@ -10,13 +10,18 @@ and step it in the background, and returns; a finisher thread writes N's output.
 batch is in flight: a flush, ``reconfigure``, ``processAllAvailable``, ``stop`` and the end of an
 ``availableNow`` run wait for it. The drop-in (not pipelined) steps, writes and checkpoints each
 batch before ``foreachBatch`` returns.
+
+Spark's no-data batch (a *flush*) is played where a stateful query would run one: after a
+trigger of Spark's query found no data (:func:`.jvm.trigger_state` tells), before the next
+batch's rows, and on every such trigger while the engine says another may have rows
+(processing-time timeouts).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from pyspark.sql import DataFrame
 
@@ -34,7 +39,7 @@ class Pipeline:
     """The micro-batches of one query (``kind.pipelined``: overlapped, see the module doc)."""
 
     def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: Sink,
-                 metrics: QueryMetrics):
+                 metrics: QueryMetrics, trigger: Callable[[], Optional[Tuple]]):
         self._qid = qid
         self._kind = kind
         self._rec = rec
@@ -46,7 +51,10 @@ class Pipeline:
         self._inflight: Optional[threading.Thread] = None  # finishing the last submitted batch
         self._inflight_batch: Optional[int] = None
         self._inflight_error: Optional[BaseException] = None
-        self.last_step = time.monotonic()
+        self._trigger = trigger  # Spark's latest trigger (jvm.trigger_state), or None
+        self._batch_trigger: Optional[int] = None  # start (ms) of the last batch's trigger
+        self._played: Optional[int] = None  # start of the idle trigger played last since then
+        self._idle_done = False  # no later no-data batch can have rows before the next batch
         rec.in_flight = lambda: self._inflight_batch if self._inflight is not None else None
         rec.discard_in_flight = self._discard
 
@@ -58,19 +66,23 @@ class Pipeline:
             # (its state, or its logged input: on disk before Spark committed that batch) and
             # this batch runs again whole.
             self._rec.realign(batch_id - 1 if batch_id > 0 else None)
+            trigger = self._trigger()  # this batch's
             fn = self._submit if self.pipelined else self._step
-            self._rec.with_engine(f"batch {batch_id}", lambda: fn(batch_df, batch_id),
+            self._rec.with_engine(f"batch {batch_id}", lambda: fn(batch_df, batch_id, trigger),
                                   opened=False)
             self._rec.last_done = batch_id
-            self.last_step = time.monotonic()
+            ok = trigger is not None and trigger[0] == batch_id
+            self._batch_trigger = trigger[1] if ok else None
+            self._played, self._idle_done = None, False
 
-    def _submit(self, batch_df: DataFrame, batch_id: int) -> None:
+    def _submit(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
         ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         self._drain()
+        self._play_before(trigger)
         t2 = time.perf_counter()
         eng = self._rec.engine
         eng.call(M.Submit(query=self._qid, batch=batch_id))
@@ -117,12 +129,13 @@ class Pipeline:
             t.join(timeout=60)
         self._inflight_error = None
 
-    def _step(self, batch_df: DataFrame, batch_id: int) -> None:
+    def _step(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
         """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint."""
-        eng = self._rec.engine
         t0 = time.perf_counter()
         ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
+        self._play_before(trigger)
+        eng = self._rec.engine
         reply = eng.call(M.Step(query=self._qid, batch=batch_id,
                                 batch_ts_ms=self._kind.batch_time(self._rec, batch_id)))
         t2 = time.perf_counter()
@@ -145,23 +158,65 @@ class Pipeline:
 
     # -- Spark's no-data batch -----------------------------------------------------------------
     def flush(self, final: bool = False) -> int:
-        """Spark's no-data batch: emit and write the windows the next watermark closes.
-
-        Written under its own Delta app id (``<app>-idle``, version = the last batch id), so a
-        repeated flush after a restart is a no-op in the table like a replayed batch. ``final``:
-        the flush that ends a one-shot run.
-        """
+        """Spark's no-data batch: emit and write what the next watermark (or the clock) closes;
+        the rows written. ``final``: the flush that ends a one-shot run."""
         with self._step_lock:
             # (no batch ran in this run)
             self._rec.realign(recovery.last_committed(self._rec.layout.checkpoint))
-            return self._rec.with_engine("a flush", lambda: self._flush(final))
+            return self._rec.with_engine("a flush", lambda: self._flush(final)).rows
 
-    def _flush(self, final: bool) -> int:
+    def play_idle(self) -> int:
+        """Play the no-data batch of the last trigger of Spark's query that found no data after
+        the last batch, if not played yet (a stateful query runs one there); the rows written.
+        Nothing before the run's first batch (nor does Spark after a restart)."""
+        if self._batch_trigger is None or self._idle_done:
+            return 0
+        state = self._trigger()
+        with self._step_lock:  # (a batch may have run meanwhile: then it played it)
+            at = self._idle_trigger(state)
+            if at is None:
+                return 0
+            return self._rec.with_engine("a flush", lambda: self._play(at))
+
+    def _play_before(self, trigger) -> None:
+        """In batch N: the no-data batch a trigger without data between N-1 and N asks for,
+        before N's rows (as Spark would have run it), unless played already."""
+        at = self._idle_trigger(trigger)
+        if at is not None:
+            self._play(at)
+
+    def _idle_trigger(self, state) -> Optional[int]:
+        """The start (ms) of the last trigger that found no data after the last batch (Spark's
+        latest trigger ``state``), if its no-data batch is still to play."""
+        last = self._rec.last_done
+        if state is None or self._batch_trigger is None or self._idle_done or last is None:
+            return None
+        batch, start, before, idle = state
+        if batch != last + 1:
+            return None
+        at = start if idle else before
+        return None if at in (self._batch_trigger, self._played) else at
+
+    def _play(self, at: int) -> int:
+        reply = self._flush(False, at)
+        self._played, self._idle_done = at, not reply.again
+        return reply.rows
+
+    def _flush(self, final: bool, at_ms: Optional[int] = None) -> M.FlushResult:
+        """The no-data batch after the last batch, as if run at ``at_ms`` (a trigger's start).
+
+        Its rows are written under their own Delta app id, so a flush repeated after a restart
+        is a no-op in the table like a replayed batch: ``<app>-idle`` with the last batch id as
+        the version, for the first no-data batch with rows after a batch, and ``<app>-timeouts``
+        with the engine's serial for later ones (:meth:`.sink.Sink.emit_flush`).
+        """
         self._drain()  # the last batch first
         eng = self._rec.engine
-        reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=self._kind.flush_time(self._rec)))
+        ts = self._kind.flush_time(self._rec, at_ms)
+        reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=ts))
         if reply.rows:
-            self._sink.emit(reply.stream, reply.rows, reply.batch, app_suffix="-idle")
+            self._kind.keep_flush_time(self._rec, reply.batch, reply.seq, ts)  # for a replay
+            self._sink.emit_flush(reply.stream, reply.rows, reply.batch, reply.seq, reply.serial)
         if reply.rows or reply.changed:
             # Only now is the state after the flush the state of that batch. The run's last
             # flush need not wait for that checkpoint when it wrote rows to a Delta path: the
@@ -170,7 +225,7 @@ class Pipeline:
                 eng.call(M.Flushed(query=self._qid))
             self._metrics.add("output_rows", reply.rows)
             self._metrics.add("flushes")
-        return reply.rows
+        return reply
 
     # -- between two micro-batches ---------------------------------------------------------------
     def settle(self) -> None:

@@ -2,8 +2,9 @@
 
 Spark runs the query kind's input as a streaming query whose ``foreachBatch`` is the
 :class:`~.pipeline.Pipeline`; around it, this module opens the host engine where Spark resumes
-(:class:`~.recovery.Recovery`), plays Spark's no-data batch when the query goes idle or a
-one-shot run ends, and releases the engine (and the query's shared memory) when the run ends.
+(:class:`~.recovery.Recovery`), plays Spark's no-data batch when a trigger of the query finds no
+data (and before ``processAllAvailable`` returns) or a one-shot run ends, and releases the engine
+(and the query's shared memory) when the run ends.
 :class:`spark_stretch.StretchQuery` is the user's handle on it.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-import time
 from dataclasses import replace
 from typing import Dict, Optional
 
@@ -76,7 +76,7 @@ class QueryRun:
                         self.recovery.opened, self._batch_plan, settings.columnar,
                         settings.read_files, schema, self.metrics)
         self.pipeline = Pipeline(self.stretch_id, kind, self.recovery, ingest, self.sink,
-                                 self.metrics)
+                                 self.metrics, self._trigger_state)
         self.recovery.open_in_background()
 
     @classmethod
@@ -113,14 +113,20 @@ class QueryRun:
         self._started.wait()  # foreachBatch may run before start() has returned the query
         return None if self.query is None else jvm.batch_plan(self.query, batch_id)
 
+    def _trigger_state(self):
+        self._started.wait()
+        return None if self.query is None else jvm.trigger_state(self.query)
+
     # -- the run -----------------------------------------------------------------------------
     def _watch(self) -> None:
-        """Flush when idle (continuous triggers) or at the end of a one-shot run; when the run
-        ends, finish the batch in flight and release.
+        """Flush when a trigger finds no data (continuous triggers) or at the end of a one-shot
+        run; when the run ends, finish the batch in flight and release.
 
-        Native Spark runs a no-data batch when the watermark moved and no data is waiting; its
-        evictions are what a flush writes. ``stop()`` runs no final batch, in Spark or here,
-        but a batch Spark committed is finished (its output written) before the query ends.
+        Native Spark runs a no-data batch when the watermark moved (or, with processing-time
+        timeouts, on every trigger) and no data is waiting; its evictions and timeouts are what
+        a flush writes. Looked at every 0.2 s (the batch after an idle trigger plays it first
+        if this has not). ``stop()`` runs no final batch, in Spark or here, but a batch Spark
+        committed is finished (its output written) before the query ends.
         """
         q = self.query
         try:
@@ -129,14 +135,12 @@ class QueryRun:
                     q.awaitTermination(0.2)  # returns at once when the run ends
                 except Exception:
                     break  # the query failed: awaitTermination reports it to the user
-                if self.one_shot or self.metrics.batches == 0 or not q.isActive:
+                if self.one_shot or not q.isActive:
                     continue
-                st = q.status
-                if (not st["isTriggerActive"] and not st["isDataAvailable"]
-                        and time.monotonic() - self.pipeline.last_step > 0.5 and q.isActive):
-                    try:
-                        self.pipeline.flush()
-                    except Exception as e:  # surfaced by awaitTermination / metrics
+                try:
+                    self.pipeline.play_idle()
+                except Exception as e:  # surfaced by awaitTermination / metrics
+                    if q.isActive:
                         self.finish_error = e
             if self.kind.pipelined:
                 try:
@@ -187,10 +191,18 @@ class QueryRun:
         return result
 
     def process_all_available(self) -> None:
-        """Spark's ``processAllAvailable``, then the last batch's output written (pipelined)."""
+        """Spark's ``processAllAvailable``, then the last batch's output written (pipelined) and
+        the no-data batch Spark would have run before returning (its trigger without data came
+        after the last batch); for an ``availableNow``/``once`` run, its end with its last
+        no-data batch."""
         self.query.processAllAvailable()
+        if self.one_shot:  # its last trigger found no data: the run ends (see _watch)
+            self.await_termination()
+            return
         if self.kind.pipelined:
             self.pipeline.settle()
+        if self.query.isActive:
+            self.pipeline.play_idle()
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
         """Change the parallelism and/or the owner map between two micro-batches (checked

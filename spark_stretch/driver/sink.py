@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
@@ -32,6 +32,14 @@ _DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
 
 
 _WINDOW_MARKERS = ("spark.timeWindow", "spark.sessionWindow")
+
+
+def _flush_txn(batch: int, seq: int, serial: int) -> Tuple[str, int]:
+    """The Delta ``txn`` (app id suffix, version) of a no-data batch's rows: the first one with
+    rows after ``batch`` (``seq`` 0) is ``("-idle", batch)``; a later one after the same batch
+    (processing-time timeouts, ``seq`` >= 1) is ``("-timeouts", serial)``, the query's count of
+    those before it. Each app's versions grow, so a replayed one is a no-op in the table."""
+    return ("-idle", batch) if seq == 0 else ("-timeouts", serial)
 
 
 def arrow_schema(schema, metadata: bool = False) -> Optional[str]:
@@ -124,13 +132,21 @@ class Sink:
         self._write(out, batch_id, app_suffix)
         return out
 
-    def holds_flush(self, batch: int) -> bool:
-        """Whether the Delta table has the flush written after ``batch`` (its ``txn`` action):
-        the app's last version is ``batch`` itself (a later one is the flush after a later
-        batch, which the state after ``batch`` has not had)."""
+    def emit_flush(self, stream: str, rows: int, batch: int, seq: int = 0,
+                   serial: int = 0) -> Optional[DataFrame]:
+        """Write the rows of a no-data batch after ``batch`` (``seq``, ``serial``: their
+        identity, :class:`~spark_stretch.protocol.messages.FlushResult`), as :meth:`emit`."""
+        suffix, version = _flush_txn(batch, seq, serial)
+        return self.emit(stream, rows, version, app_suffix=suffix)
+
+    def holds_flush(self, batch: int, seq: int = 0, serial: int = 0) -> bool:
+        """Whether the Delta table has the no-data batch after ``batch`` with this ``seq`` and
+        ``serial`` (its ``txn`` action): the app's last version is that one itself (a later
+        one is that of a later flush, which this state has not had)."""
         if not self.idempotent_path:
             return False
-        app = self._app_id + "-idle"
+        suffix, version = _flush_txn(batch, seq, serial)
+        app = self._app_id + suffix
         try:  # the table's snapshot: its checkpoints too, where old commit files may be gone
             from deltalake import DeltaTable
             from deltalake.exceptions import TableNotFoundError
@@ -139,14 +155,14 @@ class Sink:
                 done = DeltaTable(self.path).transaction_version(app)
             except TableNotFoundError:
                 return False
-            return done is not None and int(done) == batch
+            return done is not None and int(done) == version
         except Exception:  # (a store deltalake cannot open: read the commit files)
             pass
         for f in sorted((Path(self.path) / "_delta_log").glob("*.json"), reverse=True):
             for line in f.read_text().splitlines():
                 txn = json.loads(line).get("txn")
                 if txn and txn.get("appId") == app:
-                    return int(txn["version"]) == batch
+                    return int(txn["version"]) == version
         return False
 
     def _create_table_quietly(self) -> None:

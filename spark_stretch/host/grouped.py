@@ -70,7 +70,8 @@ class GroupedRuntime(Runtime):
         self.counters.update(calls=0, timeout_calls=0)
         self.max_event_ms: Optional[int] = None
         self.state_keys = 0
-        self._flushed_batch = -2       # processing-time flush: at most one per batch
+        self.flush_seq = 0             # no-data batches with rows since the last batch
+        self.flush_serial = 0          # those after the first one, over the query's life
         self._broken: Optional[str] = None
         self._seq = 0
         self.last_metrics: dict = {}
@@ -90,7 +91,8 @@ class GroupedRuntime(Runtime):
     def describe(self) -> M.Opened:
         return M.Opened(query=self.qid, parallelism=self.parallelism, max_parallelism=self.n,
                         checkpoint=self.checkpoint,
-                        instance_pids=self.pool.pids if self.pool else [])
+                        instance_pids=self.pool.pids if self.pool else [],
+                        flush_seq=self.flush_seq, flush_serial=self.flush_serial)
 
     # -- data --------------------------------------------------------------------------------
     def _step(self, batch: int, table: Optional[pa.Table], batch_ts_ms: Optional[int]
@@ -125,32 +127,40 @@ class GroupedRuntime(Runtime):
         self.counters["late_rows"] += late
         self.counters["batches"] += 1
         self.last_batch = batch
+        self.flush_seq = 0
         self._save(batch, changed=dirty)
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late, "batch_ts_ms": ts_ms,
             "engine_ms": self._ms_since(t0), **metrics})
 
     def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
-        """Spark's no-data batch: call the keys whose timeout passed (next watermark, or now)."""
+        """Spark's no-data batch: call the keys whose timeout passed (the next watermark, or the
+        batch timestamp). With ``EventTimeTimeout`` it is due once the watermark moved, with
+        ``ProcessingTimeTimeout`` every time (native runs one on every trigger)."""
         with self.lock:
             self._check_usable()
             conf = self.spec.timeout_conf
+            again = conf == "ProcessingTimeTimeout"
             if conf == "EventTimeTimeout":
                 due = self.next_watermark_ms > self.watermark_ms
-            else:  # processing time: once per batch (native runs one on every trigger)
-                due = conf == "ProcessingTimeTimeout" and 0 <= self.last_batch \
-                    and self._flushed_batch < self.last_batch
+            else:
+                due = again and self.last_batch >= 0
             if not due:
-                return M.FlushResult(rows=0, batch=self.last_batch)
+                return M.FlushResult(rows=0, batch=self.last_batch, again=again)
             ts_ms = int(batch_ts_ms if batch_ts_ms is not None else time.time() * 1000)
             evict_wm = self.next_watermark_ms
-            out, _, metrics = self._run(self.last_batch, None, ts_ms, evict_wm, flush=True)
+            out, dirty, metrics = self._run(self.last_batch, None, ts_ms, evict_wm, flush=True)
+            moved = evict_wm != self.watermark_ms
             self.watermark_ms = evict_wm
-            self._flushed_batch = self.last_batch
+            seq, serial = self.flush_seq, self.flush_serial
+            if out.num_rows:  # the rows' identity in the sink (FlushResult), checkpointed
+                self.flush_seq += 1
+                self.flush_serial += 1 if seq else 0
             r = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
                             {"watermark_ms": self.watermark_ms, "batch_ts_ms": ts_ms, **metrics})
             return M.FlushResult(rows=r.rows, batch=self.last_batch, stream=r.stream,
-                                 changed=True, metrics=r.metrics)
+                                 changed=moved or bool(dirty) or r.rows > 0, metrics=r.metrics,
+                                 seq=seq, serial=serial, again=again)
 
     def _check_usable(self) -> None:
         if self._broken:
@@ -258,7 +268,8 @@ class GroupedRuntime(Runtime):
         names = [bucket_file(self.shm, b) for b in (changed if delta else range(self.B))]
         meta = {**self._common_meta(batch), "max_event_ms": self.max_event_ms,
                 "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
-                "buckets": self.B, "flushed_batch": self._flushed_batch,
+                "buckets": self.B, "flush_seq": self.flush_seq,
+                "flush_serial": self.flush_serial,
                 "state_keys": self.state_keys}
 
         def files():  # (in the store's writer thread; the next step waits for it)
@@ -280,7 +291,11 @@ class GroupedRuntime(Runtime):
                              f"{self.B}: keep buckets= the same across restarts")
         self._restore_common(meta)
         self.max_event_ms = meta["max_event_ms"]
-        self._flushed_batch = meta.get("flushed_batch", -2)
+        # (a checkpoint written before flush_seq: "flushed_batch", the batch after which a
+        # processing-time flush ran, maybe with rows)
+        self.flush_seq = int(meta.get(
+            "flush_seq", 1 if meta.get("flushed_batch") == meta["last_batch"] else 0))
+        self.flush_serial = int(meta.get("flush_serial", 0))
         self.owner = np.asarray(meta["owner_map"], dtype=np.int64)
         if self.owner.max() >= self.n:  # fewer instances than when it was written
             self.parallelism = min(self.parallelism, self.n)

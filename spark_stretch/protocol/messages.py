@@ -85,7 +85,8 @@ class Pong(Reply):
 class Opened(Reply):
     """The query is open. ``replay``: the batches to step and write again, in order (a
     checkpoint's stored output, then logged inputs); ``checkpoint``: the batch of the state it
-    continued from (None: from the start)."""
+    continued from (None: from the start); ``flush_seq`` and ``flush_serial``: those of the next
+    no-data batch with rows (see :class:`FlushResult`)."""
 
     query: str
     parallelism: int
@@ -94,6 +95,8 @@ class Opened(Reply):
     checkpoint: Optional[int] = None
     instance_pids: List[int] = field(default_factory=list)
     stream_max_ms: Optional[List[Optional[int]]] = None  # (the event times its state has seen)
+    flush_seq: int = 0
+    flush_serial: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,13 +141,22 @@ class SaveStats(Reply):
 @dataclass(frozen=True)
 class FlushResult(Reply):
     """Spark's no-data batch after ``batch``: ``rows`` on ``stream``; ``changed``: the state
-    moved (the watermark, timeouts), so it must be checkpointed once the sink has the rows."""
+    moved (the watermark, timeouts), so it must be checkpointed once the sink has the rows.
+
+    What identifies the rows in the sink: ``seq``, how many no-data batches with rows came after
+    ``batch`` before this one (only processing-time timeouts have more than one), and for
+    ``seq >= 1`` ``serial``, how many such later ones the query has had before. ``again``:
+    another no-data batch after this one may have rows too (processing-time timeouts), so the
+    driver plays one on every idle trigger."""
 
     rows: int
     batch: int
     stream: Optional[str] = None
     changed: bool = False
     metrics: Dict[str, object] = field(default_factory=dict)
+    seq: int = 0
+    serial: int = 0
+    again: bool = False
 
 
 @dataclass(frozen=True)

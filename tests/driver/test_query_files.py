@@ -31,9 +31,15 @@ def test_a_flush_timestamp_is_kept_for_replays_and_another_format_refused(tmp_pa
     query = SimpleNamespace(layout=layout, last_done=4,
                             settings=SimpleNamespace(test_clock="1000+10"))
     kind = StretchGroupedAggregation.__new__(StretchGroupedAggregation)  # (no DataFrame needed)
-    assert kind.flush_time(query) == 1050  # batch 5's time on the test clock
-    query.settings.test_clock = "2000+10"
-    assert kind.flush_time(query, replay=True) == 1050  # the same no-data batch: its own time
+    assert kind.flush_time(query, at_ms=1234) == 1050  # batch 5's time on the test clock
+    query.settings.test_clock = None
+    assert kind.flush_time(query, at_ms=1234) == 1234  # the start of the trigger it stands for
+    # kept before its rows reach the sink: a replay of the same no-data batch runs at its time
+    kind.keep_flush_time(query, 4, 1, 1234)
+    assert kind.kept_flush_time(query, 4, 1) == 1234
+    assert kind.kept_flush_time(query, 4, 0) is None and kind.kept_flush_time(query, 5, 1) is None
+    layout.flush_file.write_text(json.dumps({"format": 1, "batch": 4, "batch_ts_ms": 7}))
+    assert kind.kept_flush_time(query, 4, 0) == 7  # (written before "seq": the first one)
     layout.flush_file.write_text(json.dumps({"format": 2, "batch": 4, "batch_ts_ms": 1}))
     with pytest.raises(StateError, match=r"flush.json has format 2"):
-        kind.flush_time(query)
+        kind.kept_flush_time(query, 4, 0)
