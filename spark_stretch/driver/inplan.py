@@ -235,8 +235,9 @@ class PlanRun:
         # Appending to Delta itself, the engine steps and writes a batch while Spark commits it
         # and plans the next (the pipeline of stretchAggregate; the engine logs the batch's
         # input before Spark may commit it).
+        # (Spark runs this query's no-data batches itself: no trigger state to watch)
         self._pipeline = (Pipeline(qid, kind, self.recovery, self._ingest, self._sink,
-                                   self.metrics) if delta is not None else None)
+                                   self.metrics, lambda: None) if delta is not None else None)
         self._lock = threading.Lock()
         self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
         if delta is not None:

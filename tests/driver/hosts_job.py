@@ -129,6 +129,30 @@ try:
         result["paircount_rows"] = got.count()
         result["paircount_inputs"] = [h["input_rows"] for h in q.metrics()["engine"]["hosts"]]
 
+        # stretch(df): the query as written, on both hosts, into Delta and a memory sink
+        def written():
+            df = (spark.readStream.schema("ts timestamp, words array<string>, user string, "
+                                          "len bigint").option("maxFilesPerTrigger", 1)
+                  .parquet(str(src)).withWatermark("ts", "10 seconds"))
+            return (df.select("ts", F.explode("words").alias("w"), "len")
+                    .groupBy(F.window("ts", "60 seconds"), "w")
+                    .agg(F.count("*").alias("n"), F.max("len").alias("m")))
+
+        out = spark_stretch.stretch(written())
+        sq = (out.writeStream.format("delta").option("checkpointLocation", str(tmp / "sdf-c"))
+              .trigger(availableNow=True).start(str(tmp / "sdf")))
+        sq.awaitTermination()
+        nq = (written().writeStream.format("delta").option("checkpointLocation", str(tmp / "sdfn-c"))
+              .trigger(availableNow=True).start(str(tmp / "sdfn")))
+        nq.awaitTermination()
+        want = spark.read.format("delta").load(str(tmp / "sdfn"))
+        equal(spark.read.format("delta").load(str(tmp / "sdf")), want)
+        mq = (out.where("n > 1").writeStream.format("memory").queryName("sdfm")
+              .option("checkpointLocation", str(tmp / "sdfm-c")).trigger(availableNow=True).start())
+        mq.awaitTermination()
+        equal(spark.table("sdfm"), want.where("n > 1"))
+        result["stretch_df_hosts"] = len(spark_stretch.control(sq).metrics()["engine"]["hosts"])
+
         # (column names such as sum(len) need Delta's column mapping: Spark writes those tables,
         # reading each host's output through the stretch data source)
         spark.conf.set("spark.databricks.delta.properties.defaults.columnMapping.mode", "name")
