@@ -149,9 +149,13 @@ class StretchControl:
             raise RuntimeError("the query has run no micro-batch on the engine yet")
         return run
 
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
-        """Change the parallelism and/or owner map between two micro-batches; no state moves."""
-        return self._run().reconfigure(parallelism, owner_map)
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
+                    key_groups=None) -> dict:
+        """Change the parallelism and/or owner map between two micro-batches (no state moves),
+        or, for a query on several hosts, how many key groups each host owns (``key_groups``:
+        ``{host: count}``; the state of the moved groups moves), as
+        :meth:`spark_stretch.StretchQuery.reconfigure`."""
+        return self._run().reconfigure(parallelism, owner_map, key_groups)
 
     def metrics(self) -> dict:
         """The engine's figures for this run (batches, rows, reconfigurations, ...)."""

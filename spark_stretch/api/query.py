@@ -38,26 +38,38 @@ class StretchQuery:
         """The query's id on its host engine (kept in its checkpoint)."""
         return self._run.stretch_id
 
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
-        """Change the number of instances and/or the bucket-to-instance owner map, online.
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
+                    key_groups=None) -> dict:
+        """Change the number of instances and/or the bucket-to-instance owner map, online; or,
+        for a query on several hosts, which host owns which key groups.
 
-        No restart, no shuffle, no state copied: the engine switches epoch between two
-        micro-batches. Returns what happened, including the switch time in ms (also in
-        :meth:`metrics`).
+        Instances and owner map: no restart, no shuffle, no state copied: the engine of each
+        host switches epoch between two micro-batches. Key groups: between two micro-batches,
+        the state of the groups that change hosts moves to their new hosts through the
+        query's checkpoint (every host writes its state in full, then each opens the query
+        again with the state of the groups it owns next). Returns what happened, including
+        the switch time in ms (also in :meth:`metrics`).
 
         Parameters
         ----------
         parallelism : int, optional
-            New number of active instances, 1 to ``max_parallelism``.
+            New number of active instances (on each host), 1 to ``max_parallelism``.
         owner_map : sequence of int, optional
             Owner instance for each of the ``buckets`` buckets (a rebalance).
+        key_groups : dict or sequence of int, optional
+            How many of the query's key groups (``spark.stretch.keyGroups``) each host owns
+            next: ``{host: count}`` with hosts as Spark names the executors' hosts
+            (``metrics()["engine"]["hosts"]``), or a list in that order; the counts add up
+            to the query's key groups. As few groups move as can.
 
         Examples
         --------
         >>> q.reconfigure(parallelism=2)            # doctest: +SKIP
         {'epoch': 1, 'parallelism': 2, 'switch_ms': 0.21, 'after_batch': 3, ...}
+        >>> q.reconfigure(key_groups={"10.0.0.2": 128, "10.0.0.3": 0})  # doctest: +SKIP
+        {'key_groups': {'10.0.0.2': 128, '10.0.0.3': 0}, 'moved_groups': 64, ...}
         """
-        return self._run.reconfigure(parallelism, owner_map)
+        return self._run.reconfigure(parallelism, owner_map, key_groups)
 
     def metrics(self) -> dict:
         """Engine and per-batch figures: parallelism, epoch, switch times, late rows, timings

@@ -166,6 +166,10 @@ class ClusterEngine(FanOut, EngineHandle):
     def data_options(self) -> Dict[str, str]:
         return {"endpoints": self.endpoint, "secret": self.secret.decode()}
 
+    def share_of(self, qid: str):
+        """The query's key groups and host map (a :class:`HostShare`)."""
+        return self._queries[qid].share
+
     def route(self, df, qid: str):
         """``df`` (a batch's input) with each row's hosts as its last column (the rows path:
         :func:`~.routing.route`)."""

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 from ..protocol import messages as M
 from ..protocol.layout import write_json
-from ..protocol.placement import balanced_host_map, validate_host_map
+from ..protocol.placement import balanced_host_map, host_map_of_counts, validate_host_map
 from ..protocol.specs import AggregateSpec, HostShare, spec_from_wire, spec_to_wire
 from .engine import EngineDiedError
 from .settings import read_settings
@@ -137,6 +137,22 @@ class FanOut:
         g = int(hosts["key_groups"])
         return HostShare(host=0, hosts=n, key_groups=g,
                          host_map=validate_host_map(hosts["host_map"], g, n).tolist())
+
+    def set_host_map(self, qid: str, counts, state_dir: Optional[str]) -> HostShare:
+        """Give the query's hosts ``counts[i]`` key groups each (moving as few as can be),
+        kept in its ``query.json``: the share its next ``open`` runs with. Returns it."""
+        q = self._queries[qid]
+        if len(counts) != len(self.engines):
+            raise ValueError(f"key_groups={counts}: the query runs on {len(self.engines)} hosts "
+                             f"({', '.join(self.hosts)}); give a count for each")
+        hm = host_map_of_counts(counts, q.share.key_groups, before=q.share.host_map).tolist()
+        q.share = replace(q.share, host_map=hm)
+        if state_dir is not None:
+            f = Path(state_dir).parent / "query.json"
+            meta = json.loads(f.read_text())
+            meta["hosts"] = dict(meta["hosts"], host_map=hm)
+            write_json(f, meta)
+        return q.share
 
     def _on_step(self, msg: M.Step, timeout: float) -> M.StepResult:
         q = self._queries[msg.query]

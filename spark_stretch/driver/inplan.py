@@ -276,9 +276,15 @@ class PlanRun:
         eng.call(M.Submit(query=self.qid, batch=batch_id))
         return eng.call(M.Result(query=self.qid, batch=batch_id))
 
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
+                    key_groups=None) -> dict:
         """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
-        max_parallelism``)."""
+        max_parallelism``), or move key groups between hosts (``key_groups``)."""
+        if key_groups is not None:
+            if self._pipeline is not None:
+                return self._pipeline.between(lambda: self.recovery.move_groups(key_groups))
+            with self._lock:
+                return self.recovery.move_groups(key_groups)
         msg = recovery.reconfiguration(self.qid, parallelism, owner_map, self.spec.max_parallelism)
         if self._pipeline is not None:
             return self._pipeline.reconfigure(msg)

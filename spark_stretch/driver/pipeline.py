@@ -246,6 +246,12 @@ class Pipeline:
         if t is not None:
             t.join(timeout)
 
+    def between(self, fn):
+        """Run ``fn()`` between two micro-batches, none in flight (its result)."""
+        with self._step_lock:
+            self._rec.with_engine("the last batch", self._drain)
+            return fn()
+
     def reconfigure(self, msg: M.Reconfigure) -> dict:
         """Switch the engine's epoch between two micro-batches, none in flight."""
         t0 = time.perf_counter()

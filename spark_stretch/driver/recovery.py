@@ -211,6 +211,37 @@ class Recovery:
                                 "after_batch": reply.after_batch})
         return rec
 
+    def move_groups(self, key_groups) -> dict:
+        """Move key groups between the query's hosts after the last batch: ``key_groups``, the
+        number of groups each host owns next (a list in host order, or ``{host: count}``).
+        Every host checkpoints its state in full, the new host map goes into the query's
+        checkpoint, and every host opens the query again with the state of its groups now,
+        from all those checkpoints (``host/reshard.py``). Call between two batches."""
+        eng = self.engine
+        if not eng.routed:
+            raise ValueError("key_groups=: the query runs on one host (its executors' host); "
+                             "key groups move between the hosts of a query on several")
+        if isinstance(key_groups, dict):
+            unknown = sorted(set(key_groups) - set(eng.hosts))
+            if unknown:
+                raise ValueError(f"key_groups names hosts {unknown}; the query's hosts are "
+                                 f"{eng.hosts}")
+            key_groups = [int(key_groups.get(h, 0)) for h in eng.hosts]
+        t0 = time.perf_counter()
+        self.opened()
+        before = list(eng.share_of(self.qid).host_map)
+        if self.last_done is not None:  # every host's full state of the last batch
+            eng.call(M.Flushed(query=self.qid))
+        share = eng.set_host_map(self.qid, key_groups, self._spec.checkpoint.state_dir)
+        start = self._reopen()
+        rec = {"key_groups": dict(zip(eng.hosts, (share.host_map.count(i)
+                                                  for i in range(len(eng.hosts))))),
+               "moved_groups": sum(a != b for a, b in zip(before, share.host_map)),
+               "after_batch": self.last_done, "resumed_from": start,
+               "switch_ms": (time.perf_counter() - t0) * 1e3}
+        self._metrics.append("reconfigurations", rec)
+        return rec
+
     def figures(self) -> dict:
         """The engine's figures for the query: ``{"engine": ...}`` (the last ones, also after
         the end), with ``engine_error`` if a live engine could not say."""

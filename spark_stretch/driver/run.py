@@ -204,9 +204,15 @@ class QueryRun:
         if self.query.isActive:
             self.pipeline.play_idle()
 
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None) -> dict:
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
+                    key_groups=None) -> dict:
         """Change the parallelism and/or the owner map between two micro-batches (checked
-        here: ``1 <= parallelism <= max_parallelism``)."""
+        here: ``1 <= parallelism <= max_parallelism``), or move key groups between hosts."""
+        if key_groups is not None:
+            if parallelism is not None or owner_map is not None:
+                raise ValueError("reconfigure(key_groups=) moves key groups between hosts; "
+                                 "change parallelism or owner_map in a call of its own")
+            return self.pipeline.between(lambda: self.recovery.move_groups(key_groups))
         return self.pipeline.reconfigure(recovery.reconfiguration(
             self.stretch_id, parallelism, owner_map, self.kind.max_parallelism))
 

@@ -38,6 +38,7 @@ from .aggregations import (builtin_operators, check_checkpoint, engine_columns, 
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
+from .reshard import load_resharded
 from .share import KeyShare, top_ms
 
 __all__ = ["AggregateRuntime"]
@@ -215,6 +216,7 @@ class AggregateRuntime(Runtime):
         strings = self.codec.interner.strings()
         since = self.store.chain["strings"] if delta else 0  # the interner only grows: append
         meta = {**self._common_meta(batch), "strings_from": since,
+                "host_map": None if self.share is None else self.spec.share.host_map,
                 "stream_max_ms": self.stream_max_ms,
                 "output_mode": getattr(self.spec, "output_mode", "append")}
 
@@ -229,6 +231,9 @@ class AggregateRuntime(Runtime):
         self.store.save(batch, delta, meta, files, {"buckets": buckets}, strings=len(strings))
 
     def _load(self, batch: int, ops) -> list:
+        share = self.spec.share
+        if share is not None and self.store.read_meta(batch).get("host_map") != share.host_map:
+            return self._resharded(batch, ops)
         chain = self.store.chain_of(batch)
         dirs = [self.store.dir / str(b) for b in chain]
         meta = self.store.read_meta(batch)
@@ -254,6 +259,19 @@ class AggregateRuntime(Runtime):
                     op, (dirs[0] / f"engine{i}.snap").read_bytes(),
                     deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
                 for i, op in enumerate(ops)]
+
+    def _resharded(self, batch: int, ops) -> list:
+        """Key groups changed hosts after ``batch`` (its checkpoint has another host map): the
+        state of this host's groups now, from every host's checkpoint of that batch
+        (:mod:`.reshard`); the next checkpoint is full."""
+        hosts = self.store.dir.parent.parent  # (<root>/hosts/<i>/state)
+        engines, self.codec, meta = load_resharded(
+            self.spec, [str(hosts / str(j) / "state") for j in range(self.spec.share.hosts)],
+            self.META, batch, ops, own=self.spec.share.host)
+        self._restore_common(meta)
+        self.stream_max_ms = meta.get("stream_max_ms", [None])
+        self.store.chain = None
+        return engines
 
     # -- what the query kind decides (the operator runtime overrides these) ----------------------
     def _operators(self) -> list:

@@ -55,6 +55,13 @@ def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     assert all(h["live_windows"] > 0 for h in hosts) and len({h["pid"] for h in hosts}) == 2
     assert r["wordcount_rows"] > 0 and r["paircount_rows"] > 0 and r["summax_rows"] > 0
     assert r["stretch_df_hosts"] == 2  # stretch(df) too, into Delta and a memory sink
+    # reconfigure(key_groups=...) moved every group to one host and back, mid-stream, the
+    # table equal to native Spark's
+    assert "move_error" not in r, r.get("move_error")
+    first, back = r["moves"]
+    assert list(first["key_groups"].values()) == [16, 0] and first["moved_groups"] == 8
+    assert list(back["key_groups"].values()) == [8, 8] and back["moved_groups"] == 8
+    assert first["after_batch"] < back["after_batch"]
     # routed: a user's rows go to the host of that user only (the hosts share the 6000 rows)
     assert sum(r["summax_inputs"]) == 6000 and min(r["summax_inputs"]) > 0
     # a tweet reaches each host owning one of its words: at most once per host

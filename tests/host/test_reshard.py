@@ -1,0 +1,94 @@
+"""Key groups moving between hosts (host/reshard.py), without Spark: two host runtimes of one
+query step the same batches (each keeping its groups' keys), move groups after a batch through
+their checkpoints, and step on; the union of their outputs equals one host's on the same input,
+batch by batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from spark_stretch.host.aggregate import AggregateRuntime
+from spark_stretch.protocol.placement import balanced_host_map, host_map_of_counts
+from spark_stretch.protocol.specs import AggregateSpec, Checkpointing, HostShare
+from spark_stretch.testing import tweets_table
+
+G = 8
+
+
+class _Offers:
+    def __init__(self):
+        self.out = {}
+
+    def offer(self, stream, table):
+        self.out[stream] = table
+
+
+def _spec(kind, state_dir=None, share=None, resume=None, interval=3):
+    key = {"array": ("array", "words", "string"), "pairs": ("pairs", "words", "string"),
+           "scalar": ("scalar", "user", "string")}[kind]
+    aggs = [("count", None)] + ([("first", "first_word"), ("max", "len")] if kind == "scalar"
+                                else [])
+    return AggregateSpec(
+        ts_column="ts", delay_ms=2000, key_kind=key[0], key_column=key[1], key_type=key[2],
+        distance=2 if kind == "pairs" else None, window_us=20_000_000, slide_us=10_000_000,
+        aggs=aggs, value_types={"first_word": "string", "len": "long"} if kind == "scalar"
+        else {}, parallelism=2, max_parallelism=2, buckets=32, resume_batch=resume, share=share,
+        checkpoint=Checkpointing(state_dir=None if state_dir is None else str(state_dir),
+                                 interval=interval))
+
+
+def _batches(n=8):
+    t = tweets_table(n * 150, rate=40.0, vocab=60, seed=3, late_fraction=0.05, jitter_s=3.0)
+    t = t.append_column("first_word", pa.compute.list_element(t.column("words"), 0))
+    return [t.slice(i * 150, 150) for i in range(n)]
+
+
+def _rows(table):
+    return sorted(map(str, table.to_pylist())) if table is not None else []
+
+
+def _one_host(kind, batches):
+    rt = AggregateRuntime("q", _spec(kind), _Offers())
+    outs = []
+    for b, t in enumerate(batches):
+        rt.ingest(f"in:{b}", "j", t)
+        outs.append(_rows(rt.receiver.out[rt.step(b).stream]))
+    rt.close()
+    return outs
+
+
+def _hosts(kind, root, host_map, resume=None):
+    """The query's two host runtimes (under ``root``), opened after ``resume``."""
+    return [AggregateRuntime("q", _spec(kind, root / "hosts" / str(h) / "state",
+                                        HostShare(host=h, hosts=2, key_groups=G,
+                                                  host_map=list(host_map)), resume), _Offers())
+            for h in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["array", "pairs", "scalar"])
+def test_moving_key_groups_between_hosts_keeps_every_window(kind, tmp_path):
+    batches = _batches()
+    want = _one_host(kind, batches)
+    hm = balanced_host_map(G, 2).tolist()
+    hosts = _hosts(kind, tmp_path, hm)
+    got = []
+    moves = {2: [G, 0], 5: [3, 5]}  # after batch 2: every group to host 0; after 5: 3 and 5
+    for b, t in enumerate(batches):
+        outs = []
+        for rt in hosts:
+            rt.ingest(f"in:{b}", "j", t)  # (each keeps its share of every row)
+            outs.append(rt.receiver.out[rt.step(b).stream])
+        got.append(_rows(pa.concat_tables(outs)))
+        if b in moves:
+            for rt in hosts:  # every host's full state of batch b, then the new host map
+                rt.flushed()
+                rt.close()
+            hm = host_map_of_counts(moves[b], G, before=hm).tolist()
+            hosts = _hosts(kind, tmp_path, hm, resume=b)
+            assert all(rt.checkpoint == b for rt in hosts)
+    for rt in hosts:
+        rt.close()
+    assert got == want
+    assert sum(len(b) for b in want) > 50
