@@ -63,6 +63,23 @@ def _spark_compatible(table: pa.Table) -> pa.Table:
     return table if schema.equals(table.schema) else table.cast(schema)
 
 
+class _Counted:
+    """A binary file read through, counting the bytes (what crossed the socket)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.n = 0
+        self.closed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        b = self._f.read(size)
+        self.n += len(b)
+        return b
+
+
 class _Handler(socketserver.StreamRequestHandler):
     rbufsize = 1 << 20
     wbufsize = 1 << 20
@@ -83,10 +100,11 @@ class _Handler(socketserver.StreamRequestHandler):
                     creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                     _CREDS.size)
                     receiver.writer_pids.add(_CREDS.unpack(creds)[0])
-                reader = pa.ipc.open_stream(self.rfile)
+                counted = _Counted(self.rfile)
+                reader = pa.ipc.open_stream(counted)
                 batches = list(reader)
                 rows = receiver._stage(msg, batches, reader.schema)
-                receiver.bytes_in["tcp" if tcp else "unix"] += sum(b.nbytes for b in batches)
+                receiver.bytes_in["tcp" if tcp else "unix"] += counted.n
                 write_header(self.wfile, M.encode_reply(M.Staged(rows)))
             elif isinstance(msg, (M.Schema, M.Read)):
                 self._send_table(receiver, msg)
@@ -199,7 +217,8 @@ class Receiver:
         #: pids of the processes (executor JVMs) that wrote to this receiver
         self.writer_pids: set = set()
         self.refused = 0  # TCP connections refused (no or a wrong answer to the challenge)
-        #: bytes of rows written to this receiver, over TCP (from other hosts) and Unix sockets
+        #: bytes of rows written to this receiver (as sent: compressed from other hosts), over
+        #: TCP (from other hosts) and Unix sockets
         self.bytes_in = {"tcp": 0, "unix": 0}
         #: called with every request before it is served (the daemon's lease)
         self.on_request: Optional[Callable[[M.Request], None]] = None
