@@ -39,12 +39,12 @@ from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
 from .reshard import load_resharded
-from .share import KeyShare, top_ms
+from .share import EventTimes, KeyShare, top_ms
 
 __all__ = ["AggregateRuntime"]
 
 
-class AggregateRuntime(Runtime):
+class AggregateRuntime(EventTimes, Runtime):
     """The engine side of one query of built-in aggregations (``spec``: an
     :class:`~spark_stretch.protocol.specs.AggregateSpec`); :class:`~.operator.OperatorRuntime`
     runs an engine operator through the same steps."""
@@ -151,19 +151,6 @@ class AggregateRuntime(Runtime):
             "watermark_ms": self.watermark_ms, "late_rows": late,
             "engine_ms": self._ms_since(t0), "stream_max_ms": list(self.stream_max_ms)})
 
-    def _saw(self, s: int, top) -> None:
-        """Stream ``s``'s largest event time so far (ms) takes ``top`` (None: no rows) in."""
-        seen = self.stream_max_ms[s]
-        if top is not None:
-            self.stream_max_ms[s] = top if seen is None else max(seen, top)
-
-    def fold_event_times(self, stream_max_ms) -> None:
-        """A query on several hosts: every host's largest event times up to the last batch
-        (the driver's), so this host's W_N is the one watermark of all."""
-        for s, top in enumerate(stream_max_ms):
-            self._saw(s, top)
-        self.next_watermark_ms = self._next_watermark()
-
     def _emit(self, batch: int) -> pa.Table:
         """The batch's output rows, as Spark's output mode has them: in append mode the
         windows W_N closes; in update mode every window the batch changed, then the windows
@@ -261,16 +248,14 @@ class AggregateRuntime(Runtime):
                 for i, op in enumerate(ops)]
 
     def _resharded(self, batch: int, ops) -> list:
-        """Key groups changed hosts after ``batch`` (its checkpoint has another host map): the
-        state of this host's groups now, from every host's checkpoint of that batch
-        (:mod:`.reshard`); the next checkpoint is full."""
+        """Key groups changed hosts after ``batch`` (its checkpoint has another host map): this
+        host's groups now, from every host's checkpoint (:mod:`.reshard`); the next is full."""
         hosts = self.store.dir.parent.parent  # (<root>/hosts/<i>/state)
         engines, self.codec, meta = load_resharded(
             self.spec, [str(hosts / str(j) / "state") for j in range(self.spec.share.hosts)],
             self.META, batch, ops, own=self.spec.share.host)
         self._restore_common(meta)
-        self.stream_max_ms = meta.get("stream_max_ms", [None])
-        self.store.chain = None
+        self.stream_max_ms, self.store.chain = meta.get("stream_max_ms", [None]), None
         return engines
 
     # -- what the query kind decides (the operator runtime overrides these) ----------------------

@@ -36,7 +36,7 @@ from ..protocol.placement import key_group
 from ..protocol.specs import HostShare
 from .columns import list_parts
 
-__all__ = ["KeyShare", "top_ms"]
+__all__ = ["EventTimes", "KeyShare", "top_ms"]
 
 
 def top_ms(table: pa.Table, ts_column: str):
@@ -81,3 +81,23 @@ class KeyShare:
         """Pair keys: the interned ``ids`` of a batch's ``words``, those this host does not own
         flagged as ``~id`` (no pair of this host starts with them)."""
         return np.where(self.is_mine(words), ids, ~ids)
+
+
+class EventTimes:
+    """A runtime's largest event time per input stream (``stream_max_ms``, ms), which its
+    watermark follows (``_next_watermark``), with every host's folded in on several hosts."""
+
+    stream_max_ms: list
+
+    def _saw(self, s: int, top) -> None:
+        """Stream ``s``'s largest event time so far (ms) takes ``top`` (None: no rows) in."""
+        seen = self.stream_max_ms[s]
+        if top is not None:
+            self.stream_max_ms[s] = top if seen is None else max(seen, top)
+
+    def fold_event_times(self, stream_max_ms) -> None:
+        """A query on several hosts: every host's largest event times up to the last batch
+        (the driver's), so this host's W_N is the one watermark of all."""
+        for s, top in enumerate(stream_max_ms):
+            self._saw(s, top)
+        self.next_watermark_ms = self._next_watermark()
