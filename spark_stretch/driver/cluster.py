@@ -218,11 +218,23 @@ class ClusterEngine(FanOut, EngineHandle):
         return f"{self._dead or 'a stretch host engine died'} {when}".strip()
 
     def restarted(self) -> "ClusterEngine":
-        """After a host's engine died: its successor started on that host (the others keep
-        running; each query is opened again on all of them)."""
+        """After a host's engine died: its successor started on that host, or, when the host
+        has no executor any more (lost, or removed by dynamic allocation), none: the engines
+        of the hosts with executors now (each query is then opened again on all of them, the
+        lost host's key groups taken over by the others, ``fanout._share_of``)."""
         with ClusterEngine._lock:
-            self.launch()
-        return self
+            deadline = time.monotonic() + _LAUNCH_TIMEOUT_MS / 1000
+            while True:
+                # (Spark may still list a lost host's executor for a moment: its launcher task
+                # then runs elsewhere and fails; ask again)
+                self.hosts = engine_hosts(self._spark) or self.hosts
+                try:
+                    self.launch()
+                    return self
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(2.0)
 
     def release(self) -> None:
         with ClusterEngine._lock:

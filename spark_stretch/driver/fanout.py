@@ -33,6 +33,7 @@ class _Query:
     replay: List[List[int]]
     key_kind: str
     key_column: str
+    slots: List[int]  # each running host's slot (its index in the host map)
     stream_max_ms: Optional[List[Optional[int]]] = None
 
     def saw(self, tops) -> None:
@@ -75,17 +76,17 @@ class FanOut:
                     self._one(i, M.Close(query=msg.query), timeout)
                 except Exception:
                     pass
-        share = self._share_of(msg.query, spec)
+        share, slots = self._share_of(msg.query, spec)
         replies = []
-        for i in range(len(self.engines)):  # (in order: the first creates shared files)
+        for i, slot in enumerate(slots):
             state = None if spec.checkpoint.state_dir is None else \
-                str(Path(spec.checkpoint.state_dir).parent / "hosts" / str(i) / "state")
-            mine = replace(spec, share=replace(share, host=i),
+                str(Path(spec.checkpoint.state_dir).parent / "hosts" / str(slot) / "state")
+            mine = replace(spec, share=replace(share, host=slot),
                            checkpoint=replace(spec.checkpoint, state_dir=state))
             replies.append((i, M.Open(query=msg.query, spec=spec_to_wire(mine))))
         got = [r for r in self._all_each(replies, timeout)]
         q = self._queries[msg.query] = _Query(share, [list(r.replay) for r in got],
-                                              spec.key_kind, spec.key_column)
+                                              spec.key_kind, spec.key_column, slots)
         for r in got:
             q.saw(r.stream_max_ms)
         starts = [r.checkpoint for r in got]
@@ -113,39 +114,52 @@ class FanOut:
             raise next((e for e in errors if isinstance(e, EngineDiedError)), errors[0])
         return out
 
-    def _share_of(self, qid: str, spec) -> HostShare:
-        """The query's key groups and host map, kept in its ``query.json`` (made the first
-        time from ``spark.stretch.keyGroups``, a contiguous range of groups per host)."""
-        n = len(self.engines)
+    def _share_of(self, qid: str, spec):
+        """The query's key groups and host map over its host *slots*, kept in its
+        ``query.json`` (made the first time from ``spark.stretch.keyGroups``, a contiguous
+        range of groups per host), and each running host's slot.
+
+        A slot is a host's place in the query: its state directory ``hosts/<slot>/`` and its
+        index in the host map. A host new to the query gets a new slot (with no groups); the
+        groups of a slot whose host is gone (no executor there any more) go to the others, and
+        the slot is retired (its directory stays a source of the state of those groups for
+        the hosts that take them, ``host/reshard.py``; a host that comes back gets a new one).
+        Returns ``(share, slot of each running host)``."""
+        g = read_settings(self._spark.conf).key_groups
         if spec.checkpoint.state_dir is None or spec.warm_up:
-            g = read_settings(self._spark.conf).key_groups
+            n = len(self.engines)
             return HostShare(host=0, hosts=n, key_groups=g,
-                             host_map=balanced_host_map(g, n).tolist())
+                             host_map=balanced_host_map(g, n).tolist()), list(range(n))
         f = Path(spec.checkpoint.state_dir).parent / "query.json"
         meta = json.loads(f.read_text()) if f.exists() else {"format": 1}
-        hosts = meta.get("hosts")
-        if hosts is None:
-            g = read_settings(self._spark.conf).key_groups
-            hosts = {"key_groups": g, "host_map": balanced_host_map(g, n).tolist(), "count": n}
-            meta["hosts"] = hosts
+        hosts = meta.get("hosts") or {"key_groups": g, "slots": list(self.hosts),
+                                      "host_map": balanced_host_map(g, len(self.hosts)).tolist()}
+        g, slots = int(hosts["key_groups"]), list(hosts["slots"])
+        hm = validate_host_map(hosts["host_map"], g, len(slots)).tolist()
+        slots += [h for h in self.hosts if h not in slots]
+        gone = [j for j, h in enumerate(slots) if h is not None and h not in self.hosts]
+        live = [slots.index(h) for h in self.hosts]
+        if gone:  # (its groups to the running hosts, the least loaded first)
+            for grp in (x for x in range(g) if hm[x] in gone):
+                hm[grp] = min(live, key=lambda j: (hm.count(j), j))
+            for j in gone:
+                slots[j] = None
+        if meta.get("hosts") != {**hosts, "slots": slots, "host_map": hm}:
+            meta["hosts"] = {**hosts, "slots": slots, "host_map": hm}
             write_json(f, meta)
-        elif hosts["count"] != n:
-            raise RuntimeError(
-                f"the query's checkpoint {f.parent.parent} was written on {hosts['count']} "
-                f"hosts; it runs on {n} ({', '.join(self.hosts)}): restart it on "
-                f"{hosts['count']} executor hosts, or from a new checkpointLocation")
-        g = int(hosts["key_groups"])
-        return HostShare(host=0, hosts=n, key_groups=g,
-                         host_map=validate_host_map(hosts["host_map"], g, n).tolist())
+        return HostShare(host=0, hosts=len(slots), key_groups=g, host_map=hm), live
 
     def set_host_map(self, qid: str, counts, state_dir: Optional[str]) -> HostShare:
-        """Give the query's hosts ``counts[i]`` key groups each (moving as few as can be),
-        kept in its ``query.json``: the share its next ``open`` runs with. Returns it."""
+        """Give the query's running hosts ``counts[i]`` key groups each (moving as few as can
+        be), kept in its ``query.json``: the share its next ``open`` runs with. Returns it."""
         q = self._queries[qid]
         if len(counts) != len(self.engines):
             raise ValueError(f"key_groups={counts}: the query runs on {len(self.engines)} hosts "
                              f"({', '.join(self.hosts)}); give a count for each")
-        hm = host_map_of_counts(counts, q.share.key_groups, before=q.share.host_map).tolist()
+        by_slot = [0] * q.share.hosts
+        for slot, c in zip(q.slots, counts):
+            by_slot[slot] = int(c)
+        hm = host_map_of_counts(by_slot, q.share.key_groups, before=q.share.host_map).tolist()
         q.share = replace(q.share, host_map=hm)
         if state_dir is not None:
             f = Path(state_dir).parent / "query.json"
@@ -153,6 +167,11 @@ class FanOut:
             meta["hosts"] = dict(meta["hosts"], host_map=hm)
             write_json(f, meta)
         return q.share
+
+    def groups_of(self, qid: str) -> Dict[str, int]:
+        """How many key groups each running host owns (by host name)."""
+        q = self._queries[qid]
+        return {h: q.share.host_map.count(slot) for h, slot in zip(self.hosts, q.slots)}
 
     def _on_step(self, msg: M.Step, timeout: float) -> M.StepResult:
         q = self._queries[msg.query]
@@ -220,7 +239,8 @@ class FanOut:
                 merged[k] = sum(int(f.get(k, 0)) for f in got)
         merged["hosts"] = [
             {"host": e.host, "pid": e.pid, "parallelism": f.get("parallelism"),
-             "key_groups": None if share is None else share.host_map.count(i),
+             "key_groups": None if share is None else share.host_map.count(
+                 self._queries[msg.query].slots[i]),
              "input_rows": f.get("input_rows"), "live_windows": f.get("live_windows"),
              "bytes_in": f.get("bytes_in"), "refused": f.get("refused")}
             for i, (e, f) in enumerate(zip(self.engines, got))]

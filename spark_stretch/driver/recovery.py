@@ -234,8 +234,7 @@ class Recovery:
             eng.call(M.Flushed(query=self.qid))
         share = eng.set_host_map(self.qid, key_groups, self._spec.checkpoint.state_dir)
         start = self._reopen()
-        rec = {"key_groups": dict(zip(eng.hosts, (share.host_map.count(i)
-                                                  for i in range(len(eng.hosts))))),
+        rec = {"key_groups": eng.groups_of(self.qid),
                "moved_groups": sum(a != b for a, b in zip(before, share.host_map)),
                "after_batch": self.last_done, "resumed_from": start,
                "switch_ms": (time.perf_counter() - t0) * 1e3}

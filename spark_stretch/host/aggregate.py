@@ -31,15 +31,16 @@ import pyarrow as pa
 from ..engine import Interner, engine_class
 from ..protocol import messages as M
 from ..protocol.errors import StateError
-from ..protocol.layout import AGGREGATE_META
+from ..protocol.layout import AGGREGATE_META, input_log_of
 from . import faults
 from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
                            per_aggregation, rank_strings, reject_nulls, state_output)
 from .checkpoints import arrow_bytes, read_arrow
+from .input_log import InputLog
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
 from .reshard import load_resharded
-from .share import EventTimes, KeyShare, top_ms
+from .share import EventTimes, KeyShare, tops_of
 
 __all__ = ["AggregateRuntime"]
 
@@ -54,8 +55,9 @@ class AggregateRuntime(EventTimes, Runtime):
     def __init__(self, qid: str, spec, receiver):
         super().__init__(qid, spec, receiver)
         self.codec = KeyCodec()
+        self.sources: list = []  # (after key groups changed hosts: every host's input log)
         self.share = None if spec.share is None else KeyShare(spec.share, spec.key_kind,
-                                                              spec.key_column)
+                                                              spec.key_column, spec.ts_column)
         # Per input stream (one withWatermark each): the largest event time seen so far, in ms.
         self.stream_max_ms: list = [None] * len(self._delays())
         ops = self._operators()
@@ -77,7 +79,9 @@ class AggregateRuntime(EventTimes, Runtime):
                 for eng in self.engines:  # source s feeds stream s
                     for s in range(eng.op.I):
                         eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
-                first = 0
+                # (a host new to the query, owning no group yet: nothing of the past is its)
+                fresh = self.share is not None and not self.share.mine.any()
+                first = resume + 1 if fresh and resume is not None else 0
         except BaseException:
             self.store.release_lock()
             raise
@@ -120,13 +124,15 @@ class AggregateRuntime(EventTimes, Runtime):
         t0 = time.perf_counter()
         lead = self.engines[0]
         late_before = lead.esg_in.late_dropped
-        if table is not None and table.num_rows:
+        # (on several hosts: this host's share, kept as it arrived, or after key groups changed
+        # hosts each source host's logged share of it, with what this host keeps of it)
+        parts = table if isinstance(table, list) else [(table, self.share)]
+        for table, share in parts:
+            if table is None or not table.num_rows:
+                continue
             self.counters["input_rows"] += table.num_rows
-            tops = None
-            if self.share is not None:  # (every row's event time counts: one watermark)
-                tops = [top_ms(table, self.spec.ts_column)]
-                table = self.share.keep(table)
-            for s, cols in enumerate(self._stream_columns(table)):
+            tops = tops_of(table)  # (every row's event time counts: one watermark)
+            for s, cols in enumerate(self._stream_columns(table, share)):
                 if cols is None or not len(cols["ts"]):
                     continue
                 for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
@@ -250,13 +256,29 @@ class AggregateRuntime(EventTimes, Runtime):
     def _resharded(self, batch: int, ops) -> list:
         """Key groups changed hosts after ``batch`` (its checkpoint has another host map): this
         host's groups now, from every host's checkpoint (:mod:`.reshard`); the next is full."""
-        hosts = self.store.dir.parent.parent  # (<root>/hosts/<i>/state)
-        engines, self.codec, meta = load_resharded(
-            self.spec, [str(hosts / str(j) / "state") for j in range(self.spec.share.hosts)],
-            self.META, batch, ops, own=self.spec.share.host)
+        hosts = self.store.dir.parent.parent  # (<root>/hosts/<slot>/state)
+        own = self.spec.share.host  # (the sources: the slots that held groups, and this one)
+        slots = sorted(set(self.store.read_meta(batch)["host_map"]) | {own})
+        dirs = [hosts / str(j) / "state" for j in slots]
+        engines, self.codec, metas = load_resharded(self.spec, [str(d) for d in dirs],
+                                                    self.META, batch, ops, slots.index(own))
+        # the batches after it, from every source's input log (a lost host's too)
+        self.sources = [(InputLog(input_log_of(d)), self.share.of_source(m["host_map"], j))
+                        for j, d, m in zip(slots, dirs, metas)]
+        meta = dict(metas[slots.index(own)])
+        for k in ("watermark_ms", "next_watermark_ms"):  # (one watermark: a new slot's is 0)
+            meta[k] = max(m[k] for m in metas)
         self._restore_common(meta)
         self.stream_max_ms, self.store.chain = meta.get("stream_max_ms", [None]), None
         return engines
+
+    def _logged(self, batch: int):
+        if not self.sources:
+            return super()._logged(batch)
+        extra = {}
+        for log, _ in self.sources:  # (the driver's decisions are the same in every log)
+            extra = extra or log.read(batch, extra=True)[1]
+        return [(log.read(batch), share) for log, share in self.sources], extra
 
     # -- what the query kind decides (the operator runtime overrides these) ----------------------
     def _operators(self) -> list:
@@ -271,9 +293,10 @@ class AggregateRuntime(EventTimes, Runtime):
         """The watermark delay (ms) of each input stream."""
         return [self.spec.delay_ms]
 
-    def _stream_columns(self, table: pa.Table) -> list:
-        """The batch's rows as engine columns, one dict (or None: no rows) per input stream."""
-        return [self._columns(table)]
+    def _stream_columns(self, table: pa.Table, share=None) -> list:
+        """The batch's rows as engine columns, one dict (or None: no rows) per input stream
+        (pair keys flagged by ``share``, this host's share of them)."""
+        return [engine_columns(self.spec, self.codec, share, table)]
 
     def _next_watermark(self) -> int:
         """Spark's global watermark after this batch (``WatermarkTracker``): each stream's is
@@ -295,15 +318,13 @@ class AggregateRuntime(EventTimes, Runtime):
         return self._output() if read else None
 
     def _arrived(self, table: pa.Table) -> pa.Table:
-        # (the engine's input columns from the scan's own, when the shim left them to it)
-        return table if self.spec.prepare is None else prepare(table, self.spec.prepare)
+        # (the engine's input columns from the scan's own, when the shim left them to it; on
+        # several hosts, this host's share of them)
+        table = table if self.spec.prepare is None else prepare(table, self.spec.prepare)
+        return table if self.share is None else self.share.kept(table)
 
     def _validate(self, table: pa.Table, batch: int) -> None:
         reject_nulls(self.spec, table, batch)
-
-    def _columns(self, table: pa.Table) -> dict:
-        """The engine's columns of a batch (checked by :meth:`_validate` when it arrived)."""
-        return engine_columns(self.spec, self.codec, self.share, table)
 
     def _output(self) -> pa.Table:
         return output_table(self.spec, self.codec, per_aggregation(

@@ -81,7 +81,7 @@ class OperatorRuntime(AggregateRuntime):
                                         f"in batch {batch}; the operator needs values (fill or "
                                         "filter them first)")
 
-    def _stream_columns(self, table: pa.Table) -> list:
+    def _stream_columns(self, table: pa.Table, share=None) -> list:
         join = isinstance(self.engines[0].op, JoinOperator)
         out = []
         for s, (part, st) in enumerate(zip(self._parts(table), self.spec.streams)):

@@ -150,10 +150,11 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
                    ops: list, own: int):
     """This host's state after ``batch`` under ``spec.share``'s host map, from every host's
     checkpoint of that batch (``sources``: their state directories, host order; ``own``: this
-    host's). Returns ``(engines, codec, meta)``: the meta of its own checkpoint."""
-    share = KeyShare(spec.share, spec.key_kind, spec.key_column)
+    host's). Returns ``(engines, codec, metas)``: each source's checkpoint meta (its own at
+    ``own``)."""
+    share = KeyShare(spec.share, spec.key_kind, spec.key_column, spec.ts_column)
     loaded = [_source(d, meta_name, batch) for d in sources]
-    meta, strings, snaps = loaded[own]
+    _, strings, _ = loaded[own]
     codec = KeyCodec(Interner(strings))  # (its own ids stay; the others' strings join them)
     maps = [_Mapping(s, codec, share, spec) for _, s, _ in loaded]
     engines = []
@@ -197,5 +198,5 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
             snap_in["sources"][s_id] = (stream, ordered, last_ts, wm, chunks, removed)
         mine.esg_in.restore(snap_in)
         engines.append(mine)
-    return engines, codec, meta
+    return engines, codec, [m for m, _, _ in loaded]
 

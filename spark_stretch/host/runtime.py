@@ -108,6 +108,10 @@ class Runtime(ABC):
     def _save(self, batch: int, full: bool = False, out: Optional[pa.Table] = None) -> None:
         """Checkpoint the state after ``batch`` (through ``self.store``)."""
 
+    def _logged(self, batch: int):
+        """``(input, driver's extra)`` of ``batch`` from the input log."""
+        return self.log.read(batch, extra=True)
+
     def fold_event_times(self, stream_max_ms: list) -> None:
         """Take every host's largest event times (ms, per input stream) in, before a step or
         flush of a query on several hosts (the runtimes that have a watermark)."""
@@ -206,7 +210,7 @@ class Runtime(ABC):
                     "that batch is gone (restart the query from its checkpoint)")
             if table is None and batch in self.replay and self.log is not None:
                 # after a restart: the batch again, from the log (with what the driver decided)
-                table, extra = self.log.read(batch, extra=True)
+                table, extra = self._logged(batch)
                 stream_max_ms = stream_max_ms or extra.get("stream_max_ms")
             self._check_usable()
             if stream_max_ms:

@@ -19,13 +19,16 @@ Examples
 >>> import pyarrow as pa
 >>> from spark_stretch.protocol.specs import HostShare
 >>> from spark_stretch.host.share import KeyShare
->>> share = KeyShare(HostShare(host=0, hosts=2, key_groups=2, host_map=[0, 1]), "array", "k")
->>> t = share.keep(pa.table({"k": [["a", "b", "c"], ["b"]], "x": [1, 2]}))
->>> t.column("k").to_pylist(), t.column("x").to_pylist()   # 'b' is in group 1: host 1's
+>>> share = KeyShare(HostShare(host=0, hosts=2, key_groups=2, host_map=[0, 1]), "array", "k",
+...                  "ts")
+>>> t = share.keep(pa.table({"k": [["a", "b", "c"], ["b"]], "ts": [1, 2]}))
+>>> t.column("k").to_pylist(), t.column("ts").to_pylist()   # 'b' is in group 1: host 1's
 ([['a', 'c']], [1])
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +39,15 @@ from ..protocol.placement import key_group
 from ..protocol.specs import HostShare
 from .columns import list_parts
 
-__all__ = ["EventTimes", "KeyShare", "top_ms"]
+__all__ = ["EventTimes", "KeyShare", "TOP_KEY", "top_ms", "tops_of"]
+
+TOP_KEY = b"stretch.top_ms"  # (a kept batch's largest event times, before it was kept)
+
+
+def tops_of(table: pa.Table):
+    """The largest event times a kept batch carries (:meth:`KeyShare.kept`), or None."""
+    raw = (table.schema.metadata or {}).get(TOP_KEY)
+    return None if raw is None else json.loads(raw)
 
 
 def top_ms(table: pa.Table, ts_column: str):
@@ -50,12 +61,32 @@ class KeyShare:
     """Keeps a batch's keys of this host's key groups (``key_kind``: ``scalar``, ``array`` or
     ``pairs``, of the key column ``key_column``)."""
 
-    def __init__(self, share: HostShare, key_kind: str, key_column: str):
+    def __init__(self, share: HostShare, key_kind: str, key_column: str, ts_column: str,
+                 mine: np.ndarray = None):
         self.share = share
         self.key_kind = key_kind
         self.key_column = key_column
-        self.mine = np.zeros(share.key_groups, np.bool_)
-        self.mine[share.owned()] = True
+        self.ts_column = ts_column
+        if mine is None:  # (else the groups to keep: a source's while they change hosts)
+            mine = np.zeros(share.key_groups, np.bool_)
+            mine[share.owned()] = True
+        self.mine = np.asarray(mine, np.bool_)
+
+    def of_source(self, source_map, source: int) -> "KeyShare":
+        """What this host keeps of the input logged by host ``source`` under its host map
+        ``source_map``: the keys of groups that were the source's and are this host's now."""
+        was = np.asarray(source_map) == source
+        return KeyShare(self.share, self.key_kind, self.key_column, self.ts_column,
+                        self.mine & was)
+
+    def kept(self, table: pa.Table) -> pa.Table:
+        """:meth:`keep`, with the batch's largest event time before it in the table's schema
+        metadata (``stretch.top_ms``): every row's event time counts for the one watermark."""
+        top = top_ms(table, self.ts_column)
+        table = self.keep(table)
+        meta = dict(table.schema.metadata or {})
+        meta[TOP_KEY] = json.dumps([top]).encode()
+        return table.replace_schema_metadata(meta)
 
     def is_mine(self, keys: pa.Array) -> np.ndarray:
         """Whether each key of ``keys`` (content, not ids) is in a group this host owns."""

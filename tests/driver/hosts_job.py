@@ -208,6 +208,30 @@ try:
         q, got, want = run(sm, "sm", rows_path=True, during=lambda q: threading.Thread(
             target=kill_executor, args=(q,)).start())
         equal(got, want)
+    elif part == "lose":
+        # host 127.0.0.3 lost mid-run (its worker, executor and engine killed): its key groups
+        # go to 127.0.0.2, from its checkpoint and input log, and the query runs on there
+        def lose(q):
+            while q.metrics().get("batches", 0) < 2:
+                time.sleep(0.05)
+            for p in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    cmd = p.read_bytes().replace(b"\0", b" ")
+                except OSError:
+                    continue
+                if b"127.0.0.3" in cmd and (b"deploy.worker.Worker" in cmd or b"--tcp" in cmd
+                                            or b"CoarseGrainedExecutorBackend" in cmd):
+                    os.kill(int(p.parent.name), signal.SIGKILL)
+            result["lost_after"] = q.metrics().get("batches", 0)
+
+        wc = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+        q, got, want = run(wc, "lose", rows_path=True,
+                           during=lambda q: threading.Thread(target=lose, args=(q,)).start())
+        equal(got, want)
+        result["hosts_after"] = [(h["host"], h["key_groups"])
+                                 for h in q.metrics()["engine"]["hosts"]]
+        result["engine_restarts"] = len(q.metrics().get("engine_restarts", []))
     elif part == "hold":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

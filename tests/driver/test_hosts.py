@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,3 +104,17 @@ def test_killed_driver_leaves_nothing(cluster, tmp_path):
         time.sleep(0.5)
     assert not set(held) & _engine_pids(), "an engine outlived its killed driver"
     assert not _engine_dirs()
+
+
+def test_a_lost_host_s_key_groups_go_to_the_others(cluster, tmp_path):
+    # (last in this module: it ends the cluster's worker on 127.0.0.3)
+    r = run_script(JOB, cluster.url, "lose", tmp_path, timeout=900)
+    assert r["ok"] and r["lost_after"] >= 2
+    assert r["hosts_after"] == [["127.0.0.2", 16]]  # every group on the host that is left
+    assert r["engine_restarts"] >= 1
+    assert not _engine_pids()
+    # What the killed engine left in its directory was on the lost host's disk (here /tmp is
+    # every host's): gone with the host
+    for d in _engine_dirs():
+        assert d.endswith("-127.0.0.3"), d
+        shutil.rmtree(d)

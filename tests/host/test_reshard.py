@@ -92,3 +92,36 @@ def test_moving_key_groups_between_hosts_keeps_every_window(kind, tmp_path):
         rt.close()
     assert got == want
     assert sum(len(b) for b in want) > 50
+
+
+@pytest.mark.parametrize("kind", ["array", "pairs", "scalar"])
+def test_a_lost_hosts_groups_restored_on_the_other_from_its_checkpoint_and_log(kind, tmp_path):
+    # Host 1 is lost after batch 4 (its last checkpoint is of batch 3: interval 3, batch 4 in
+    # its input log): host 0 takes every group, from both hosts' checkpoints of batch 3 and
+    # both input logs of batch 4, and runs on alone
+    batches = _batches()
+    want = _one_host(kind, batches)
+    hm = balanced_host_map(G, 2).tolist()
+    hosts = _hosts(kind, tmp_path, hm)
+    got = []
+    for b, t in enumerate(batches[:5]):
+        outs = []
+        for rt in hosts:
+            rt.ingest(f"in:{b}", "j", t)
+            rt.submit(b)  # (the pipelined path: the input logged first)
+            outs.append(rt.receiver.out[rt.result(b).stream])
+        got.append(_rows(pa.concat_tables(outs)))
+    for rt in hosts:
+        rt.store.join()
+        rt.close()
+    alone = AggregateRuntime("q", _spec(kind, tmp_path / "hosts" / "0" / "state",
+                                        HostShare(host=0, hosts=2, key_groups=G,
+                                                  host_map=[0] * G), resume=4), _Offers())
+    assert alone.checkpoint == 3 and alone.replay == [4]
+    replayed = alone.receiver.out[alone.step(4).stream]  # (the driver steps it again)
+    assert _rows(replayed) == got[4]
+    for b, t in enumerate(batches[5:], start=5):
+        alone.ingest(f"in:{b}", "j", t)
+        got.append(_rows(alone.receiver.out[alone.step(b).stream]))
+    alone.close()
+    assert got == want

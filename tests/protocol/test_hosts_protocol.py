@@ -40,7 +40,7 @@ def test_share_keeps_each_key_on_exactly_one_host():
     words = [[f"w{i % 37}" for i in range(j, j + 9)] for j in range(50)] + [[], None]
     table = pa.table({"k": pa.array(words, pa.list_(pa.string())), "x": range(52)})
     hm = balanced_host_map(8, 3).tolist()
-    kept = [KeyShare(HostShare(host=h, hosts=3, key_groups=8, host_map=hm), "array", "k")
+    kept = [KeyShare(HostShare(host=h, hosts=3, key_groups=8, host_map=hm), "array", "k", "ts")
             .keep(table) for h in range(3)]
     got = sorted((x, w) for t in kept for x, ws in zip(t.column("x").to_pylist(),
                                                          t.column("k").to_pylist()) for w in ws)
@@ -49,11 +49,11 @@ def test_share_keeps_each_key_on_exactly_one_host():
     for h, t in enumerate(kept):
         assert all(hm[group[w]] == h for ws in t.column("k").to_pylist() for w in ws)
     scalar = pa.table({"k": [f"u{i}" for i in range(100)]})
-    rows = [KeyShare(HostShare(host=h, hosts=3, key_groups=8, host_map=hm), "scalar", "k")
+    rows = [KeyShare(HostShare(host=h, hosts=3, key_groups=8, host_map=hm), "scalar", "k", "ts")
             .keep(scalar).num_rows for h in range(3)]
     assert sum(rows) == 100 and min(rows) > 0
     # pairs: the words this host does not own as a first word are flagged ~id
-    share = KeyShare(HostShare(host=0, hosts=3, key_groups=8, host_map=hm), "pairs", "k")
+    share = KeyShare(HostShare(host=0, hosts=3, key_groups=8, host_map=hm), "pairs", "k", "ts")
     ids = np.arange(5, dtype=np.int64)
     vals = pa.array([f"w{i}" for i in range(5)])
     flagged = share.flag_firsts(ids, vals)
