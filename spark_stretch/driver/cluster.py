@@ -217,6 +217,17 @@ class ClusterEngine(FanOut, EngineHandle):
     def death(self, when: str) -> str:
         return f"{self._dead or 'a stretch host engine died'} {when}".strip()
 
+    def add_hosts(self) -> List[str]:
+        """Start an engine on each host that has executors now and none yet (a worker added to
+        the cluster, dynamic allocation): the hosts added (they get key groups from a move)."""
+        now = engine_hosts(self._spark)
+        new = [h for h in now if h not in self.hosts]
+        if new:
+            with ClusterEngine._lock:
+                self.hosts = sorted(set(self.hosts) | set(new))
+                self.launch()
+        return new
+
     def restarted(self) -> "ClusterEngine":
         """After a host's engine died: its successor started on that host, or, when the host
         has no executor any more (lost, or removed by dynamic allocation), none: the engines

@@ -34,6 +34,7 @@ class _Query:
     key_kind: str
     key_column: str
     slots: List[int]  # each running host's slot (its index in the host map)
+    slots_names: List[Optional[str]]  # each slot's host (None: retired)
     stream_max_ms: Optional[List[Optional[int]]] = None
 
     def saw(self, tops) -> None:
@@ -66,6 +67,7 @@ class FanOut:
 
     def _on_open(self, msg: M.Open, timeout: float) -> M.Opened:
         spec = spec_from_wire(msg.spec)
+        self._slot_names = None
         if not isinstance(spec, AggregateSpec):
             raise NotImplementedError(
                 f"executors on hosts {self.hosts}: a {spec.kind} query runs on one host so far "
@@ -86,7 +88,8 @@ class FanOut:
             replies.append((i, M.Open(query=msg.query, spec=spec_to_wire(mine))))
         got = [r for r in self._all_each(replies, timeout)]
         q = self._queries[msg.query] = _Query(share, [list(r.replay) for r in got],
-                                              spec.key_kind, spec.key_column, slots)
+                                              spec.key_kind, spec.key_column, slots,
+                                              self._slot_names or list(self.hosts))
         for r in got:
             q.saw(r.stream_max_ms)
         starts = [r.checkpoint for r in got]
@@ -147,31 +150,38 @@ class FanOut:
         if meta.get("hosts") != {**hosts, "slots": slots, "host_map": hm}:
             meta["hosts"] = {**hosts, "slots": slots, "host_map": hm}
             write_json(f, meta)
+        self._slot_names = slots
         return HostShare(host=0, hosts=len(slots), key_groups=g, host_map=hm), live
 
-    def set_host_map(self, qid: str, counts, state_dir: Optional[str]) -> HostShare:
-        """Give the query's running hosts ``counts[i]`` key groups each (moving as few as can
-        be), kept in its ``query.json``: the share its next ``open`` runs with. Returns it."""
+    def set_host_map(self, qid: str, counts: Dict[str, int],
+                     state_dir: Optional[str]) -> HostShare:
+        """Give each running host ``counts[host]`` key groups (moving as few as can be; a host
+        new to the query gets a slot), kept in its ``query.json``: the share its next ``open``
+        runs with. Returns it."""
         q = self._queries[qid]
-        if len(counts) != len(self.engines):
-            raise ValueError(f"key_groups={counts}: the query runs on {len(self.engines)} hosts "
-                             f"({', '.join(self.hosts)}); give a count for each")
-        by_slot = [0] * q.share.hosts
-        for slot, c in zip(q.slots, counts):
-            by_slot[slot] = int(c)
-        hm = host_map_of_counts(by_slot, q.share.key_groups, before=q.share.host_map).tolist()
-        q.share = replace(q.share, host_map=hm)
+        slots = list(q.slots_names)
+        slots += [h for h in self.hosts if h not in slots]
+        unknown = sorted(set(counts) - set(self.hosts))
+        if unknown:
+            raise ValueError(f"key_groups names hosts {unknown}; the query's hosts (with an "
+                             f"executor) are {self.hosts}")
+        by_slot = [int(counts.get(h, 0)) if h is not None else 0 for h in slots]
+        hm = host_map_of_counts(by_slot, q.share.key_groups,
+                                before=q.share.host_map).tolist()
+        q.share = replace(q.share, hosts=len(slots), host_map=hm)
+        q.slots_names = slots
         if state_dir is not None:
             f = Path(state_dir).parent / "query.json"
             meta = json.loads(f.read_text())
-            meta["hosts"] = dict(meta["hosts"], host_map=hm)
+            meta["hosts"] = dict(meta["hosts"], slots=slots, host_map=hm)
             write_json(f, meta)
         return q.share
 
     def groups_of(self, qid: str) -> Dict[str, int]:
         """How many key groups each running host owns (by host name)."""
         q = self._queries[qid]
-        return {h: q.share.host_map.count(slot) for h, slot in zip(self.hosts, q.slots)}
+        return {h: q.share.host_map.count(q.slots_names.index(h)) for h in self.hosts
+                if h in q.slots_names}
 
     def _on_step(self, msg: M.Step, timeout: float) -> M.StepResult:
         q = self._queries[msg.query]

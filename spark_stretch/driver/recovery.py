@@ -221,21 +221,22 @@ class Recovery:
         if not eng.routed:
             raise ValueError("key_groups=: the query runs on one host (its executors' host); "
                              "key groups move between the hosts of a query on several")
-        if isinstance(key_groups, dict):
-            unknown = sorted(set(key_groups) - set(eng.hosts))
-            if unknown:
-                raise ValueError(f"key_groups names hosts {unknown}; the query's hosts are "
-                                 f"{eng.hosts}")
-            key_groups = [int(key_groups.get(h, 0)) for h in eng.hosts]
+        if not isinstance(key_groups, dict):
+            if len(key_groups) != len(eng.hosts):
+                raise ValueError(f"key_groups={list(key_groups)}: the query runs on "
+                                 f"{len(eng.hosts)} hosts ({', '.join(eng.hosts)}); give a "
+                                 "count for each, or a {host: count} dict")
+            key_groups = dict(zip(eng.hosts, key_groups))
         t0 = time.perf_counter()
         self.opened()
         before = list(eng.share_of(self.qid).host_map)
         if self.last_done is not None:  # every host's full state of the last batch
             eng.call(M.Flushed(query=self.qid))
+        eng.add_hosts()  # (a host that has executors now gets an engine and can get groups)
         share = eng.set_host_map(self.qid, key_groups, self._spec.checkpoint.state_dir)
         start = self._reopen()
         rec = {"key_groups": eng.groups_of(self.qid),
-               "moved_groups": sum(a != b for a, b in zip(before, share.host_map)),
+               "moved_groups": sum(a != b for a, b in zip(before, share.host_map[:len(before)])),
                "after_batch": self.last_done, "resumed_from": start,
                "switch_ms": (time.perf_counter() - t0) * 1e3}
         self._metrics.append("reconfigurations", rec)

@@ -31,21 +31,20 @@ import pyarrow as pa
 from ..engine import Interner, engine_class
 from ..protocol import messages as M
 from ..protocol.errors import StateError
-from ..protocol.layout import AGGREGATE_META, input_log_of
+from ..protocol.layout import AGGREGATE_META
 from . import faults
 from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
                            per_aggregation, rank_strings, reject_nulls, state_output)
 from .checkpoints import arrow_bytes, read_arrow
-from .input_log import InputLog
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
-from .reshard import load_resharded
+from .reshard import Resharding
 from .share import EventTimes, KeyShare, tops_of
 
 __all__ = ["AggregateRuntime"]
 
 
-class AggregateRuntime(EventTimes, Runtime):
+class AggregateRuntime(EventTimes, Resharding, Runtime):
     """The engine side of one query of built-in aggregations (``spec``: an
     :class:`~spark_stretch.protocol.specs.AggregateSpec`); :class:`~.operator.OperatorRuntime`
     runs an engine operator through the same steps."""
@@ -71,6 +70,11 @@ class AggregateRuntime(EventTimes, Runtime):
                 self.engines = self._load(start, ops)
                 # the checkpoint's own output too, if it kept one: the sink may not have it yet
                 first = start if self.last_reply is not None else start + 1
+            elif self.share is not None and resume is not None and self.share.mine.any():
+                # a host new to the query, given groups: their state after the move's batch,
+                # from the checkpoints every other host wrote of it
+                self.engines = self._resharded(resume, ops)
+                first = resume + 1
             else:
                 self.engines = [
                     engine_class(op)(op, m=spec.parallelism, n=spec.max_parallelism,
@@ -252,33 +256,6 @@ class AggregateRuntime(EventTimes, Runtime):
                     op, (dirs[0] / f"engine{i}.snap").read_bytes(),
                     deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
                 for i, op in enumerate(ops)]
-
-    def _resharded(self, batch: int, ops) -> list:
-        """Key groups changed hosts after ``batch`` (its checkpoint has another host map): this
-        host's groups now, from every host's checkpoint (:mod:`.reshard`); the next is full."""
-        hosts = self.store.dir.parent.parent  # (<root>/hosts/<slot>/state)
-        own = self.spec.share.host  # (the sources: the slots that held groups, and this one)
-        slots = sorted(set(self.store.read_meta(batch)["host_map"]) | {own})
-        dirs = [hosts / str(j) / "state" for j in slots]
-        engines, self.codec, metas = load_resharded(self.spec, [str(d) for d in dirs],
-                                                    self.META, batch, ops, slots.index(own))
-        # the batches after it, from every source's input log (a lost host's too)
-        self.sources = [(InputLog(input_log_of(d)), self.share.of_source(m["host_map"], j))
-                        for j, d, m in zip(slots, dirs, metas)]
-        meta = dict(metas[slots.index(own)])
-        for k in ("watermark_ms", "next_watermark_ms"):  # (one watermark: a new slot's is 0)
-            meta[k] = max(m[k] for m in metas)
-        self._restore_common(meta)
-        self.stream_max_ms, self.store.chain = meta.get("stream_max_ms", [None]), None
-        return engines
-
-    def _logged(self, batch: int):
-        if not self.sources:
-            return super()._logged(batch)
-        extra = {}
-        for log, _ in self.sources:  # (the driver's decisions are the same in every log)
-            extra = extra or log.read(batch, extra=True)[1]
-        return [(log.read(batch), share) for log, share in self.sources], extra
 
     # -- what the query kind decides (the operator runtime overrides these) ----------------------
     def _operators(self) -> list:

@@ -34,11 +34,13 @@ from ..protocol.errors import StateError
 from ..protocol.placement import bucket_of
 from ..protocol.specs import AggregateSpec, Checkpointing
 from .aggregations import engine_agg
+from ..protocol.layout import input_log_of
 from .checkpoints import CheckpointStore
+from .input_log import InputLog
 from .columns import KeyCodec
 from .share import KeyShare
 
-__all__ = ["load_resharded"]
+__all__ = ["Resharding", "load_resharded"]
 
 
 def _source(state_dir: str, meta_name: str, batch: int):
@@ -150,19 +152,20 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
                    ops: list, own: int):
     """This host's state after ``batch`` under ``spec.share``'s host map, from every host's
     checkpoint of that batch (``sources``: their state directories, host order; ``own``: this
-    host's). Returns ``(engines, codec, metas)``: each source's checkpoint meta (its own at
-    ``own``)."""
+    host's, or None: a host new to the query, whose state is all the others'). Returns
+    ``(engines, codec, metas)``: each source's checkpoint meta."""
     share = KeyShare(spec.share, spec.key_kind, spec.key_column, spec.ts_column)
     loaded = [_source(d, meta_name, batch) for d in sources]
-    _, strings, _ = loaded[own]
+    strings = [] if own is None else loaded[own][1]
     codec = KeyCodec(Interner(strings))  # (its own ids stay; the others' strings join them)
+    base = 0 if own is None else own  # (the engine restored: its owner map, epoch, ESG)
     maps = [_Mapping(s, codec, share, spec) for _, s, _ in loaded]
     engines = []
     for i, op in enumerate(ops):
         cls = engine_class(op)
-        parts = [cls.restore(op, snap[i][0], threads=(j == own), deltas=snap[i][1])
+        parts = [cls.restore(op, snap[i][0], threads=(j == base), deltas=snap[i][1])
                  for j, (_, _, snap) in enumerate(loaded)]
-        mine = parts[own]
+        mine = parts[base]
         base = 4 if op.session_end else 2
         recs, accs = [], []
         for eng, m in zip(parts, maps):
@@ -200,3 +203,51 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
         engines.append(mine)
     return engines, codec, [m for m, _, _ in loaded]
 
+
+class Resharding:
+    """What a runtime (:class:`~.aggregate.AggregateRuntime`) does when its key groups changed
+    hosts since its checkpoint: its state from every slot's checkpoint, and the batches after
+    it from every slot's input log (a mixin: the runtime has ``store``, ``spec``, ``share``,
+    ``codec``, ``counters``, ``sources``, ``META`` and ``_restore_common``)."""
+
+    def _resharded(self, batch: int, ops) -> list:
+        """Key groups changed hosts after ``batch`` (its checkpoint has another host map): this
+        host's groups now, from every host's checkpoint (:mod:`.reshard`); the next is full."""
+        hosts = self.store.dir.parent.parent  # (<root>/hosts/<slot>/state)
+        own = self.spec.share.host  # (the sources: the slots that held groups, and this one)
+        have = self.store.latest(batch) == batch
+        was = self._old_host_map(hosts, batch)
+        slots = sorted(set(was) | ({own} if have else set()))
+        dirs = [hosts / str(j) / "state" for j in slots]
+        engines, self.codec, metas = load_resharded(self.spec, [str(d) for d in dirs],
+                                                    self.META, batch, ops,
+                                                    slots.index(own) if have else None)
+        # the batches after it, from every source's input log (a lost host's too)
+        self.sources = [(InputLog(input_log_of(d)), self.share.of_source(m["host_map"], j))
+                        for j, d, m in zip(slots, dirs, metas)]
+        meta = dict(metas[slots.index(own)]) if have else dict(metas[0], counters={})
+        for k in ("watermark_ms", "next_watermark_ms"):  # (one watermark: a new slot's is 0)
+            meta[k] = max(m[k] for m in metas)
+        self._restore_common(meta)
+        self.stream_max_ms, self.store.chain = meta.get("stream_max_ms", [None]), None
+        return engines
+
+    def _old_host_map(self, hosts, batch: int) -> list:
+        """The host map the checkpoints of ``batch`` were written under (its own, or another
+        slot's for a host new to the query)."""
+        if self.store.latest(batch) == batch:
+            return self.store.read_meta(batch)["host_map"]
+        for d in sorted(hosts.glob("*/state")):
+            meta = d / str(batch) / self.META
+            if meta.exists():
+                return json.loads(meta.read_text())["host_map"]
+        raise StateError(f"no host of the query has a checkpoint of batch {batch} under {hosts} "
+                         "to take key groups from")
+
+    def _logged(self, batch: int):
+        if not self.sources:
+            return super()._logged(batch)
+        extra = {}
+        for log, _ in self.sources:  # (the driver's decisions are the same in every log)
+            extra = extra or log.read(batch, extra=True)[1]
+        return [(log.read(batch), share) for log, share in self.sources], extra

@@ -85,23 +85,35 @@ class StandaloneCluster:
             self._start("master", self.master_host,
                         ["org.apache.spark.deploy.master.Master", "--host", self.master_host,
                          "--port", str(self.port), "--webui-port", str(self.ui_port)], {})
-            for i, h in enumerate(self.hosts):
-                work = self._dir / f"worker-{h}"
-                work.mkdir()
-                self._start(f"worker-{h}", h,
-                            ["org.apache.spark.deploy.worker.Worker", "--host", h, "--cores",
-                             str(self.cores), "--memory", self.memory, "--webui-port", "0",
-                             "--work-dir", str(work), self.url],
-                            {"SPARK_WORKER_DIR": str(work)})
-            deadline = time.monotonic() + self.start_timeout
-            while self.workers_alive() < len(self.hosts):
-                if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
-                    raise RuntimeError(f"the standalone cluster did not start: see {self._dir}")
-                time.sleep(0.3)
+            for h in list(self.hosts):
+                self._worker(h)
+            self._wait_workers()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _worker(self, h: str) -> None:
+        work = self._dir / f"worker-{h}"
+        work.mkdir()
+        self._start(f"worker-{h}", h,
+                    ["org.apache.spark.deploy.worker.Worker", "--host", h, "--cores",
+                     str(self.cores), "--memory", self.memory, "--webui-port", "0",
+                     "--work-dir", str(work), self.url], {"SPARK_WORKER_DIR": str(work)})
+
+    def _wait_workers(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while self.workers_alive() < len(self.hosts):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
+                raise RuntimeError(f"the standalone cluster did not start: see {self._dir}")
+            time.sleep(0.3)
+
+    def add_worker(self, host: str) -> None:
+        """Start one more worker, on ``host`` (its executors join running applications that
+        want more cores), and wait until the master has it."""
+        self.hosts.append(host)
+        self._worker(host)
+        self._wait_workers()
 
     def __exit__(self, *exc) -> None:
         self.stop()

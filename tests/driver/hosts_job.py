@@ -15,6 +15,7 @@ Parts (each prints ``RESULT <json>``):
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -232,6 +233,36 @@ try:
         result["hosts_after"] = [(h["host"], h["key_groups"])
                                  for h in q.metrics()["engine"]["hosts"]]
         result["engine_restarts"] = len(q.metrics().get("engine_restarts", []))
+    elif part == "grow":
+        # one host at first; a second joins (the test starts its worker), gets half the key
+        # groups and their state, and the query goes on on both
+        live = tmp / "live"
+        live.mkdir()
+        for f in sorted(Path(src).glob("*.parquet"))[:3]:
+            shutil.copy2(f, live / f.name)  # (its mtime: the order the source reads it in)
+        wc = source(spark, live, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+        q = (wc.writeStream.format("delta").option("checkpointLocation", str(tmp / "grow-c"))
+             .trigger(processingTime="1 second").start(str(tmp / "grow")))
+        q.processAllAvailable()
+        result["hosts_before"] = [h["host"] for h in q.metrics()["engine"]["hosts"]]
+        print("STARTED", flush=True)  # (the test adds the worker now)
+        deadline = time.time() + 120
+        while len(jvm.executor_hosts(spark, driver=False)) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        result["move"] = q.reconfigure(key_groups={"127.0.0.2": 8, "127.0.0.3": 8})
+        for f in sorted(Path(src).glob("*.parquet"))[3:]:
+            shutil.copy2(f, live / f.name)  # (its mtime: the order the source reads it in)
+            time.sleep(0.2)
+        q.processAllAvailable()
+        q.stop()
+        result["hosts_after"] = [(h["host"], h["key_groups"], h["input_rows"])
+                                 for h in q.metrics()["engine"]["hosts"]]
+        want = run_native(spark, source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds")), tmp / "grow-n")
+        got = spark.read.format("delta").load(str(tmp / "grow"))
+        # (stopped, not ended: the windows the last watermark did not close are not out yet)
+        equal(got, want.where(F.col("window.end") <= F.lit(got.agg(F.max("window.end")).first()[0])))
     elif part == "hold":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

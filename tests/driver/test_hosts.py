@@ -1,6 +1,8 @@
 """A query on a real two-host Spark standalone cluster (workers on 127.0.0.2 and 127.0.0.3 of
 this machine): one engine per executor host, each keeping its key groups, against native Spark.
-The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's."""
+The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's.
+The default run holds equality (five queries, a key-group move, intruders, stop()) and a killed
+driver; the engine and executor kills, a new host and a lost host are ``slow``."""
 
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     assert not _engine_dirs()
 
 
+@pytest.mark.slow  # (a few minutes: make test-slow)
 def test_engine_and_executor_killed(cluster, tmp_path):
     r = run_script(JOB, cluster.url, "faults", tmp_path, timeout=900)
     assert r["ok"] and (tmp_path / "engine-killed").exists()
@@ -106,6 +109,32 @@ def test_killed_driver_leaves_nothing(cluster, tmp_path):
     assert not _engine_dirs()
 
 
+@pytest.mark.slow  # (a few minutes: make test-slow)
+def test_a_new_host_given_key_groups(tmp_path):
+    with StandaloneCluster(hosts=("127.0.0.2",), cores=1, memory="2g") as c:
+        env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+        err = open(tmp_path / "stderr", "w")  # (a pipe nobody reads would fill and block it)
+        proc = subprocess.Popen([sys.executable, str(JOB), c.url, "grow", str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        try:
+            for line in proc.stdout:
+                if line.startswith("STARTED"):
+                    c.add_worker("127.0.0.3")
+                if line.startswith("RESULT "):
+                    r = json.loads(line[len("RESULT "):])
+            proc.wait(timeout=600)
+            err.close()
+            assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert r["hosts_before"] == ["127.0.0.2"]
+    assert r["move"]["key_groups"] == {"127.0.0.2": 8, "127.0.0.3": 8}
+    assert [h[:2] for h in r["hosts_after"]] == [["127.0.0.2", 8], ["127.0.0.3", 8]]
+    assert all(h[2] > 0 for h in r["hosts_after"])  # (both took rows after the move)
+
+
+@pytest.mark.slow  # (a few minutes: make test-slow)
 def test_a_lost_host_s_key_groups_go_to_the_others(cluster, tmp_path):
     # (last in this module: it ends the cluster's worker on 127.0.0.3)
     r = run_script(JOB, cluster.url, "lose", tmp_path, timeout=900)

@@ -125,3 +125,33 @@ def test_a_lost_hosts_groups_restored_on_the_other_from_its_checkpoint_and_log(k
         got.append(_rows(alone.receiver.out[alone.step(b).stream]))
     alone.close()
     assert got == want
+
+
+@pytest.mark.parametrize("kind", ["array", "scalar"])
+def test_a_new_host_given_key_groups_takes_their_state(kind, tmp_path):
+    # One host runs the query; after batch 3 a second host joins and gets half the groups,
+    # their state from the first host's checkpoint of batch 3
+    batches = _batches()
+    want = _one_host(kind, batches)
+
+    def host(h, n, hm, resume=None):
+        return AggregateRuntime("q", _spec(kind, tmp_path / "hosts" / str(h) / "state",
+                                           HostShare(host=h, hosts=n, key_groups=G,
+                                                     host_map=hm), resume), _Offers())
+
+    hosts, got = [host(0, 1, [0] * G)], []
+    for b, t in enumerate(batches):
+        outs = []
+        for rt in hosts:
+            rt.ingest(f"in:{b}", "j", t)
+            outs.append(rt.receiver.out[rt.step(b).stream])
+        got.append(_rows(pa.concat_tables(outs)))
+        if b == 3:
+            hosts[0].flushed()
+            hosts[0].close()
+            hm = host_map_of_counts([4, 4], G, before=[0] * G).tolist()
+            hosts = [host(0, 2, hm, resume=3), host(1, 2, hm, resume=3)]
+            assert hosts[1].replay == [] and hosts[1].engines[0].live_windows() > 0
+    for rt in hosts:
+        rt.close()
+    assert got == want
