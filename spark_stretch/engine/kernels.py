@@ -61,12 +61,18 @@ AGG_MAXBY_I, AGG_MINBY_I = 13, 14
 # parameters, :meth:`Engine.order_strings`, which also re-ranks the state when strings are
 # added); the other value column is a take flag (0: a null, skipped)
 AGG_MIN_S, AGG_MAX_S = 15, 16
+# max_by/min_by by an exact ordering, in two aggregates: this one (the value, int, and a take
+# flag, vf: 0 for a null ordering, skipped) and the AGG_BY_KEY right after it, which reads the
+# ordering (vi) and keeps the extremum's in its int slot. _L: the ordering is an int64 key
+# (compared as such; ties: the last); _S: an interned string's id, compared by its rank
+# ``fp[1 + id]`` (as AGG_MIN_S), the rank of the extremum in this one's float slot
+AGG_MAXBY_L, AGG_MINBY_L, AGG_MAXBY_S, AGG_MINBY_S, AGG_BY_KEY = 17, 18, 19, 20, 21
 # Spark's approx_count_distinct (HLL++, HyperLogLogPlusPlusHelper): 2**p registers of 6 bits, 10
 # to an int64 word, in the int slots of W = 2**p // 10 + 1 consecutive aggregates of a fused
 # operator: the first has code AGG_HLL + p (4 <= p <= 18) and reads the value's 64-bit hash
 # (vi) and a take flag (vf, 0: a null, skipped); the W - 1 after it are AGG_HLL_WORD (read
 # nothing). Spark estimates the count from the words.
-AGG_HLL_WORD, AGG_HLL = 17, 18
+AGG_HLL_WORD, AGG_HLL = 22, 23
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -169,26 +175,41 @@ def _result(code, ci, cf):
 def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp):
     """A fused aggregation's update by tuple row ``ri`` at ``t`` of the window in slot ``s``:
     aggregate q's state in int slot ``base + q`` and float slot q (an HLL++ register in the
-    words from ``base + q``). (Called once per tuple and window, not per aggregate: the
-    reference counts of the arrays it takes are paid once for all.)"""
+    words from ``base + q``; a max_by/min_by by an exact ordering also in the int slot after).
+    (Called once per tuple and window, not per aggregate: the reference counts of the arrays it
+    takes are paid once for all.)"""
     kv, kf = ip[9], ip[10]
     for q in range(ip[8]):
         c = MULTI + 3 * q
+        code = ip[c]
         xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
         xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
-        if ip[c] > AGG_HLL_WORD:  # a register of the words from q
+        if code < AGG_MIN_S:
+            rec[b, s, base + q], acc_f[b, s, q] = _apply(
+                code, rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
+        elif code > AGG_HLL_WORD:  # a register of the words from q
             if xf != 0.0:
-                w, sh, pw = _hll_at(ip[c], xi)
+                w, sh, pw = _hll_at(code, xi)
                 rec[b, s, base + q + w] = _hll_max(rec[b, s, base + q + w], sh, pw)
-        elif ip[c] == AGG_MIN_S or ip[c] == AGG_MAX_S:  # a string by its rank
-            if xf != 0.0:
+        elif code < AGG_BY_KEY and xf != 0.0:  # (an AGG_BY_KEY or a word: nothing)
+            if code <= AGG_MAX_S:  # a string by its rank
                 r = fp[1 + xi]
-                if r < acc_f[b, s, q] if ip[c] == AGG_MIN_S else r > acc_f[b, s, q]:
+                if r < acc_f[b, s, q] if code == AGG_MIN_S else r > acc_f[b, s, q]:
                     rec[b, s, base + q] = xi
                     acc_f[b, s, q] = r
-        else:
-            rec[b, s, base + q], acc_f[b, s, q] = _apply(
-                ip[c], rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
+            else:  # by the ordering the AGG_BY_KEY after it reads
+                o = vi0[ri * kv + ip[c + 4]]
+                if code <= AGG_MINBY_L:
+                    k = rec[b, s, base + q + 1]
+                    if o >= k if code == AGG_MAXBY_L else o <= k:
+                        rec[b, s, base + q] = xi
+                        rec[b, s, base + q + 1] = o
+                else:
+                    r = fp[1 + o]
+                    if r >= acc_f[b, s, q] if code == AGG_MAXBY_S else r <= acc_f[b, s, q]:
+                        rec[b, s, base + q] = xi
+                        rec[b, s, base + q + 1] = o
+                        acc_f[b, s, q] = r
 
 
 @njit(**HOT)

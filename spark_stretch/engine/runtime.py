@@ -489,22 +489,25 @@ class Engine:
         self.drain()
 
     def order_strings(self, rank: np.ndarray) -> None:
-        """Give the ``min_s``/``max_s`` aggregates (``ops.aggregate_many``) the order of the
-        interned strings: ``rank[id]``, string ``id``'s place among all interned strings (in
-        Spark's order: by their UTF-8 bytes). Ranks change as strings are added, so each
-        such aggregate's state, the rank of its extremum, is re-ranked here. Call when idle,
-        with every string of the tuples still to apply ranked."""
+        """Give the aggregates that compare strings (``ops.aggregate_many``'s ``min_s``/
+        ``max_s``, ``max_by_s``/``min_by_s``) the order of the interned strings: ``rank[id]``,
+        string ``id``'s place among all interned strings (in Spark's order: by their UTF-8
+        bytes). Ranks change as strings are added, so each such aggregate's state, the rank
+        of its extremum, is re-ranked here. Call when idle, with every string of the tuples
+        still to apply ranked."""
         ip = self._ip
-        qs = [q for q in range(int(ip[8]) if ip[2] == K.AGG_MULTI else 0)
-              if ip[K.MULTI + 3 * q] in (K.AGG_MIN_S, K.AGG_MAX_S)]
+        codes = [int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]) if ip[2] == K.AGG_MULTI else 0)]
+        # (the slot of the extremum's id: a min_s's own, a max_by_s's by_key after it)
+        qs = [(q, q + (c != K.AGG_MIN_S and c != K.AGG_MAX_S)) for q, c in enumerate(codes)
+              if c in (K.AGG_MIN_S, K.AGG_MAX_S, K.AGG_MAXBY_S, K.AGG_MINBY_S)]
         self._fp = np.concatenate([self.op.params()[1][:1], np.asarray(rank, np.float64)])
         self.strings_ranked = len(rank)
         base = 4 if self.op.session_end else 2  # (a session's record: start and end first)
         for st in self._states():
             live = st.rec[:, :, 1] != K.EMPTY
-            for q in qs:
+            for q, at in qs:
                 had = st.acc_f[:, :, q][live]
-                ids = st.rec[:, :, base + q][live]
+                ids = st.rec[:, :, base + at][live]
                 st.acc_f[:, :, q][live] = np.where(np.isfinite(had), self._fp[1 + ids], had)
 
     def state_rows(self, stamp=None):

@@ -22,8 +22,9 @@ import numpy as np
 from numba import njit
 
 from .kernels import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL_WORD, AGG_LAST_F, AGG_LAST_I,
-                      AGG_MAX_F, AGG_MAX_I, AGG_MAXBY_I, AGG_MEAN, AGG_MIN_F, AGG_MIN_I,
-                      AGG_MINBY_I, AGG_MIN_S, AGG_MAX_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, _apply,
+                      AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L, AGG_MAXBY_S,
+                      AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
+                      AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, _apply,
                       _bucket_h, _mk_builtin_keys, _multi_out, _multi_update, _slot0, mix64,
                       rebuild_bucket)
 
@@ -89,9 +90,22 @@ def _absorb(rec, acc_f, b, into, frm, ip):
         rec[b, into, 3] = rec[b, frm, 3]
     if ip[2] == AGG_MULTI:
         for q in range(ip[8]):
-            rec[b, into, 4 + q], acc_f[b, into, q] = _merge(
-                ip[MULTI + 3 * q], rec[b, into, 4 + q], acc_f[b, into, q], rec[b, frm, 4 + q],
-                acc_f[b, frm, q])
+            code = ip[MULTI + 3 * q]
+            if code >= AGG_MAXBY_L and code <= AGG_MINBY_S:  # (its ordering in the slot after)
+                if code <= AGG_MINBY_L:
+                    c, d = rec[b, into, 5 + q], rec[b, frm, 5 + q]
+                    take = d >= c if code == AGG_MAXBY_L else d <= c
+                else:  # (by the strings' ranks)
+                    take = (acc_f[b, frm, q] >= acc_f[b, into, q] if code == AGG_MAXBY_S
+                            else acc_f[b, frm, q] <= acc_f[b, into, q])
+                if take:
+                    rec[b, into, 4 + q] = rec[b, frm, 4 + q]
+                    rec[b, into, 5 + q] = rec[b, frm, 5 + q]
+                    acc_f[b, into, q] = acc_f[b, frm, q]
+            else:
+                rec[b, into, 4 + q], acc_f[b, into, q] = _merge(
+                    code, rec[b, into, 4 + q], acc_f[b, into, q], rec[b, frm, 4 + q],
+                    acc_f[b, frm, q])
     else:
         rec[b, into, 4], acc_f[b, into, 0] = _merge(ip[2], rec[b, into, 4], acc_f[b, into, 0],
                                                     rec[b, frm, 4], acc_f[b, frm, 0])

@@ -75,10 +75,14 @@ def engine_agg(a) -> tuple:
     """``(fn, column, other)`` of one aggregation of a spec: ``first_if``/``last_if`` (a row
     counts where the take column ``other`` is not 0) are the engine's ``first``/``last`` with
     ``take``; ``max_by``/``min_by`` order by the column ``other``; ``hll<p>`` and its words
-    ``hll<p>_<w>`` are an ``approx_count_distinct`` (``ops.aggregate_many``)."""
+    ``hll<p>_<w>`` are an ``approx_count_distinct``; ``max_by_l``/``max_by_s`` (``min_``) a
+    ``max_by`` by an exact ordering, which the aggregation ``by<q>`` after it (the engine's
+    ``by_key``, of the aggregation q before it) reads (``ops.aggregate_many``)."""
     fn, col, take = (*a, None)[:3]
     if fn.startswith("hll") and "_" in fn:  # "hll<p>_<w>": word w of an approx_count_distinct
         return "hll_word", col, take
+    if fn[:2] == "by" and fn[2:].isdigit():
+        return "by_key", col, take
     return (fn[:-3] if fn.endswith("_if") else fn), col, take
 
 
