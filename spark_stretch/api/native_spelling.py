@@ -73,7 +73,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     strings), ``stddev``/``variance`` (samp and pop) over integral and floating-point expressions,
     ``first``/``last``, ``max_by``/``min_by`` (ordered by a number, boolean, date,
     timestamp, decimal of up to 18 digits or string, exactly in Spark's order), ``approx_count_distinct``
-    (Spark's own estimate, rsd >= 0.018), and expressions over these aggregates; append,
+    (Spark's own estimate, rsd >= 0.0022), and expressions over these aggregates; append,
     update and complete output modes (sessions: append and complete, as Spark). Anything
     else (other aggregate functions, ...) runs natively, with a
     :class:`~spark_stretch.FallbackWarning` naming the reason.

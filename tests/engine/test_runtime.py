@@ -653,16 +653,15 @@ def _hll_words(hashes, p):
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
 @pytest.mark.parametrize("windows", ["tumbling", "session"])
 def test_hll_registers_are_sparks_buffer_words(engine_cls, windows):
-    """An approx_count_distinct's state (``hll<p>`` and its words) equals Spark's HLL++ buffer
-    computed by hand from the same hashes (rows with a take flag of 0 skipped), next to a
-    count in the same record."""
+    """An approx_count_distinct's state (``hll<p>``, its words in the register pool) equals
+    Spark's HLL++ buffer computed by hand from the same hashes (rows with a take flag of 0
+    skipped), next to a count in the same record."""
     from spark_stretch.engine.errors import EngineError
     from spark_stretch.ops import aggregate_many
 
     p = 5
-    words = [("hll5", "h", "i", "take")] + [("hll_word", "h", "i", None)] * ((1 << p) // 10)
     kw = dict(WS=1000) if windows == "tumbling" else dict(session_end="end")
-    op = aggregate_many([("count", None, "i", None)] + words, key="k", **kw)
+    op = aggregate_many([("count", None, "i", None), ("hll5", "h", "i", "take")], key="k", **kw)
     eng = engine_cls(op, m=2, n=2, n_buckets=16, lateness="window")
     eng.esg_in.add_sources([0], ordered=False, watermark=0)
     rng = np.random.default_rng(5)
@@ -680,14 +679,91 @@ def test_hll_registers_are_sparks_buffer_words(engine_cls, windows):
         assert sorted(out["key"].tolist()) == [0, 1, 2]
         for r, key in enumerate(out["key"].tolist()):
             want = _hll_words([int(x) for x in h[(k == key) & take]], p)
-            got = [int(out[f"_{q}"][r]) for q in range(1, 1 + len(words))]
-            assert got == want and int(out["_0"][r]) == int((k == key).sum())
+            assert out["_1"][r].tolist() == want and int(out["_0"][r]) == int((k == key).sum())
     finally:
         eng.close()
-    with pytest.raises(EngineError, match="needs 3 'hll_word'"):
-        aggregate_many(words[:1] + [("count", None, "i", None)], key="k", WS=10)
     with pytest.raises(EngineError, match="run in aggregate_many"):
         aggregate("hll5", key="k", value="h", value_type="i", WS=10)
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+@pytest.mark.parametrize("windows", ["sliding", "stamped", "kept-sessions"])
+def test_hll_registers_live_in_a_pool_of_rows_collected_and_grown(engine_cls, windows):
+    """Two approx_count_distincts (2**14 and 2**8 registers) per window, the registers in the
+    register pool: each window's words equal Spark's buffer kept by hand (sessions: merged when
+    they join), over batches that create and close many windows (rows collected, the pool
+    grown), a rescale and a restore from a snapshot and a delta; a window's record stays
+    narrow."""
+    from spark_stretch.ops import aggregate_many
+
+    kw = {"sliding": dict(WS=20, WA=10), "stamped": dict(WS=20, WA=10, stamped=True),
+          "kept-sessions": dict(session_end="end", stamped=True)}[windows]
+    op = aggregate_many([("hll14", "h", "i", "take"), ("count", None, "i", None),
+                         ("hll8", "h", "i", None)], key="k", **kw)
+    assert op.n_int <= 6 and op.pool == ((0, 0, 1639), (2, 1639, 26))
+    eng = engine_cls(op, m=2, n=3, n_buckets=8, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    rng = np.random.default_rng(17)
+    rows, wm, top, checked = [], 0, 0, 0  # (every row taken: (ts, end, key, hash, take))
+    try:
+        for batch in range(10):
+            ts = rng.integers(max(0, top - 15), top + 25, 60)
+            k = rng.integers(0, 7, 60)
+            h = rng.integers(-2 ** 63, 2 ** 63 - 1, 60, dtype=np.int64)
+            h[:10] = rng.choice(h[10:], 10)  # repeated values
+            take = rng.integers(0, 5, 60) > 0
+            end = ts + rng.integers(1, 6, 60)
+            eng.esg_in.add({"ts": ts, "k": k, "h": h, "take": take.astype(np.int64),
+                            "end": end}, 0)
+            if windows == "sliding":
+                rows += [(int(t), int(e), int(x), int(y), bool(z))
+                         for t, e, x, y, z in zip(ts, end, k, h, take)]
+                top = max(top, int(ts.max()))
+                wm = top - 10
+                eng.esg_in.advance_watermark(wm)
+                eng.drain()
+                out = eng.read_output(decode=False)[0]
+                for r, (key, l) in enumerate(zip(out["key"].tolist(), out["window_start"].tolist())):
+                    mine = [x for x in rows if x[2] == key and l <= x[0] < l + 20]
+                    assert out["_0"][r].tolist() == _hll_words([x[3] for x in mine if x[4]], 14)
+                    assert out["_2"][r].tolist() == _hll_words([x[3] for x in mine], 8)
+                    assert out["_1"][r] == len(mine)
+                    checked += 1
+            else:
+                eng.release_all(batch + 1)
+                late = [(int(t), int(e), int(x), int(y), bool(z))
+                        for t, e, x, y, z in zip(ts, end, k, h, take)]
+                rows += [x for x in late if (x[1] if windows == "kept-sessions" else
+                                             x[0] // 10 * 10 + 20) > wm]
+                rec, acc, words = eng.state_rows(words=True)
+                for r, rw in enumerate(rec):
+                    key = int(rw[0])
+                    if windows == "kept-sessions":  # (a session's start and end in its record)
+                        mine = [x for x in rows if x[2] == key and rw[2] <= x[0] and x[1] <= rw[3]]
+                        count = rw[5]
+                    else:
+                        mine = [x for x in rows if x[2] == key and rw[1] <= x[0] < rw[1] + 20]
+                        count = rw[3]
+                    assert words[0][r].tolist() == _hll_words([x[3] for x in mine if x[4]], 14)
+                    assert words[2][r].tolist() == _hll_words([x[3] for x in mine], 8)
+                    assert count == len(mine)
+                    checked += 1
+                top = max(top, int(ts.max()))
+                wm = max(wm, top - 10)
+                eng.esg_in.advance_watermark(wm)
+                eng.drain()
+                eng.read_output(decode=False)
+            if batch == 3:
+                eng.reconfigure(m=3)
+            if batch == 5:
+                base = eng.snapshot()
+            if batch == 6:
+                eng = engine_cls.restore(op, base, deltas=[eng.snapshot(delta=True)])
+        assert checked > 40 and eng.metrics()["pool_refills"] > 0
+        pools = [eng.state.pool] if engine_cls is Engine else [st.pool for st in eng.states]
+        assert all(p.shape[1] == 1639 + 26 for p in pools)
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])

@@ -211,16 +211,21 @@ case class StretchDecimalSum(hi: Expression, lo: Expression, dataType: DecimalTy
 }
 
 /** Spark's `approx_count_distinct` of HLL++ register words the engine kept (Spark's own buffer
- * of `HyperLogLogPlusPlus`, updated as Spark updates it): Spark's own estimate from them. */
-case class StretchHll(children: Seq[Expression], relativeSD: Double)
-  extends Expression with CodegenFallback {
+ * of `HyperLogLogPlusPlus`, updated as Spark updates it; as one binary value, the words as
+ * little-endian longs): Spark's own estimate from them. */
+case class StretchHll(child: Expression, relativeSD: Double)
+  extends UnaryExpression with CodegenFallback {
   @transient private lazy val helper = new HyperLogLogPlusPlusHelper(relativeSD)
   override def nullable: Boolean = false
   override def dataType: DataType = LongType
-  override def eval(input: InternalRow): Any =
-    helper.query(new GenericInternalRow(children.map(_.eval(input)).toArray[Any]), 0)
-  override protected def withNewChildrenInternal(c: IndexedSeq[Expression]): Expression =
-    copy(children = c)
+  override def eval(input: InternalRow): Any = {
+    val bytes = java.nio.ByteBuffer.wrap(child.eval(input).asInstanceOf[Array[Byte]])
+      .order(java.nio.ByteOrder.LITTLE_ENDIAN)
+    val words = new Array[Any](helper.numWords)
+    for (w <- words.indices) words(w) = bytes.getLong(8 * w)
+    helper.query(new GenericInternalRow(words), 0)
+  }
+  override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
 }
 
 /** A double's IEEE bits as a long, and back (`StretchBitsDouble`): a floating-point value kept
@@ -426,6 +431,7 @@ object StretchPlans {
     case class PrimRef(i: Int) extends LeafExpression with Unevaluable {
       override def dataType: DataType = prims(i) match {
         case ("count", _, _) => LongType
+        case (f, _, _) if f.startsWith("hll") => BinaryType  // (Spark's HLL++ buffer words)
         case (_, Some(v), _) => values(v)._2 match {
           case "long" => LongType
           case "double" => DoubleType
@@ -594,9 +600,9 @@ object StretchPlans {
             If(IsNull(x), Literal(0L), Literal(1L)), "long")), v, x.dataType)
           orNull(nonNull(Seq(y)), picked, x.dataType)
         case h: HyperLogLogPlusPlus =>
-          // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words) from each
-          // non-null row's xxhash64 with seed 42 (floats normalized first, as Spark does);
-          // Spark's own estimate from them
+          // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words, in a row of
+          // its register pool) from each non-null row's xxhash64 with seed 42 (floats
+          // normalized first, as Spark does); Spark's own estimate from them
           val c = h.child
           c.dataType match {
             case st: StringType if !st.supportsBinaryEquality =>
@@ -604,13 +610,13 @@ object StretchPlans {
             case _ =>
           }
           val p = math.ceil(2.0 * math.log(1.106 / h.relativeSD) / math.log(2.0)).toInt
-          if (p > 12) unsupported(s"approx_count_distinct with rsd ${h.relativeSD} (the engine " +
-            "keeps up to 2^12 registers in a window's state: rsd >= 0.018)")
+          if (p > 18) unsupported(s"approx_count_distinct with rsd ${h.relativeSD} (HLL++ of " +
+            s"2^$p registers; Spark's bias correction, and the engine, stop at 2^18: " +
+            "rsd >= 0.0022)")
           val x = if (isFloating(c.dataType)) NormalizeNaNAndZero(c) else c
           val hash = Some(value(XxHash64(Seq(x), 42L), "long"))
           val flag = Some(value(If(IsNull(c), Literal(0L), Literal(1L)), "long"))
-          StretchHll((0 until h.hllppHelper.numWords).map(w =>
-            PrimRef(prim(if (w == 0) s"hll$p" else s"hll${p}_$w", hash, flag))), h.relativeSD)
+          StretchHll(PrimRef(prim(s"hll$p", hash, flag)), h.relativeSD)
         case CountIf(p) =>  // rows where p is true (null counts as false)
           PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
             Literal(0L)), "long"))))
