@@ -818,3 +818,20 @@ def test_max_by_and_min_by_by_an_exact_ordering(engine_cls, kind):
                     eng.order_strings(1 + np.argsort(np.argsort(strings, kind="stable")))
     finally:
         eng.close()
+
+
+def test_a_snapshot_of_another_window_layout_is_refused():
+    """(Windows kept otherwise, say an approx_count_distinct's words in the record before its
+    register pool): the restore names the layouts instead of running on garbage."""
+    from spark_stretch.engine.errors import EngineError
+    from spark_stretch.ops import aggregate_many
+
+    old = aggregate_many([("count", None, "i", None), ("sum", "v", "i", None)], key="k", WS=10)
+    new = aggregate_many([("count", None, "i", None), ("hll6", "v", "i", None)], key="k", WS=10)
+    eng = Engine(old, m=1, n=1, n_buckets=4)
+    try:
+        snap = eng.snapshot()
+    finally:
+        eng.close()
+    with pytest.raises(EngineError, match="0 pool words each.*2, 2 and 7.*new checkpoint"):
+        Engine.restore(new, snap)
