@@ -71,8 +71,9 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     any type (nulls grouped as Spark groups them; an exploded array column as the only key is
     never expanded); ``count``, ``count_if``, ``sum``, ``avg``, ``min``, ``max`` (also of
     strings), ``stddev``/``variance`` (samp and pop) over integral and floating-point expressions,
-    ``first``/``last``, ``max_by``/``min_by`` (ordered by an int, date or timestamp), ``approx_count_distinct``
-    (Spark's own estimate, rsd >= 0.018), and expressions over these aggregates; append,
+    ``first``/``last``, ``max_by``/``min_by`` (ordered by a number, boolean, date,
+    timestamp, decimal of up to 18 digits or string, exactly in Spark's order), ``approx_count_distinct``
+    (Spark's own estimate, rsd >= 0.0022), and expressions over these aggregates; append,
     update and complete output modes (sessions: append and complete, as Spark). Anything
     else (other aggregate functions, ...) runs natively, with a
     :class:`~spark_stretch.FallbackWarning` naming the reason.

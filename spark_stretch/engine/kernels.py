@@ -18,9 +18,16 @@ cache line per probe) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` l
 earliest window start, ``dirty[b]`` "modified since last checkpoint". Keys are compared in full (key
 and window start), so there are no hash-collision mistakes.
 
-The kernels never block: when a bucket is full (``NEED_GROW``) or the instance's output block is full
-(``NEED_OUT``) they store a resume position in ``resume`` and return; the runtime grows the arrays and
-calls again. Every step before the resume position is applied exactly once.
+The kernels never block: when a bucket is full (``NEED_GROW``), the instance's output block is full
+(``NEED_OUT``) or its free rows of the register pool are used up (``NEED_POOL``) they store a resume
+position in ``resume`` and return; the runtime grows the arrays and calls again. Every step before the
+resume position is applied exactly once.
+
+The register pool (``pool``, ``free``; :class:`~spark_stretch.engine.state.BucketState`): an
+approx_count_distinct's HLL++ registers live outside the window record, in a row of ``pool`` of their
+own (the record's int slot keeps the row's number), so a window's record stays a few words wide
+whatever the precision. A window takes its row when it is created, from its instance's free rows
+``free[j, 1:free[j, 0] + 1]``; rows of windows gone are collected by the runtime.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from numba import njit
 EMPTY = np.iinfo(np.int64).min  # window start of a free slot
 NO_L = np.iinfo(np.int64).max  # bminl of an empty bucket
 
-DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF = 0, 1, 2, 3
+DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF, NEED_POOL = 0, 1, 2, 3, 4
 
 # window kinds
 W_NONE, W_MULTI, W_SINGLE = 0, 1, 2
@@ -61,12 +68,18 @@ AGG_MAXBY_I, AGG_MINBY_I = 13, 14
 # parameters, :meth:`Engine.order_strings`, which also re-ranks the state when strings are
 # added); the other value column is a take flag (0: a null, skipped)
 AGG_MIN_S, AGG_MAX_S = 15, 16
+# max_by/min_by by an exact ordering, in two aggregates: this one (the value, int, and a take
+# flag, vf: 0 for a null ordering, skipped) and the AGG_BY_KEY right after it, which reads the
+# ordering (vi) and keeps the extremum's in its int slot. _L: the ordering is an int64 key
+# (compared as such; ties: the last); _S: an interned string's id, compared by its rank
+# ``fp[1 + id]`` (as AGG_MIN_S), the rank of the extremum in this one's float slot
+AGG_MAXBY_L, AGG_MINBY_L, AGG_MAXBY_S, AGG_MINBY_S, AGG_BY_KEY = 17, 18, 19, 20, 21
 # Spark's approx_count_distinct (HLL++, HyperLogLogPlusPlusHelper): 2**p registers of 6 bits, 10
-# to an int64 word, in the int slots of W = 2**p // 10 + 1 consecutive aggregates of a fused
-# operator: the first has code AGG_HLL + p (4 <= p <= 18) and reads the value's 64-bit hash
-# (vi) and a take flag (vf, 0: a null, skipped); the W - 1 after it are AGG_HLL_WORD (read
-# nothing). Spark estimates the count from the words.
-AGG_HLL_WORD, AGG_HLL = 17, 18
+# to an int64 word (Spark's buffer), W = 2**p // 10 + 1 words in the window's row of the register
+# pool (the module docstring) from word ip[MULTI + 3 * K + q] on, K the fused aggregates; code
+# AGG_HLL + p (4 <= p <= 18), reading the value's 64-bit hash (vi) and a take flag (vf, 0: a
+# null, skipped); its int slot holds the row. Spark estimates the count from the words.
+AGG_HLL = 22
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -166,29 +179,66 @@ def _result(code, ci, cf):
 
 
 @njit(**HOT)
-def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp):
+def _hll_words(code):
+    """The words of an HLL++ aggregate's registers (ten 6-bit registers to a word)."""
+    return (np.int64(1) << (code - AGG_HLL)) // 10 + 1
+
+
+@njit(**HOT)
+def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
     """A fused aggregation's update by tuple row ``ri`` at ``t`` of the window in slot ``s``:
-    aggregate q's state in int slot ``base + q`` and float slot q (an HLL++ register in the
-    words from ``base + q``). (Called once per tuple and window, not per aggregate: the
-    reference counts of the arrays it takes are paid once for all.)"""
+    aggregate q's state in int slot ``base + q`` and float slot q (an HLL++'s registers in the
+    pool row it holds; a max_by/min_by by an exact ordering also in the int slot after).
+    (Called once per tuple and window, not per aggregate: the reference counts of the arrays it
+    takes are paid once for all.)"""
     kv, kf = ip[9], ip[10]
     for q in range(ip[8]):
         c = MULTI + 3 * q
+        code = ip[c]
         xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
         xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
-        if ip[c] > AGG_HLL_WORD:  # a register of the words from q
+        if code < AGG_MIN_S:
+            rec[b, s, base + q], acc_f[b, s, q] = _apply(
+                code, rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
+        elif code >= AGG_HLL:  # a register in the window's pool row
             if xf != 0.0:
-                w, sh, pw = _hll_at(ip[c], xi)
-                rec[b, s, base + q + w] = _hll_max(rec[b, s, base + q + w], sh, pw)
-        elif ip[c] == AGG_MIN_S or ip[c] == AGG_MAX_S:  # a string by its rank
-            if xf != 0.0:
+                w, sh, pw = _hll_at(code, xi)
+                h = rec[b, s, base + q]
+                w += ip[MULTI + 3 * ip[8] + q]
+                pool[h, w] = _hll_max(pool[h, w], sh, pw)
+        elif code < AGG_BY_KEY and xf != 0.0:  # (an AGG_BY_KEY: nothing)
+            if code <= AGG_MAX_S:  # a string by its rank
                 r = fp[1 + xi]
-                if r < acc_f[b, s, q] if ip[c] == AGG_MIN_S else r > acc_f[b, s, q]:
+                if r < acc_f[b, s, q] if code == AGG_MIN_S else r > acc_f[b, s, q]:
                     rec[b, s, base + q] = xi
                     acc_f[b, s, q] = r
-        else:
-            rec[b, s, base + q], acc_f[b, s, q] = _apply(
-                ip[c], rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
+            else:  # by the ordering the AGG_BY_KEY after it reads
+                o = vi0[ri * kv + ip[c + 4]]
+                if code <= AGG_MINBY_L:
+                    k = rec[b, s, base + q + 1]
+                    if o >= k if code == AGG_MAXBY_L else o <= k:
+                        rec[b, s, base + q] = xi
+                        rec[b, s, base + q + 1] = o
+                else:
+                    r = fp[1 + o]
+                    if r >= acc_f[b, s, q] if code == AGG_MAXBY_S else r <= acc_f[b, s, q]:
+                        rec[b, s, base + q] = xi
+                        rec[b, s, base + q + 1] = o
+                        acc_f[b, s, q] = r
+
+
+@njit(**HOT)
+def _pool_take(rec, b, s, base, pool, free, j, ip):
+    """Give the new window in slot ``s`` a zeroed row of the register pool, from instance ``j``'s
+    free rows (it has one), in the int slot of each of its HLL++ aggregates."""
+    n = free[j, 0]
+    h = free[j, n]
+    free[j, 0] = n - 1
+    for w in range(pool.shape[1]):
+        pool[h, w] = 0
+    for q in range(ip[8]):
+        if ip[MULTI + 3 * q] >= AGG_HLL:
+            rec[b, s, base + q] = h
 
 
 @njit(**HOT)
@@ -417,7 +467,7 @@ def _fire_bucket_py(b, W, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
 
 def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                    ts, stream, row, seq, cols0, cols1, ip, fp,
-                   rec, acc_f, bcount, bminl, dirty, init_i, init_f,
+                   rec, acc_f, bcount, bminl, dirty, init_i, init_f, pool, free,
                    o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos,
                    resume, keybuf, max_out_upd, max_out_fire):
     """processVSN (Alg. 4) of instance ``j`` over one ready segment; see the module docstring."""
@@ -496,11 +546,12 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         s = (s + 1) & mask
                     p = opos[0]
                     full = cur == EMPTY and (bcount[b] + 1) * 2 > cap
-                    if full or p + max_out_upd > cap_out:
+                    short = cur == EMPTY and pool.shape[1] > 0 and free[j, 0] == 0
+                    if full or short or p + max_out_upd > cap_out:
                         resume[1] = i
                         resume[2] = ki
                         resume[3] = wi
-                        return 1 if full else 2
+                        return 1 if full else (4 if short else 2)
                     if cur == EMPTY:
                         rec[b, s, 0] = key
                         rec[b, s, 1] = l
@@ -508,13 +559,15 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                             rec[b, s, 2 + q] = init_i[q]
                         for q in range(n_init_f):
                             acc_f[b, s, q] = init_f[q]
+                        if pool.shape[1] > 0:
+                            _pool_take(rec, b, s, 2, pool, free, j, ip)
                         bcount[b] += 1
                         if l < bminl[b]:
                             bminl[b] = l
                     if _BUILTIN:  # the built-in f_U, written out for the same reason
                         n = 0
                         if agg == AGG_MULTI:
-                            _multi_update(rec, acc_f, b, s, 2, vi0, vf0, ri, t, ip, fp)
+                            _multi_update(rec, acc_f, b, s, 2, vi0, vf0, ri, t, ip, fp, pool)
                         elif agg == AGG_COUNT:
                             rec[b, s, 2] += 1
                         elif agg == AGG_SUM_I:

@@ -49,6 +49,9 @@ class Instance:
         self.opos = np.zeros(1, np.int64)
         self.resume = np.zeros(4, np.int64)
         self.keybuf = np.empty(64, np.int64)
+        # the pool words of its output rows before ``gathered_to`` (their windows' rows are
+        # free to be taken again; the rows after it hold pool rows: ``Engine._refill_pool``)
+        self.gathered, self.gathered_to = [], 0
 
     def _alloc(self, cap):
         self.o_ts = np.empty(cap, np.int64)
@@ -170,7 +173,7 @@ class Engine:
         self._ip, self._fp = op.params()
         self.strings_ranked = 0  # (order_strings)
         self._m = {"tuples": 0, "segments": 0, "epoch_switches": 0, "last_switch_ms": 0.0, "grows": 0,
-                   "out_rows": 0, "state_bytes_copied": 0}
+                   "out_rows": 0, "state_bytes_copied": 0, "pool_refills": 0}
         self.esg_in.add_readers(self.active)
         self.esg_out.add_sources(self.active, ordered=False)
         if out_reader is not None:
@@ -179,7 +182,22 @@ class Engine:
     # ---- state (overridden by the shared-nothing engine) ----------------------------------------
     def _make_state(self, cap):
         op = self.op
-        self.state = BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap)
+        self.state = BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap,
+                                 self._pool_spec())
+
+    def _pool_spec(self):
+        """The register pool of the operator's HLL++ aggregates (``Operator.pool``: (aggregate
+        q, first word, words) each), as ``BucketState`` takes it, or None."""
+        pool = getattr(self.op, "pool", ())
+        if not pool:
+            return None
+        base = 4 if self.op.session_end else 2  # (a session's record: start and end first)
+        return [base + q for q, _, _ in pool], sum(w for _, _, w in pool), self.n
+
+    def _pool_column(self):
+        """The output int column with the pool row of an emitted window (None: no pool)."""
+        pool = getattr(self.op, "pool", ())
+        return [c for c, k in self.op.S if k == "i"].index(f"_{pool[0][0]}") if pool else None
 
     def _state_for(self, j):
         return self.state
@@ -210,6 +228,7 @@ class Engine:
         ts, stream, row, seq, (c0, c1) = self._segment_for(j, seg, cols)
         inst.opos[0] = 0
         inst.resume[:] = 0
+        inst.gathered, inst.gathered_to = [], 0
         WA = op.WA or 1
         WS = op.WS or 1
         while True:
@@ -220,7 +239,7 @@ class Engine:
                 status = self._kernel(j, owner_map, WA, WS, op.wkind, seg.prev_watermark, seg.watermark,
                                       ts, stream, row, seq, c0, c1, self._ip, self._fp,
                                       st.rec, st.acc_f, st.bcount, st.bminl, st.dirty,
-                                      st.init_i, st.init_f,
+                                      st.init_i, st.init_f, st.pool, st.free,
                                       inst.o_ts, inst.o_key, inst.o_l, inst.o_seq, inst.o_sub, inst.o_i,
                                       inst.o_f, inst.opos, inst.resume, inst.keybuf,
                                       op.max_out_update, op.max_out_fire)
@@ -232,6 +251,8 @@ class Engine:
                 inst.grow_out()
             elif status == K.NEED_GROW:
                 self._grow_state(st, ver)
+            elif status == K.NEED_POOL:
+                self._refill_pool(j, st)
             elif status == K.NEED_KEYBUF:
                 inst.keybuf = np.empty(max(int(inst.resume[2]), 2 * inst.keybuf.shape[0]), np.int64)
                 inst.resume[2] = inst.resume[3] = 0
@@ -250,6 +271,32 @@ class Engine:
         finally:
             self._rw.release_write()
 
+    def _refill_pool(self, j, st):
+        """Give instance ``j`` free rows of the register pool under the write lock (unless
+        another instance's refill already did): its output rows' words gathered so far, the
+        rows no window and no other instance's output row holds are collected, and the pool
+        grown if few are."""
+        self._rw.acquire_write()
+        try:
+            col = self._pool_column()
+            inst = self.instances[j]
+            p = int(inst.opos[0])
+            if p > inst.gathered_to:
+                inst.gathered.append(st.pool[inst.o_i[inst.gathered_to:p, col]])
+                inst.gathered_to = p
+            if st.free[j, 0] == 0:
+                users = self._pool_users(j)
+                st.refill(users, [self.instances[i].o_i[self.instances[i].gathered_to:
+                                                        int(self.instances[i].opos[0]), col]
+                                  for i in users if i != j])
+                self._m["pool_refills"] += 1
+        finally:
+            self._rw.release_write()
+
+    def _pool_users(self, j):
+        """The instances that take rows of instance ``j``'s state's pool (all active: shared)."""
+        return list(self.active)
+
     def _block(self, inst):
         """The instance's output rows, sorted, as new arrays (gathered once from its buffers)."""
         p = int(inst.opos[0])
@@ -267,6 +314,14 @@ class Engine:
             else:
                 out[name] = inst.o_f[:p, ff][perm]
                 ff += 1
+        if getattr(op, "pool", ()):  # an HLL++'s output: its words, from the window's pool row
+            rows = inst.o_i[:p, self._pool_column()][perm]
+            words = self._state_for(inst.id).pool[rows]  # (one copy: they are big)
+            if inst.gathered:  # (output rows gathered before a refill: from there instead)
+                early = perm < inst.gathered_to
+                words[early] = np.concatenate(inst.gathered)[perm[early]]
+            for q, at, w in op.pool:
+                out[f"_{q}"] = words[:, at:at + w]
         out["_seq"] = inst.o_seq[:p][perm]
         out["_sub"] = inst.o_sub[:p][perm]
         return out
@@ -489,36 +544,46 @@ class Engine:
         self.drain()
 
     def order_strings(self, rank: np.ndarray) -> None:
-        """Give the ``min_s``/``max_s`` aggregates (``ops.aggregate_many``) the order of the
-        interned strings: ``rank[id]``, string ``id``'s place among all interned strings (in
-        Spark's order: by their UTF-8 bytes). Ranks change as strings are added, so each
-        such aggregate's state, the rank of its extremum, is re-ranked here. Call when idle,
-        with every string of the tuples still to apply ranked."""
+        """Give the aggregates that compare strings (``ops.aggregate_many``'s ``min_s``/
+        ``max_s``, ``max_by_s``/``min_by_s``) the order of the interned strings: ``rank[id]``,
+        string ``id``'s place among all interned strings (in Spark's order: by their UTF-8
+        bytes). Ranks change as strings are added, so each such aggregate's state, the rank
+        of its extremum, is re-ranked here. Call when idle, with every string of the tuples
+        still to apply ranked."""
         ip = self._ip
-        qs = [q for q in range(int(ip[8]) if ip[2] == K.AGG_MULTI else 0)
-              if ip[K.MULTI + 3 * q] in (K.AGG_MIN_S, K.AGG_MAX_S)]
+        codes = [int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]) if ip[2] == K.AGG_MULTI else 0)]
+        # (the slot of the extremum's id: a min_s's own, a max_by_s's by_key after it)
+        qs = [(q, q + (c != K.AGG_MIN_S and c != K.AGG_MAX_S)) for q, c in enumerate(codes)
+              if c in (K.AGG_MIN_S, K.AGG_MAX_S, K.AGG_MAXBY_S, K.AGG_MINBY_S)]
         self._fp = np.concatenate([self.op.params()[1][:1], np.asarray(rank, np.float64)])
         self.strings_ranked = len(rank)
         base = 4 if self.op.session_end else 2  # (a session's record: start and end first)
         for st in self._states():
             live = st.rec[:, :, 1] != K.EMPTY
-            for q in qs:
+            for q, at in qs:
                 had = st.acc_f[:, :, q][live]
-                ids = st.rec[:, :, base + q][live]
+                ids = st.rec[:, :, base + at][live]
                 st.acc_f[:, :, q][live] = np.where(np.isfinite(had), self._fp[1 + ids], had)
 
-    def state_rows(self, stamp=None):
+    def state_rows(self, stamp=None, words=False):
         """The live windows (of the updates stamped ``stamp`` only, if given) as ``(rec,
         acc_f)``: one row per window, ``rec[:, 0]`` the key, ``rec[:, 1]`` the window start,
-        then the int accumulators; ``acc_f`` the float ones. Call when idle."""
-        recs, accs = [], []
+        then the int accumulators; ``acc_f`` the float ones. With ``words``, also each HLL++
+        aggregate's words, ``{q: words}`` (a row per window; its int slot holds a pool row).
+        Call when idle."""
+        recs, accs, held = [], [], []
         for st in self._states():
             live = st.rec[:, :, 1] != K.EMPTY
             if stamp is not None:  # (the stamp is the last int slot)
                 live &= st.rec[:, :, 1 + st.init_i.shape[0]] == stamp
             recs.append(st.rec[live])
             accs.append(st.acc_f[live])
-        return np.concatenate(recs), np.concatenate(accs)
+            held.append(st.pool[st.held_rows(live)])
+        rows = np.concatenate(recs), np.concatenate(accs)
+        if not words:
+            return rows
+        pool = np.concatenate(held)
+        return (*rows, {q: pool[:, at:at + w] for q, at, w in getattr(self.op, "pool", ())})
 
     def _states(self):
         return [self.state]
@@ -595,6 +660,14 @@ class Engine:
         eng._load_state_arrays(base["state"])
         for x in ds:
             eng._apply_state_delta(x["state"])
+        want = (op.n_int, op.n_float, sum(w for _, _, w in getattr(op, "pool", ())))
+        for st in eng._states():
+            have = (st.init_i.shape[0], st.init_f.shape[0], st.pool.shape[1])
+            if have != want:
+                raise EngineError(f"the snapshot's windows keep {have[0]} ints, {have[1]} floats "
+                                  f"and {have[2]} pool words each, operator {op.name}'s "
+                                  f"{want[0]}, {want[1]} and {want[2]} (another version or "
+                                  "query): restart it from a new checkpoint location")
         eng.interner.__init__(d["interner"])
         eng.owner_map, eng.epoch, eng.active = d["owner_map"], d["epoch"], list(d["active"])
         eng.esg_in.restore(d["esg_in"])

@@ -9,7 +9,7 @@ aggregation over sessions, in one of two ways of keeping them.
   (``Engine.state_rows``). A key's latest session sits in the slot ``(key, l=0)``, each earlier
   one in a slot ``(key, l=start | CLOSED)``. A tuple ``[t, e)`` merges, as Spark does, with every
   session ``[s, end)`` of its key with ``s <= e`` and ``t <= end``: the sessions it bridges
-  become one (their aggregates merged by :func:`_merge`). The sessions of a key never overlap,
+  become one (their aggregates merged by :func:`_absorb`). The sessions of a key never overlap,
   so a tuple at or after the latest session's start touches that one only; an earlier one
   (out of order: a later batch's, not late) scans its bucket for the key's earlier sessions.
 
@@ -21,11 +21,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL_WORD, AGG_LAST_F, AGG_LAST_I,
-                      AGG_MAX_F, AGG_MAX_I, AGG_MAXBY_I, AGG_MEAN, AGG_MIN_F, AGG_MIN_I,
-                      AGG_MINBY_I, AGG_MIN_S, AGG_MAX_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, _apply,
-                      _bucket_h, _mk_builtin_keys, _multi_out, _multi_update, _slot0, mix64,
-                      rebuild_bucket)
+from .kernels import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F, AGG_LAST_I,
+                      AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L, AGG_MAXBY_S,
+                      AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
+                      AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, NEED_POOL,
+                      _apply, _bucket_h, _hll_words, _mk_builtin_keys, _multi_out, _multi_update,
+                      _pool_take, _slot0, mix64, rebuild_bucket)
 
 CLOSED = np.int64(1) << np.int64(62)  # l of a key's earlier session: its start | CLOSED (never 0 or EMPTY)
 
@@ -69,37 +70,61 @@ def _merge(code, ci, cf, di, df):
         if df >= cf if code == AGG_MAXBY_I else df <= cf:
             ci = di
             cf = df
-    elif code >= AGG_HLL_WORD:  # a word of ten 6-bit HLL++ registers: each the larger
-        w = np.int64(0)
-        for r in range(10):
-            sh = 6 * r
-            a = (ci >> sh) & 63
-            d = (di >> sh) & 63
-            w |= (a if a > d else d) << sh
-        ci = w
     return ci, cf
 
 
 @njit(**HOT)
-def _absorb(rec, acc_f, b, into, frm, ip):
-    """Session ``into`` merged with session ``frm`` (its span and its aggregates)."""
+def _hll_merge(a, d):
+    """A word of ten 6-bit HLL++ registers merged with another's: each register the larger."""
+    w = np.int64(0)
+    for r in range(10):
+        sh = 6 * r
+        x = (a >> sh) & 63
+        y = (d >> sh) & 63
+        w |= (x if x > y else y) << sh
+    return w
+
+
+@njit(**HOT)
+def _absorb(rec, acc_f, b, into, frm, ip, pool):
+    """Session ``into`` merged with session ``frm`` (its span and its aggregates; an HLL++'s
+    registers into its pool row)."""
     if rec[b, frm, 2] < rec[b, into, 2]:
         rec[b, into, 2] = rec[b, frm, 2]
     if rec[b, frm, 3] > rec[b, into, 3]:
         rec[b, into, 3] = rec[b, frm, 3]
     if ip[2] == AGG_MULTI:
         for q in range(ip[8]):
-            rec[b, into, 4 + q], acc_f[b, into, q] = _merge(
-                ip[MULTI + 3 * q], rec[b, into, 4 + q], acc_f[b, into, q], rec[b, frm, 4 + q],
-                acc_f[b, frm, q])
+            code = ip[MULTI + 3 * q]
+            if code >= AGG_MAXBY_L and code <= AGG_MINBY_S:  # (its ordering in the slot after)
+                if code <= AGG_MINBY_L:
+                    c, d = rec[b, into, 5 + q], rec[b, frm, 5 + q]
+                    take = d >= c if code == AGG_MAXBY_L else d <= c
+                else:  # (by the strings' ranks)
+                    take = (acc_f[b, frm, q] >= acc_f[b, into, q] if code == AGG_MAXBY_S
+                            else acc_f[b, frm, q] <= acc_f[b, into, q])
+                if take:
+                    rec[b, into, 4 + q] = rec[b, frm, 4 + q]
+                    rec[b, into, 5 + q] = rec[b, frm, 5 + q]
+                    acc_f[b, into, q] = acc_f[b, frm, q]
+            elif code >= AGG_HLL:
+                hi, hf = rec[b, into, 4 + q], rec[b, frm, 4 + q]
+                at = ip[MULTI + 3 * ip[8] + q]
+                for w in range(at, at + _hll_words(code)):
+                    pool[hi, w] = _hll_merge(pool[hi, w], pool[hf, w])
+            else:
+                rec[b, into, 4 + q], acc_f[b, into, q] = _merge(
+                    code, rec[b, into, 4 + q], acc_f[b, into, q], rec[b, frm, 4 + q],
+                    acc_f[b, frm, q])
     else:
         rec[b, into, 4], acc_f[b, into, 0] = _merge(ip[2], rec[b, into, 4], acc_f[b, into, 0],
                                                     rec[b, frm, 4], acc_f[b, frm, 0])
 
 
 @njit(**HOT)
-def _open(rec, acc_f, b, s, key, l, t, e, init_i, init_f):
-    """A new session ``[t, e)`` of ``key`` in slot ``s`` (``l``: 0 the key's latest)."""
+def _open(rec, acc_f, b, s, key, l, t, e, init_i, init_f, pool, free, j, ip):
+    """A new session ``[t, e)`` of ``key`` in slot ``s`` (``l``: 0 the key's latest), with a
+    row of the register pool if it needs one."""
     rec[b, s, 0] = key
     rec[b, s, 1] = l
     rec[b, s, 2] = t
@@ -108,6 +133,8 @@ def _open(rec, acc_f, b, s, key, l, t, e, init_i, init_f):
         rec[b, s, 4 + q] = init_i[2 + q]
     for q in range(init_f.shape[0]):
         acc_f[b, s, q] = init_f[q]
+    if pool.shape[1] > 0:
+        _pool_take(rec, b, s, 4, pool, free, j, ip)
 
 
 @njit(**HOT)
@@ -122,9 +149,10 @@ def _free(rec, b, h, l):
 
 @njit(nogil=True, cache=True)
 def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i, init_f, bcount,
-          bminl):
+          bminl, pool, free, j):
     """A kept session aggregation's update by one tuple ``[t, e)`` of ``key`` (the module
-    docstring): bucket ``b`` has a free slot for the one new record this may need."""
+    docstring): bucket ``b`` has a free slot for the one new record this may need (and
+    instance ``j`` a free pool row)."""
     mask = rec.shape[1] - 1
     s = _slot0(h, 0, mask)
     while rec[b, s, 1] != EMPTY and not (rec[b, s, 1] == 0 and rec[b, s, 0] == key):
@@ -132,7 +160,7 @@ def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i, ini
     into = s
     removed = False
     if rec[b, s, 1] == EMPTY:  # the key's first session
-        _open(rec, acc_f, b, s, key, 0, t, e, init_i, init_f)
+        _open(rec, acc_f, b, s, key, 0, t, e, init_i, init_f, pool, free, j, ip)
         bcount[b] += 1
         if bminl[b] > 0:
             bminl[b] = 0
@@ -142,7 +170,7 @@ def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i, ini
         acc_f[b, c, :] = acc_f[b, s, :]
         rec[b, c, 1] = rec[b, s, 2] | CLOSED
         bcount[b] += 1
-        _open(rec, acc_f, b, s, key, 0, t, e, init_i, init_f)
+        _open(rec, acc_f, b, s, key, 0, t, e, init_i, init_f, pool, free, j, ip)
     elif t < rec[b, s, 2]:  # out of order: earlier sessions may overlap it (none can otherwise)
         if e < rec[b, s, 2]:  # (and it does not reach the latest)
             into = -1
@@ -154,20 +182,20 @@ def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i, ini
             if into < 0:
                 into = c
             else:  # bridged: one session
-                _absorb(rec, acc_f, b, into, c, ip)
+                _absorb(rec, acc_f, b, into, c, ip, pool)
                 rec[b, c, 1] = EMPTY
                 bcount[b] -= 1
                 removed = True
         if into < 0:  # overlaps none: an earlier session of its own
             into = _free(rec, b, h, t | CLOSED)
-            _open(rec, acc_f, b, into, key, t | CLOSED, t, e, init_i, init_f)
+            _open(rec, acc_f, b, into, key, t | CLOSED, t, e, init_i, init_f, pool, free, j, ip)
             bcount[b] += 1
     if t < rec[b, into, 2]:
         rec[b, into, 2] = t
     if e > rec[b, into, 3]:
         rec[b, into, 3] = e
     if ip[2] == AGG_MULTI:
-        _multi_update(rec, acc_f, b, into, 4, vi0, vf0, ri, t, ip, fp)
+        _multi_update(rec, acc_f, b, into, 4, vi0, vf0, ri, t, ip, fp, pool)
     else:
         rec[b, into, 4], acc_f[b, into, 0] = _apply(ip[2], rec[b, into, 4], acc_f[b, into, 0],
                                                     vi, vf, t)
@@ -200,7 +228,7 @@ def _session_emit(rec, acc_f, b, s, o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, p,
 
 def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                        ts, stream, row, seq, cols0, cols1, ip, fp,
-                       rec, acc_f, bcount, bminl, dirty, init_i, init_f,
+                       rec, acc_f, bcount, bminl, dirty, init_i, init_f, pool, free,
                        o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos,
                        resume, keybuf, max_out_upd, max_out_fire):
     """processVSN for a built-in aggregation over session windows (Spark's ``session_window``),
@@ -249,12 +277,12 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 if owner[b] != j:
                     continue
                 if keep:
-                    if (bcount[b] + 1) * 2 > cap:
+                    if (bcount[b] + 1) * 2 > cap or (pool.shape[1] > 0 and free[j, 0] == 0):
                         resume[1] = i
                         resume[2] = ki
-                        return 1
+                        return 1 if (bcount[b] + 1) * 2 > cap else NEED_POOL
                     _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i,
-                          init_f, bcount, bminl)
+                          init_f, bcount, bminl, pool, free, j)
                     if dirty[b] == 0:
                         dirty[b] = 1
                     continue
@@ -274,6 +302,10 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     resume[1] = i
                     resume[2] = ki
                     return 2
+                if fresh and pool.shape[1] > 0 and free[j, 0] == 0:
+                    resume[1] = i
+                    resume[2] = ki
+                    return NEED_POOL
                 if cur == EMPTY:
                     rec[b, s, 0] = key
                     rec[b, s, 1] = 0
@@ -290,13 +322,15 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         rec[b, s, 4 + q] = init_i[2 + q]
                     for q in range(init_f.shape[0]):
                         acc_f[b, s, q] = init_f[q]
+                    if pool.shape[1] > 0:  # (the emitted session's row is collected later)
+                        _pool_take(rec, b, s, 4, pool, free, j, ip)
                 else:
                     if t < rec[b, s, 2]:
                         rec[b, s, 2] = t
                     if e > rec[b, s, 3]:
                         rec[b, s, 3] = e
                 if agg == AGG_MULTI:
-                    _multi_update(rec, acc_f, b, s, 4, vi0, vf0, ri, t, ip, fp)
+                    _multi_update(rec, acc_f, b, s, 4, vi0, vf0, ri, t, ip, fp, pool)
                 else:  # (scalars only: inlined without reference counts)
                     rec[b, s, 4], acc_f[b, s, 0] = _apply(agg, rec[b, s, 4], acc_f[b, s, 0], vi, vf, t)
                 if dirty[b] == 0:

@@ -28,13 +28,16 @@ class SNEngine(Engine):
 
     def _make_state(self, cap):
         op = self.op
-        self.states = [BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap)
-                       for _ in range(self.n)]
+        self.states = [BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap,
+                                   self._pool_spec()) for _ in range(self.n)]
         self.state = self.states[0]
         self._m_dup = 0
 
     def _state_for(self, j):
         return self.states[j]
+
+    def _pool_users(self, j):
+        return [j]  # (each instance its own state and pool)
 
     def _states(self):
         return self.states

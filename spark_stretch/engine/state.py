@@ -174,9 +174,14 @@ class BucketState:
         Initial accumulator values of a new window instance.
     cap : int
         Initial slots per bucket (power of two); all buckets grow together, doubling.
+    pool : (slots, words, n), optional
+        The register pool (:mod:`~spark_stretch.engine.kernels`): each window holds a row of
+        ``words`` int64 words, its number in the record's int ``slots`` (each the same row);
+        ``n`` instances take rows, each from its own free rows. ``pool`` has the rows,
+        ``free[j, 1:free[j, 0] + 1]`` instance ``j``'s free ones (:meth:`refill`).
     """
 
-    def __init__(self, n_buckets, n_int, n_float, init_i, init_f, cap=8):
+    def __init__(self, n_buckets, n_int, n_float, init_i, init_f, cap=8, pool=None):
         if n_buckets < 1:
             raise EngineError(f"n_buckets={n_buckets}; it must be >= 1")
         if cap & (cap - 1):
@@ -190,6 +195,13 @@ class BucketState:
         self.bminl = np.full(n_buckets, K.NO_L, np.int64)
         self.dirty = np.zeros(n_buckets, np.uint8)
         self.version = 0  # bumped by grow(): kernels started before must retry
+        self._no_pool(*(pool or ((), 0, 1)))
+
+    def _no_pool(self, slots, words, n):
+        """An empty register pool of rows of ``words`` (none: 0) held in the int ``slots``."""
+        self.pool_slots = tuple(int(x) for x in slots)
+        self.pool = np.zeros((0, int(words)), np.int64)
+        self.free = np.zeros((int(n), 1), np.int64)
 
     def _new_rec(self, cap):
         # (key, start, acc_i...) padded to a power of two: a record never straddles two cache lines
@@ -211,7 +223,47 @@ class BucketState:
         return int(self.bcount.sum())
 
     def nbytes(self) -> int:
-        return self.rec.nbytes + self.acc_f.nbytes
+        return self.rec.nbytes + self.acc_f.nbytes + self.pool.nbytes
+
+    # ---- the register pool ------------------------------------------------------------------------
+    def held_rows(self, live=None) -> np.ndarray:
+        """The pool rows the live windows (``live``: a mask of slots) hold."""
+        live = self.rec[:, :, 1] != K.EMPTY if live is None else live
+        return self.rec[:, :, self.pool_slots[0]][live] if self.pool_slots else \
+            np.empty(0, np.int64)
+
+    def refill(self, instances, pending=()) -> None:
+        """Collect the pool rows that neither a live window nor ``pending`` (rows of windows
+        emitted and not yet read) holds, grow the pool until at least half its rows are free
+        (and 16 per instance), and share the free rows among ``instances``. Caller holds the
+        exclusive lock (no kernel running)."""
+        R = self.pool.shape[0]
+        used = np.zeros(R, bool)
+        used[self.held_rows()] = True
+        for rows in pending:
+            used[np.asarray(rows, np.int64)] = True
+        n_used = int(used.sum())
+        size = max(R, 16)
+        while size - n_used < max(n_used, 16 * len(instances)):
+            size *= 2
+        if size > R:
+            grown = np.zeros((size, self.pool.shape[1]), np.int64)
+            grown[:R] = self.pool
+            self.pool = grown
+            used = np.concatenate([used, np.zeros(size - R, bool)])
+        free = np.flatnonzero(~used)
+        parts = np.array_split(free, len(instances))
+        table = np.zeros((self.free.shape[0], max(map(len, parts)) + 1), np.int64)
+        for j, part in zip(instances, parts):
+            table[j, 0] = len(part)
+            table[j, 1:len(part) + 1] = part
+        self.free = table
+
+    def _pooled(self, rec: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Records ``rec`` (a copy) holding the pool rows ``rows`` instead (one per record)."""
+        for sl in self.pool_slots:
+            rec[:, sl] = rows
+        return rec
 
     def grow(self):
         """Double every bucket's table (rehash). Caller must hold the exclusive lock."""
@@ -239,9 +291,12 @@ class BucketState:
             keep = np.zeros(self.n_buckets, bool)
             keep[buckets] = True
             live &= keep[:, None]
+        rec, held = self.rec[live], self.held_rows(live)  # (a window's pool row: its words)
         return {"cap": self.cap, "only": buckets, "b": np.nonzero(live)[0].astype(np.int64),
-                "rec": self.rec[live], "acc_f": self.acc_f[live], "bcount": self.bcount.copy(),
-                "bminl": self.bminl.copy(), "init_i": self.init_i, "init_f": self.init_f}
+                "rec": self._pooled(rec, np.arange(len(rec))) if self.pool_slots else rec,
+                "acc_f": self.acc_f[live], "bcount": self.bcount.copy(),
+                "bminl": self.bminl.copy(), "init_i": self.init_i, "init_f": self.init_f,
+                "pool": (self.pool_slots, self.pool[held], self.free.shape[0])}
 
     @classmethod
     def from_compact(cls, a: dict) -> "BucketState":
@@ -255,6 +310,8 @@ class BucketState:
         st.acc_f = np.zeros((st.n_buckets, int(a["cap"]), st.init_f.shape[0]), np.float64)
         st.version = 0
         st.dirty = np.zeros(st.n_buckets, np.uint8)  # equal to the snapshot: nothing changed since
+        slots, words, n = a.get("pool", ((), np.zeros((0, 0), np.int64), 1))
+        st._no_pool(slots, words.shape[1], n)
         st.apply_compact(a)
         return st
 
@@ -267,7 +324,13 @@ class BucketState:
             self.rec[:, :, 1] = K.EMPTY
         else:
             self.rec[np.asarray(only, np.int64), :, 1] = K.EMPTY
-        K.insert_rows(np.asarray(a["b"], np.int64), np.asarray(a["rec"], np.int64),
+        rows = np.asarray(a["rec"], np.int64)
+        if self.pool_slots:  # (the windows' words as new rows; the rows of those they replace
+            #                   are collected by the next refill)
+            words = a["pool"][1]
+            rows = self._pooled(rows.copy(), self.pool.shape[0] + np.arange(len(rows)))
+            self.pool = np.concatenate([self.pool, words])
+        K.insert_rows(np.asarray(a["b"], np.int64), rows,
                       np.asarray(a["acc_f"], np.float64), self.rec, self.acc_f)
         self.bcount, self.bminl = np.array(a["bcount"]), np.array(a["bminl"])
 
@@ -285,6 +348,15 @@ class BucketState:
             dst, src = getattr(self, name), getattr(other, name)
             dst[buckets] = src[buckets]
             nbytes += src[buckets].nbytes
+        if self.pool_slots:  # (their pool rows copied as new rows here)
+            moved = self.rec[buckets]
+            live = moved[:, :, 1] != K.EMPTY
+            words = other.pool[moved[:, :, self.pool_slots[0]][live]]
+            recs = moved[live]
+            moved[live] = self._pooled(recs, self.pool.shape[0] + np.arange(len(recs)))
+            self.rec[buckets] = moved
+            self.pool = np.concatenate([self.pool, words])
+            nbytes += words.nbytes
         self.bcount[buckets] = other.bcount[buckets]
         self.bminl[buckets] = other.bminl[buckets]
         self.dirty[buckets] = 1

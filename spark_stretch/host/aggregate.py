@@ -172,8 +172,8 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         stamp = batch + 1  # (> 0: an unstamped window has 0)
         for eng in self.engines:
             eng.release_all(stamp)
-        rows = per_aggregation(self.spec, [eng.state_rows(stamp if mode == "update" else None)
-                                           for eng in self.engines])
+        rows = per_aggregation(self.spec, [eng.state_rows(stamp if mode == "update" else None,
+                                                          words=True) for eng in self.engines])
         out = output_table(self.spec, self.codec, [state_output(self.spec, rec, acc, *a[:2])
                            for (rec, acc), a in zip(rows, self.spec.aggs)])
         if mode == "update" or self.spec.session_end:  # (late sessions: dropped in every mode)

@@ -30,7 +30,7 @@ def builtin_operators(s: AggregateSpec) -> list:
     aggs = [(_of_strings(s, fn, col), col,
              "i" if col is not None and s.value_types[col] != "double" else "f", take)
             for fn, col, take in map(engine_agg, s.aggs)]
-    if len(aggs) > 1 or _ranks_strings(s):  # one record per window for all aggregations
+    if _fused(s):  # one record per window for all aggregations
         return [aggregate_many(aggs, **kw)]
     (fn, col, vt, other), = aggs
     return [aggregate(fn, value=col, value_type=vt, **kw,
@@ -40,6 +40,17 @@ def builtin_operators(s: AggregateSpec) -> list:
 def _of_strings(s: AggregateSpec, fn: str, col) -> str:
     """The engine's aggregate: a min or max of a string column its ``min_s``/``max_s``."""
     return f"{fn}_s" if fn in ("min", "max") and s.value_types.get(col) == "string" else fn
+
+
+def _fused(s: AggregateSpec) -> bool:
+    """Whether the spec's aggregations run in one ``aggregate_many`` operator: several, or one
+    that only runs there (a min or max of strings, an approx_count_distinct)."""
+    return len(s.aggs) > 1 or _ranks_strings(s) or _hll(engine_agg(s.aggs[0])[0])
+
+
+def _hll(fn: str) -> bool:
+    """Whether the engine's aggregate ``fn`` is an approx_count_distinct's (``hll<p>``)."""
+    return fn[:3] == "hll" and fn[3:].isdigit()
 
 
 def _ranks_strings(s: AggregateSpec) -> bool:
@@ -89,15 +100,17 @@ def engine_columns(s: AggregateSpec, codec: KeyCodec, share, table: pa.Table) ->
 
 
 def per_aggregation(s: AggregateSpec, outs: list) -> list:
-    """The engines' outputs (or state rows ``(rec, acc_f)``) one per aggregation of ``s``: a
-    fused operator's (:func:`builtin_operators`) split into one per aggregation."""
+    """The engines' outputs (or state rows ``(rec, acc_f, words)``, ``Engine.state_rows``) one
+    per aggregation of ``s``: a fused operator's (:func:`builtin_operators`) split into one per
+    aggregation (an approx_count_distinct's state rows: its words in place of ``acc_f``)."""
     if isinstance(outs[0], tuple):  # state rows: aggregation q in int slot q, float slot q
         # (a session's record: key, l, start, end, accumulators; as a window's, its end last)
         at, cols = (4, [0, 2]) if s.session_end else (2, [0, 1])
         return [(np.concatenate([rec[:, cols + [at + q] + [3] * bool(s.session_end)]
-                                 for rec, _ in outs]),
-                 np.concatenate([acc[:, [q]] for _, acc in outs])) for q in range(len(s.aggs))]
-    if len(s.aggs) == 1:
+                                 for rec, *_ in outs]),
+                 np.concatenate([words[q] if q in words else acc[:, [q]]
+                                 for _, acc, words in outs])) for q in range(len(s.aggs))]
+    if not _fused(s):
         return outs
     (out,) = outs
     common = {c: out[c] for c in ("key", "window_start", "end") if c in out}
@@ -107,11 +120,13 @@ def per_aggregation(s: AggregateSpec, outs: list) -> list:
 def engine_agg(a) -> tuple:
     """``(fn, column, other)`` of one aggregation of a spec: ``first_if``/``last_if`` (a row
     counts where the take column ``other`` is not 0) are the engine's ``first``/``last`` with
-    ``take``; ``max_by``/``min_by`` order by the column ``other``; ``hll<p>`` and its words
-    ``hll<p>_<w>`` are an ``approx_count_distinct`` (``ops.aggregate_many``)."""
+    ``take``; ``max_by``/``min_by`` order by the column ``other``; ``hll<p>`` is an
+    ``approx_count_distinct`` (its output: Spark's buffer words); ``max_by_l``/``max_by_s`` (``min_``) a
+    ``max_by`` by an exact ordering, which the aggregation ``by<q>`` after it (the engine's
+    ``by_key``, of the aggregation q before it) reads (``ops.aggregate_many``)."""
     fn, col, take = (*a, None)[:3]
-    if fn.startswith("hll") and "_" in fn:  # "hll<p>_<w>": word w of an approx_count_distinct
-        return "hll_word", col, take
+    if fn[:2] == "by" and fn[2:].isdigit():
+        return "by_key", col, take
     return (fn[:-3] if fn.endswith("_if") else fn), col, take
 
 
@@ -166,7 +181,9 @@ def state_output(s: AggregateSpec, rec: np.ndarray, acc: np.ndarray, fn: str, co
     order = np.lexsort((rec[:, 1], rec[:, 0]))
     rec, acc = rec[order], acc[order]
     fn, col, _ = engine_agg((fn, col))
-    if fn == "mean":
+    if _hll(fn):  # (its words, per_aggregation)
+        v = acc
+    elif fn == "mean":
         v = acc[:, 0] / rec[:, 2]
     elif _is_long(s, fn, col):
         v = rec[:, 2]
@@ -192,7 +209,9 @@ def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
     names = ["window", "key"]
     for (fn, col, _), name, o in zip(map(engine_agg, s.aggs), s.output_names(), outs):
         v = np.asarray(o[fn])
-        if fn != "count" and s.value_types[col] == "string":
+        if _hll(fn):
+            arrays.append(_words(v))
+        elif fn != "count" and s.value_types[col] == "string":
             arrays.append(codec.strings(v.astype(np.int64)))
         elif _is_long(s, fn, col):
             arrays.append(pa.array(v.astype(np.int64)))
@@ -201,6 +220,20 @@ def output_table(s: AggregateSpec, codec: KeyCodec, outs: list) -> pa.Table:
         names.append(name)
     table = pa.Table.from_arrays(arrays, names=names)
     return table if s.finish is None else finish(table, s.finish)
+
+
+def _words(v: np.ndarray) -> pa.ChunkedArray:
+    """An approx_count_distinct's words (a row each) as binary values: Spark's HLL++ buffer,
+    the shim's ``StretchHll`` reads it (little-endian longs); chunks of up to 1 GiB (a binary
+    array's offsets are 32-bit)."""
+    if v.ndim < 2:  # (no rows)
+        return pa.chunked_array([], pa.binary())
+    v = np.ascontiguousarray(v, "<i8")
+    size = v.shape[1] * 8
+    rows = max(1, (1 << 30) // size)
+    return pa.chunked_array([pa.Array.from_buffers(pa.binary(), len(c), [
+        None, pa.py_buffer(np.arange(len(c) + 1, dtype=np.int32) * size), pa.py_buffer(c)])
+        for c in (v[a:a + rows] for a in range(0, len(v), rows))], pa.binary())
 
 
 def _decode_keys(s: AggregateSpec, codec: KeyCodec, keys: np.ndarray) -> pa.Array:

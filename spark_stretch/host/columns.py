@@ -184,11 +184,25 @@ def _bitcast(arr, to):
                     else None)
 
 
+def _double_order(arr):
+    """Doubles as longs that order as Spark orders doubles (nulls kept): -0.0 as 0.0, every
+    NaN as one, above +inf; the IEEE bits, a negative number's other bits flipped (the shim's
+    ``StretchDoubleOrder``, a max_by/min_by's ordering)."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    d = pc.fill_null(pc.cast(arr, pa.float64()), 0.0).to_numpy(zero_copy_only=False) + 0.0
+    d[np.isnan(d)] = np.nan  # (-0.0 + 0.0 is 0.0; one NaN)
+    b = d.view(np.int64)
+    keys = b ^ ((b >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
+    return pa.array(keys, mask=arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count
+                    else None)
+
+
 # Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do
 _OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
         "eq": pc.equal, "lt": pc.less, "gt": pc.greater, "sqrt": pc.sqrt, "if": pc.if_else,
         "coalesce": pc.coalesce, "isnull": pc.is_null, "or": pc.or_,
-        "bits": lambda a: _bitcast(a, np.int64), "unbits": lambda a: _bitcast(a, np.float64)}
+        "bits": lambda a: _bitcast(a, np.int64), "unbits": lambda a: _bitcast(a, np.float64),
+        "dorder": _double_order}
 
 
 def _evaluate(e: dict, table: pa.Table):

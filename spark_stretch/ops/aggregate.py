@@ -24,8 +24,15 @@ _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, 
          "max": (K.AGG_MAX_I, K.AGG_MAX_F), "mean": (None, K.AGG_MEAN), "longest": (K.AGG_MAX_I, None),
          "first": (K.AGG_FIRST_I, K.AGG_FIRST_F), "last": (K.AGG_LAST_I, K.AGG_LAST_F),
          "max_by": (K.AGG_MAXBY_I, None), "min_by": (K.AGG_MINBY_I, None),
-         "min_s": (K.AGG_MIN_S, None), "max_s": (K.AGG_MAX_S, None)}
-_HLL = re.compile(r"hll(\d+)")  # approx_count_distinct's registers: "hll<p>", then its words
+         "min_s": (K.AGG_MIN_S, None), "max_s": (K.AGG_MAX_S, None),
+         "max_by_l": (K.AGG_MAXBY_L, None), "min_by_l": (K.AGG_MINBY_L, None),
+         "max_by_s": (K.AGG_MAXBY_S, None), "min_by_s": (K.AGG_MINBY_S, None),
+         "by_key": (K.AGG_BY_KEY, None)}
+# the aggregates that run in aggregate_many only: strings ranked, exact orderings in two slots
+_FUSED = {"min_s", "max_s", "max_by_l", "min_by_l", "max_by_s", "min_by_s", "by_key"}
+# ... of them, those that take a take= column (a null's flag)
+_TAKES = {"first", "last", "min_s", "max_s", "max_by_l", "min_by_l", "max_by_s", "min_by_s"}
+_HLL = re.compile(r"hll(\d+)")  # approx_count_distinct's registers: "hll<p>"
 _I64 = np.iinfo(np.int64)
 _EMPTY_F = np.empty(0, np.float64)
 _EMPTY_I = np.empty(0, np.int64)
@@ -79,20 +86,21 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
     (('sum', 'f'),)
     """
     hll = _HLL.fullmatch(agg)
-    if agg not in _AGGS and not hll and agg != "hll_word":
-        raise EngineError(f"agg={agg!r}; use one of {sorted(_AGGS)}")
-    if (hll or agg == "hll_word") and not _fused:
+    if agg not in _AGGS and not hll:
+        raise EngineError(f"agg={agg!r}; use one of {sorted(_AGGS)} or 'hll<p>'")
+    if hll and not _fused:
         raise EngineError(f"agg={agg!r}: an approximate distinct count's registers run in "
-                          "aggregate_many, with their words")
-    if agg in ("min_s", "max_s") and not _fused:
-        raise EngineError(f"agg={agg!r}: strings are ranked in aggregate_many")
+                          "aggregate_many (in its register pool)")
+    if agg in _FUSED and not _fused:
+        raise EngineError(f"agg={agg!r} runs in aggregate_many (strings ranked, or an exact "
+                          "ordering kept in a second aggregate)")
     if hll and not 4 <= int(hll.group(1)) <= 18:
         raise EngineError(f"agg={agg!r}: HLL++ takes 4 to 18 index bits")
     if (key is None) == (keys is None):
         raise EngineError(f"give exactly one of key= (scalar key column) or keys= (list column); got key={key!r}, keys={keys!r}")
     if pairs and keys is None:
         raise EngineError("pairs=True needs keys= (a list column)")
-    if agg not in ("count", "hll_word") and value is None:
+    if agg != "count" and value is None:
         raise EngineError(f"agg={agg!r} needs value= (the column to aggregate)")
     if value_type not in ("f", "i"):
         raise EngineError(f"value_type={value_type!r}; use 'f' (float64) or 'i' (int64)")
@@ -104,18 +112,17 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         WA = WS
     if session_end is not None and WS is not None:
         raise EngineError("session_end= takes the place of WS/WA")
-    if take is not None and agg not in ("first", "last", "min_s", "max_s") and not hll:
-        raise EngineError(f"take= is for agg='first', 'last', 'min_s', 'max_s' or 'hll<p>', "
-                          f"not {agg!r}")
+    if take is not None and agg not in _TAKES and not hll:
+        raise EngineError(f"take= is for agg={sorted(_TAKES)} or 'hll<p>', not {agg!r}")
     if (by is None) != (agg not in ("max_by", "min_by")):
         raise EngineError(f"agg={agg!r} with by={by!r}: by= (the ordering column) is for "
                           "agg='max_by' or 'min_by', and they need it")
-    if agg in ("max_by", "min_by", "min_s", "max_s") or hll:
+    if agg in ("max_by", "min_by") or agg in _FUSED or hll:
         value_type = "i"
     if B is not None and (not pairs or int(B) < 1):
         raise EngineError(f"B={B}; the pair distance B needs pairs=True and B >= 1")
-    if agg in ("count", "hll_word"):
-        code, out_kind = (K.AGG_COUNT if agg == "count" else K.AGG_HLL_WORD), "i"
+    if agg == "count":
+        code, out_kind = K.AGG_COUNT, "i"
     elif hll:
         code, out_kind = K.AGG_HLL + int(hll.group(1)), "i"
     else:
@@ -140,8 +147,8 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         init_i = _I64.max if code == K.AGG_FIRST_F else _I64.min
     elif code in (K.AGG_MAXBY_I, K.AGG_MINBY_I):  # (the extremum of the ordering)
         init_f = -np.inf if code == K.AGG_MAXBY_I else np.inf
-    elif code in (K.AGG_MIN_S, K.AGG_MAX_S):  # (the rank of the extremum)
-        init_f = np.inf if code == K.AGG_MIN_S else -np.inf
+    elif code in (K.AGG_MIN_S, K.AGG_MAX_S, K.AGG_MINBY_S, K.AGG_MAXBY_S):  # (a rank)
+        init_f = np.inf if code in (K.AGG_MIN_S, K.AGG_MINBY_S) else -np.inf
     key_col = key if key is not None else keys
     out_name = "longest" if agg == "longest" else agg
 
@@ -190,7 +197,7 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                 vf = np.ascontiguousarray(v, np.float64)
             else:
                 vi = np.ascontiguousarray(v, np.int64)
-            if agg in ("first", "last", "min_s", "max_s") or hll:  # (take flags: the other kind)
+            if agg in _TAKES or hll:  # (take flags: the column of the other kind)
                 vf, vi = _take_flags(batch, take, len(kc), vf, vi, value_type)
             elif by is not None:
                 if by not in batch:
@@ -216,26 +223,29 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
 
 # which value columns an aggregate reads: its int values (vi), its float values (vf); a first or
 # last reads its take flags from the column of the other kind
+_BY = (K.AGG_MAXBY_L, K.AGG_MINBY_L, K.AGG_MAXBY_S, K.AGG_MINBY_S)
 _READS_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_FIRST_F,
-            K.AGG_LAST_F, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S}
+            K.AGG_LAST_F, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S, *_BY,
+            K.AGG_BY_KEY}
 _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.AGG_LAST_F,
-            K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S}
+            K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S,
+            *_BY}
 
 
-def _hll_words(codes) -> None:
-    """Raise EngineError unless each ``hll<p>`` is followed by exactly its other words."""
-    q = 0
-    while q < len(codes):
-        if codes[q] == K.AGG_HLL_WORD:
-            raise EngineError(f"aggregation {q} is an HLL++ word without its 'hll<p>' before it")
-        if codes[q] > K.AGG_HLL_WORD:
-            n = (1 << (codes[q] - K.AGG_HLL)) // 10 + 1
-            if codes[q + 1:q + n] != [K.AGG_HLL_WORD] * (n - 1):
-                raise EngineError(f"aggregation {q} (HLL++ of 2**{codes[q] - K.AGG_HLL} "
-                                  f"registers) needs {n - 1} 'hll_word' aggregations after it")
-            q += n
-        else:
-            q += 1
+def _check_layout(codes) -> None:
+    """Raise EngineError unless each max_by/min_by by an exact ordering is followed by its
+    ``by_key`` (and each ``by_key`` follows one)."""
+    for q, code in enumerate(codes):
+        if (code in _BY) != (q + 1 < len(codes) and codes[q + 1] == K.AGG_BY_KEY):
+            raise EngineError(f"aggregation {q}: a max_by/min_by by an exact ordering "
+                              "('max_by_l', 'max_by_s', ...) needs its 'by_key' right after it")
+        if code == K.AGG_BY_KEY and (q == 0 or codes[q - 1] not in _BY):
+            raise EngineError(f"aggregation {q} is a 'by_key' without its max_by/min_by before it")
+
+
+def hll_words(p: int) -> int:
+    """The int64 words of Spark's HLL++ buffer of ``2**p`` registers (ten 6-bit ones a word)."""
+    return (1 << p) // 10 + 1
 
 
 def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, WA=None,
@@ -249,11 +259,17 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
         Each as :func:`aggregate`'s arguments of those names; ``other`` is ``by`` for
         ``max_by``/``min_by``, else ``take``. Besides :func:`aggregate`'s, ``hll<p>`` (Spark's
         ``approx_count_distinct`` with ``2**p`` registers: ``value`` an int column of each
-        tuple's 64-bit hash, Spark's ``xxhash64`` with seed 42) followed by ``2**p // 10``
-        ``hll_word`` aggregations: their outputs are the registers' words, Spark's buffer of
-        ``HyperLogLogPlusPlus``. And ``min_s``/``max_s``: the least (greatest) string, ``value``
+        tuple's 64-bit hash, Spark's ``xxhash64`` with seed 42; ``take`` its flags): each
+        window keeps the registers in a row of the engine's register pool, outside its record
+        (:mod:`~spark_stretch.engine.kernels`), and the output column is a 2-d array of the
+        :func:`hll_words` words of each, Spark's buffer of ``HyperLogLogPlusPlus``. And
+        ``min_s``/``max_s``: the least (greatest) string, ``value``
         an int column of interned ids, ``take`` its flags (0: a null), compared by the ranks
-        the engine is given (:meth:`~spark_stretch.engine.Engine.order_strings`).
+        the engine is given (:meth:`~spark_stretch.engine.Engine.order_strings`). And
+        ``max_by_l``/``min_by_l`` (``_s``): ``max_by``/``min_by`` of the int ``value`` by an
+        exact ordering, ``take`` its flags (0: a null ordering, skipped), followed by a
+        ``by_key`` of the ordering column: int64 keys (``_l``, compared as ints) or interned
+        strings (``_s``, by their ranks, as ``min_s``); ties: the last.
     key, keys, pairs, B, WS, WA, stamped, session_end
         As for :func:`aggregate`, shared by all.
 
@@ -269,18 +285,25 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     """
     kw = dict(key=key, keys=keys, pairs=pairs, B=B, WS=WS, WA=WA, stamped=stamped,
               session_end=session_end)
-    aggs = [(a, None, vt, None) if a == "hll_word" else (a, v, vt, other)
-            for a, v, vt, other in aggs]
     ops = [aggregate(a, value=v, value_type=vt, **kw, _fused=True,
                      **{"by" if a in ("max_by", "min_by") else "take": other})
            for a, v, vt, other in aggs]
     codes = [int(op.builtin_ip[2]) for op in ops]
-    _hll_words(codes)
-    ip = np.full(K.MULTI + 3 * len(ops), -1, np.int64)
+    _check_layout(codes)
+    # (the register pool: each HLL++'s words in a window's row, one after the other; their
+    # first word after the aggregates' codes and columns in ip)
+    pool, at = [], 0
+    for q, code in enumerate(codes):
+        if code >= K.AGG_HLL:
+            pool.append((q, at, hll_words(code - K.AGG_HLL)))
+            at += pool[-1][2]
+    ip = np.full(K.MULTI + 4 * len(ops), -1, np.int64)
     ip[:8] = ops[0].builtin_ip[:8]
     ip[2], ip[8] = K.AGG_MULTI, len(ops)
-    reads_i = [c in _READS_I or c > K.AGG_HLL_WORD for c in codes]
-    reads_f = [c in _READS_F or c > K.AGG_HLL_WORD for c in codes]
+    for q, first, _ in pool:
+        ip[K.MULTI + 3 * len(ops) + q] = first
+    reads_i = [c in _READS_I or c >= K.AGG_HLL for c in codes]
+    reads_f = [c in _READS_F or c >= K.AGG_HLL for c in codes]
     ip[9], ip[10] = sum(reads_i), sum(reads_f)
     for q, code in enumerate(codes):
         ip[K.MULTI + 3 * q] = code
@@ -301,7 +324,10 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
         return (parts[0][0], parts[0][1], vf, vi) + tuple(parts[0][4:])
 
     at = 2 if session_end is not None else 0  # (an aggregate's init among a session's ints)
-    inits = tuple(int(op.init_i[at]) for op in ops)
+    # (a by_key's: the extremum of its max_by/min_by's ordering before any row)
+    first_key = {K.AGG_MAXBY_L: int(_I64.min), K.AGG_MINBY_L: int(_I64.max)}
+    inits = tuple(first_key.get(codes[q - 1], 0) if code == K.AGG_BY_KEY else
+                  int(ops[q].init_i[at]) for q, code in enumerate(codes))
     ints = (0, 0) + inits if session_end is not None else inits + ((0,) if stamped else ())
     S = tuple((f"_{q}", op.S[-1][1]) for q, op in enumerate(ops))
     if session_end is not None:
@@ -310,7 +336,7 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
                     session_end=session_end, n_float=len(ops), init_i=ints,
                     init_f=tuple(float(op.init_f[0]) for op in ops), builtin_ip=ip,
                     builtin_fp=np.zeros(1), prepare=prepare, decode=ops[0].decode,
-                    name=name or " + ".join(op.name for op in ops))
+                    name=name or " + ".join(op.name for op in ops), pool=tuple(pool))
 
 
 def _take_flags(batch, take, n, vf, vi, value_type):

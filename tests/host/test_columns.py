@@ -105,3 +105,17 @@ def test_a_doubles_bits_as_longs_and_back():
                   [{"name": "b", "expr": {"bits": [{"col": "x"}]}}]).column("b")
     assert np.isnan(finish(pa.table({"b": nan}), [{"name": "x", "expr": {"unbits": [{"ref": 0}]}}])
                     .column("x")[0].as_py())
+
+
+def test_doubles_as_longs_in_sparks_order():
+    # (a max_by/min_by ordered by a double): NaN above +inf, -0.0 equal to 0.0, every NaN one
+    import struct
+
+    xs = [float("-inf"), -3.25e300, -1.5, -2.0 ** -1074, -0.0, 0.0, 2.0 ** -1074, 1.5,
+          float("inf"), float("nan"), None]
+    neg_nan = struct.unpack("<d", struct.pack("<q", -1))[0]  # (a NaN with its sign bit set)
+    keys = prepare(pa.table({"x": pa.array(xs + [neg_nan], pa.float64())}),
+                   [{"name": "o", "expr": {"dorder": [{"col": "x"}]}}]).column("o").to_pylist()
+    assert keys[-2] is None and keys[4] == keys[5] == 0 and keys[9] == keys[11]
+    ordered = keys[:4] + keys[5:10]
+    assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)

@@ -213,16 +213,21 @@ case class StretchDecimalSum(hi: Expression, lo: Expression, dataType: DecimalTy
 }
 
 /** Spark's `approx_count_distinct` of HLL++ register words the engine kept (Spark's own buffer
- * of `HyperLogLogPlusPlus`, updated as Spark updates it): Spark's own estimate from them. */
-case class StretchHll(children: Seq[Expression], relativeSD: Double)
-  extends Expression with CodegenFallback {
+ * of `HyperLogLogPlusPlus`, updated as Spark updates it; as one binary value, the words as
+ * little-endian longs): Spark's own estimate from them. */
+case class StretchHll(child: Expression, relativeSD: Double)
+  extends UnaryExpression with CodegenFallback {
   @transient private lazy val helper = new HyperLogLogPlusPlusHelper(relativeSD)
   override def nullable: Boolean = false
   override def dataType: DataType = LongType
-  override def eval(input: InternalRow): Any =
-    helper.query(new GenericInternalRow(children.map(_.eval(input)).toArray[Any]), 0)
-  override protected def withNewChildrenInternal(c: IndexedSeq[Expression]): Expression =
-    copy(children = c)
+  override def eval(input: InternalRow): Any = {
+    val bytes = java.nio.ByteBuffer.wrap(child.eval(input).asInstanceOf[Array[Byte]])
+      .order(java.nio.ByteOrder.LITTLE_ENDIAN)
+    val words = new Array[Any](helper.numWords)
+    for (w <- words.indices) words(w) = bytes.getLong(8 * w)
+    helper.query(new GenericInternalRow(words), 0)
+  }
+  override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
 }
 
 /** A double's IEEE bits as a long, and back (`StretchBitsDouble`): a floating-point value kept
@@ -231,6 +236,19 @@ case class StretchDoubleBits(child: Expression) extends UnaryExpression with Cod
   override def dataType: DataType = LongType
   override protected def nullSafeEval(v: Any): Any =
     java.lang.Double.doubleToRawLongBits(v.asInstanceOf[Double])
+  override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
+}
+
+/** A double as a long that orders as Spark orders doubles (`SQLOrderingUtil.compareDoubles`):
+ * -0.0 as 0.0, every NaN as one, greater than +Infinity; the IEEE bits with a negative number's
+ * other bits flipped. The key of a `max_by`/`min_by` ordered by a floating-point column. */
+case class StretchDoubleOrder(child: Expression) extends UnaryExpression with CodegenFallback {
+  override def dataType: DataType = LongType
+  override protected def nullSafeEval(v: Any): Any = {
+    val d = v.asInstanceOf[Double]
+    val b = java.lang.Double.doubleToLongBits(if (d == 0.0) 0.0 else d)
+    b ^ ((b >> 63) & Long.MaxValue)
+  }
   override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
 }
 
@@ -399,10 +417,23 @@ object StretchPlans {
       val i = prims.indexOf((fn, v, take))
       if (i >= 0) i else { prims += ((fn, v, take)); prims.size - 1 }
     }
+    // A max_by/min_by by an exact ordering: the value's primitive (`fn`: max_by_l, ..., rows
+    // whose take column is 0 skipped) and right after it the ordering's (`by<i>`, i the first's
+    // index), which the engine keeps the extremum of
+    def byPrim(fn: String, v: Int, take: Int, key: Int): Int = {
+      val found = prims.indices.find(i => prims(i) == ((fn, Some(v), Some(take))) &&
+        i + 1 < prims.size && prims(i + 1) == ((s"by$i", Some(key), None)))
+      found.getOrElse {
+        prims += ((fn, Some(v), Some(take)))
+        prims += ((s"by${prims.size - 1}", Some(key), None))
+        prims.size - 2
+      }
+    }
     // result expressions refer to prims by index; bound once the engine schema is known
     case class PrimRef(i: Int) extends LeafExpression with Unevaluable {
       override def dataType: DataType = prims(i) match {
         case ("count", _, _) => LongType
+        case (f, _, _) if f.startsWith("hll") => BinaryType  // (Spark's HLL++ buffer words)
         case (_, Some(v), _) => values(v)._2 match {
           case "long" => LongType
           case "double" => DoubleType
@@ -529,34 +560,51 @@ object StretchPlans {
           }
         case mb @ (_: MaxBy | _: MinBy) =>
           // the value of the row with the largest (smallest) ordering, ties: the last (Spark's
-          // predicate keeps the old one only when strictly better); the ordering as a double
-          // (exact for these types), a null one (NaN) skipped
+          // predicate keeps the old one only when strictly better), a null ordering skipped
           val (x, y, fn) = mb match {
             case MaxBy(x, y) => (x, y, "max_by")
             case MinBy(x, y) => (x, y, "min_by")
-          }
-          val yd: Expression = y.dataType match {
-            case IntegerType | ShortType | ByteType => Cast(y, DoubleType)
-            case DateType => Cast(UnixDate(y), DoubleType)
-            case TimestampType => Cast(UnixMicros(y), DoubleType)
-            case t => unsupported(s"$fn ordered by ${t.simpleString} (the engine orders by " +
-              "int, short, byte, date and timestamp columns)")
           }
           val cd = coded(x, fn, strings = true) match {
             case Coded(e, "double", back) =>  // (its bits in the int slot)
               Coded(StretchDoubleBits(e), "long", b => back(StretchBitsDouble(b)))
             case other => other
           }
-          val by = Some(value(Coalesce(Seq(yd, Literal(Double.NaN))), "double"))
-          val v = cd.back(PrimRef(prim(fn, Some(value(Coalesce(Seq(cd.engine, zero(cd.kind))),
-            cd.kind)), by)))
-          val picked = if (!x.nullable) v else orNull(PrimRef(prim(fn, Some(value(
-            If(IsNull(x), Literal(0L), Literal(1L)), "long")), by)), v, x.dataType)
+          // the primitive of the value with the extremum ordering of a value column
+          val by: Int => PrimRef = y.dataType match {
+            case IntegerType | ShortType | ByteType | DateType | TimestampType =>
+              // the ordering as a double (exact for these types), a null one (NaN) skipped
+              val yd = y.dataType match {
+                case DateType => Cast(UnixDate(y), DoubleType)
+                case TimestampType => Cast(UnixMicros(y), DoubleType)
+                case _ => Cast(y, DoubleType)
+              }
+              val o = Some(value(Coalesce(Seq(yd, Literal(Double.NaN))), "double"))
+              v => PrimRef(prim(fn, Some(v), o))
+            case t =>
+              // exactly: the ordering as a long that orders as Spark orders `t`, or a string the
+              // engine interns and compares by its UTF-8 bytes, in a second primitive
+              val (key, kind): (Expression, String) = t match {
+                case LongType | BooleanType => (Cast(y, LongType), "long")
+                case FloatType | DoubleType => (StretchDoubleOrder(Cast(y, DoubleType)), "long")
+                case d: DecimalType if d.precision <= 18 => (UnscaledValue(y), "long")
+                case st: StringType if st.supportsBinaryEquality => (y, "string")
+                case _ => unsupported(s"$fn ordered by ${t.simpleString} (the engine orders by " +
+                  "numbers, booleans, dates, timestamps, decimals of up to 18 digits and strings)")
+              }
+              val head = if (kind == "string") s"${fn}_s" else s"${fn}_l"
+              val flag = value(If(IsNull(y), Literal(0L), Literal(1L)), "long")
+              val k = value(Coalesce(Seq(key, zero(kind))), kind)
+              v => PrimRef(byPrim(head, v, flag, k))
+          }
+          val v = cd.back(by(value(Coalesce(Seq(cd.engine, zero(cd.kind))), cd.kind)))
+          val picked = if (!x.nullable) v else orNull(by(value(
+            If(IsNull(x), Literal(0L), Literal(1L)), "long")), v, x.dataType)
           orNull(nonNull(Seq(y)), picked, x.dataType)
         case h: HyperLogLogPlusPlus =>
-          // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words) from each
-          // non-null row's xxhash64 with seed 42 (floats normalized first, as Spark does);
-          // Spark's own estimate from them
+          // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words, in a row of
+          // its register pool) from each non-null row's xxhash64 with seed 42 (floats
+          // normalized first, as Spark does); Spark's own estimate from them
           val c = h.child
           c.dataType match {
             case st: StringType if !st.supportsBinaryEquality =>
@@ -564,13 +612,13 @@ object StretchPlans {
             case _ =>
           }
           val p = math.ceil(2.0 * math.log(1.106 / h.relativeSD) / math.log(2.0)).toInt
-          if (p > 12) unsupported(s"approx_count_distinct with rsd ${h.relativeSD} (the engine " +
-            "keeps up to 2^12 registers in a window's state: rsd >= 0.018)")
+          if (p > 18) unsupported(s"approx_count_distinct with rsd ${h.relativeSD} (HLL++ of " +
+            s"2^$p registers; Spark's bias correction, and the engine, stop at 2^18: " +
+            "rsd >= 0.0022)")
           val x = if (isFloating(c.dataType)) NormalizeNaNAndZero(c) else c
           val hash = Some(value(XxHash64(Seq(x), 42L), "long"))
           val flag = Some(value(If(IsNull(c), Literal(0L), Literal(1L)), "long"))
-          StretchHll((0 until h.hllppHelper.numWords).map(w =>
-            PrimRef(prim(if (w == 0) s"hll$p" else s"hll${p}_$w", hash, flag))), h.relativeSD)
+          StretchHll(PrimRef(prim(s"hll$p", hash, flag)), h.relativeSD)
         case CountIf(p) =>  // rows where p is true (null counts as false)
           PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
             Literal(0L)), "long"))))
@@ -801,6 +849,7 @@ object StretchPlans {
       case Size(c, legacy) => op("size", Seq(c)).map(_.asInstanceOf[ObjectNode]
         .put("legacy", legacy))
       case StretchDoubleBits(c) => op("bits", Seq(c))
+      case StretchDoubleOrder(c) => op("dorder", Seq(c))
       case StretchKeyEncode(cs) if cs.forall(c => keyFieldTypes.contains(c.dataType)) =>
         op("row", cs).map { o =>
           val types = o.asInstanceOf[ObjectNode].putArray("types")
