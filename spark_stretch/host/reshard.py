@@ -102,7 +102,7 @@ class _Mapping:
 
 
 def _records(rec, acc_f, m: _Mapping, spec: AggregateSpec, base: int):
-    """A source's live window records this host owns now, in its ids."""
+    """A source's live window records this host owns now, in its ids (and which they were)."""
     key = rec[:, 0]
     first = key >> 32 if spec.key_kind == "pairs" else key
     keep = m.owned(first)
@@ -114,7 +114,7 @@ def _records(rec, acc_f, m: _Mapping, spec: AggregateSpec, base: int):
             rec[:, 0] = m.ids_of(rec[:, 0])
     for q in _string_slots(spec):
         rec[:, base + q] = m.ids_of(rec[:, base + q])
-    return rec, acc_f
+    return rec, acc_f, keep
 
 
 def _chunk(c: dict, m: _Mapping, spec: AggregateSpec):
@@ -167,15 +167,18 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
                  for j, (_, _, snap) in enumerate(loaded)]
         mine = parts[base]
         base = 4 if op.session_end else 2
-        recs, accs = [], []
+        recs, accs, words = [], [], []
         for eng, m in zip(parts, maps):
-            st = eng.state
-            live = st.rec[:, :, 1] != K.EMPTY
-            r, a = _records(st.rec[live], st.acc_f[live], m, spec, base)
+            c = eng.state.compact()  # (a window's register-pool row, if any: its words)
+            r, a, keep = _records(c["rec"], c["acc_f"], m, spec, base)
             recs.append(r)
             accs.append(a)
+            words.append(c["pool"][1][keep] if c["pool"][0] else c["pool"][1])
         rec, acc = np.concatenate(recs), np.concatenate(accs)
         st = mine.state
+        pool = c["pool"]
+        for sl in pool[0]:  # (record i holds the pool row i of the words below)
+            rec[:, sl] = np.arange(len(rec))
         b = bucket_of(rec[:, 0], st.n_buckets)
         counts = np.bincount(b, minlength=st.n_buckets)
         cap = max(st.cap, 1 << int(np.ceil(np.log2(max(2 * int(counts.max(initial=0)), 2)))))
@@ -184,7 +187,8 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
         mine.state = BucketState.from_compact({
             "cap": cap, "only": None, "b": b, "rec": rec, "acc_f": acc,
             "bcount": counts.astype(st.bcount.dtype), "bminl": bminl.astype(st.bminl.dtype),
-            "init_i": st.init_i, "init_f": st.init_f})
+            "init_i": st.init_i, "init_f": st.init_f,
+            "pool": (pool[0], np.concatenate(words), pool[2])})
         mine.state.dirty[:] = 1  # (its next checkpoint is full: the state is new)
         snap_in = mine.esg_in.snapshot()
         for s_id, (stream, ordered, last_ts, wm, _, removed) in list(snap_in["sources"].items()):

@@ -27,14 +27,15 @@ class _Offers:
 
 def _spec(kind, state_dir=None, share=None, resume=None, interval=3):
     key = {"array": ("array", "words", "string"), "pairs": ("pairs", "words", "string"),
-           "scalar": ("scalar", "user", "string")}[kind]
+           "scalar": ("scalar", "user", "string"), "hll": ("scalar", "user", "string")}[kind]
     aggs = [("count", None)] + ([("first", "first_word"), ("max", "len")] if kind == "scalar"
-                                else [])
+                                else [("hll13", "len", "ok")] if kind == "hll" else [])
+    types = {"scalar": {"first_word": "string", "len": "long"},
+             "hll": {"len": "long", "ok": "long"}}.get(kind, {})
     return AggregateSpec(
         ts_column="ts", delay_ms=2000, key_kind=key[0], key_column=key[1], key_type=key[2],
         distance=2 if kind == "pairs" else None, window_us=20_000_000, slide_us=10_000_000,
-        aggs=aggs, value_types={"first_word": "string", "len": "long"} if kind == "scalar"
-        else {}, parallelism=2, max_parallelism=2, buckets=32, resume_batch=resume, share=share,
+        aggs=aggs, value_types=types, parallelism=2, max_parallelism=2, buckets=32, resume_batch=resume, share=share,
         checkpoint=Checkpointing(state_dir=None if state_dir is None else str(state_dir),
                                  interval=interval))
 
@@ -42,6 +43,7 @@ def _spec(kind, state_dir=None, share=None, resume=None, interval=3):
 def _batches(n=8):
     t = tweets_table(n * 150, rate=40.0, vocab=60, seed=3, late_fraction=0.05, jitter_s=3.0)
     t = t.append_column("first_word", pa.compute.list_element(t.column("words"), 0))
+    t = t.append_column("ok", pa.array(np.ones(len(t), np.int64)))  # (HLL++'s take flag)
     return [t.slice(i * 150, 150) for i in range(n)]
 
 
@@ -67,7 +69,7 @@ def _hosts(kind, root, host_map, resume=None):
             for h in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["array", "pairs", "scalar"])
+@pytest.mark.parametrize("kind", ["array", "pairs", "scalar", "hll"])
 def test_moving_key_groups_between_hosts_keeps_every_window(kind, tmp_path):
     batches = _batches()
     want = _one_host(kind, batches)
