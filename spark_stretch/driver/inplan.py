@@ -30,6 +30,7 @@ from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
 from ..protocol.specs import AggregateSpec
 from . import jvm, recovery
+from .elastic import ElasticRun
 from .ingest import Ingest
 from .metrics import QueryMetrics
 from .pipeline import Pipeline
@@ -219,6 +220,7 @@ class PlanRun:
                        checkpoint=recovery.checkpointing(self.layout, settings))
         self.spec = spec
         self.metrics = QueryMetrics()
+        self.elastic = ElasticRun(None, spec.max_parallelism, self.metrics)  # (figures only)
         self._plan = None
         engine = lambda: self.recovery.engine  # noqa: E731
         if delta is not None:
@@ -235,8 +237,10 @@ class PlanRun:
         # Appending to Delta itself, the engine steps and writes a batch while Spark commits it
         # and plans the next (the pipeline of stretchAggregate; the engine logs the batch's
         # input before Spark may commit it).
+        # (Spark runs this query's no-data batches itself: no trigger state to watch)
         self._pipeline = (Pipeline(qid, kind, self.recovery, self._ingest, self._sink,
-                                   self.metrics) if delta is not None else None)
+                                   self.metrics, lambda: None, self.elastic)
+                          if delta is not None else None)
         self._lock = threading.Lock()
         self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
         if delta is not None:
@@ -255,6 +259,7 @@ class PlanRun:
                 self._last = (batch_id, {"rows": 0, "direct": True})
                 return self._last[1]
             self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
+            self.elastic.started(batch_id)
             t0 = time.perf_counter()
             reply = self.recovery.with_engine(f"batch {batch_id}",
                                               lambda: self._step(df, batch_id), opened=False)
@@ -264,8 +269,11 @@ class PlanRun:
             answer = {"endpoint": opts["endpoints"], "stream": reply.stream, "rows": reply.rows,
                       "splits": jvm.splits_for(self._spark, reply.rows),
                       **({"secret": opts["secret"]} if "secret" in opts else {})}
+            figures = {k: v for k, v in reply.metrics.items() if k != "elastic"}
             self.metrics.record_batch({"batch": batch_id, "step_s": time.perf_counter() - t0,
-                                       "rows_out": reply.rows, **reply.metrics}, reply.rows, [])
+                                       "rows_out": reply.rows, **figures}, reply.rows, [])
+            if "elastic" in reply.metrics:  # (its rows go to Spark's sink now)
+                self.elastic.batch_done(batch_id, reply.metrics["elastic"], time.time())
             self._last = (batch_id, answer)
             return answer
 
@@ -285,7 +293,9 @@ class PlanRun:
         with self._lock:
             reply = self.recovery.with_engine("a reconfiguration",
                                               lambda: self.recovery.engine.call(msg))
-        return self.recovery.reconfigured(msg, reply, t0)
+            rec = self.recovery.reconfigured(msg, reply, t0)
+            self.elastic.switched(rec)
+            return rec
 
     def settle(self) -> None:
         """Wait until the last batch is written (the engine appends to Delta after Spark has
