@@ -14,7 +14,7 @@ from chispa import assert_df_equality
 from pyspark.sql.streaming import StreamingQueryListener
 
 import spark_stretch
-from spark_stretch import Decision, ElasticPolicy, Policy
+from spark_stretch import Decision, ElasticPolicy, Policy, plot
 from spark_stretch.testing import run_native
 from spark_stretch.testing.stepped import event_source, steps, write_steps
 
@@ -128,10 +128,12 @@ def test_zipf_skewed_keys_are_rebalanced_to_theta_and_the_table_is_unchanged(spa
         spark.conf.unset("spark.stretch.metrics.table")  # (read when the query starts)
     q.awaitTermination()
     m = q.metrics()
-    # every batch's row in the Delta metrics table
+    # every batch's row in the Delta metrics table, and a plot of it
     table = spark.read.format("delta").load(str(tmp_path / "metrics")).toPandas()
     assert sorted(table["batch"]) == list(range(8)) and set(table["parallelism"]) == {2}
     assert set(table["stretch_id"]) == {q.stretch_id} and set(table["query_id"]) == {str(q.id)}
+    png = plot.main([str(tmp_path / "metrics"), "-o", str(tmp_path / "run.png")])
+    assert png.stat().st_size > 0
     rebalances = [r for r in m["reconfigurations"] if r["cause"] == "rebalance"]
     assert rebalances and all(r["parallelism"] == 2 for r in rebalances), m["reconfigurations"]
     rows = m["per_batch"]
