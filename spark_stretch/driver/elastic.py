@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Callable, Optional
 
 import numpy as np
@@ -36,7 +37,10 @@ from .policy import BatchMetrics, Decision, Policy
 __all__ = ["ElasticRun", "sink_figures", "per_batch_frame"]
 
 _ROWS_KEPT = 10_000  # per-batch rows kept in q.metrics() (the metrics table keeps every one)
-_COST_TUPLES = 100  # a step's cost per tuple is measured on at least this many tuples
+# The cost per tuple is the instances' busy time over the tuples they processed in the last
+# _COST_STEPS steps at the current parallelism, once they processed _COST_TUPLES (one slow
+# step of a few tuples, a table grown say, does not make it)
+_COST_STEPS, _COST_TUPLES = 4, 100
 
 
 class ElasticRun:
@@ -59,7 +63,8 @@ class ElasticRun:
         self._pending: Optional[Decision] = None
         self._since: Optional[int] = None  # batches stepped since the last epoch switch
         self._switch: Optional[dict] = None  # the switch before the next batch's step
-        self._cost: Optional[float] = None  # busy ms per processed tuple (instances' mean)
+        # (mean busy ms, tuples) of the last steps since the last switch: their cost per tuple
+        self._costs: deque = deque(maxlen=_COST_STEPS)
         self.latest: Optional[BatchMetrics] = None
 
     # -- asked by the pipeline ---------------------------------------------------------------
@@ -104,6 +109,7 @@ class ElasticRun:
         with self._lock:
             self._since = 0
             self._switch = record
+            self._costs.clear()  # (another parallelism: another cost per tuple)
             if record.get("cause") == "manual":
                 self._pending = None  # (decided under the parallelism the user changed)
 
@@ -118,9 +124,11 @@ class ElasticRun:
         gap = self._started.get(batch)
         rows = int(f.get("input_rows", 0))
         tuples = int(f.get("tuples", 0))
-        if tuples >= _COST_TUPLES and busy:
-            self._cost = float(np.mean(busy)) / tuples
-        demand = None if self._cost is None else self._cost * rows / budget
+        if tuples and busy:
+            self._costs.append((float(np.mean(busy)), tuples))
+        seen = sum(t for _, t in self._costs)
+        demand = (sum(b for b, _ in self._costs) / seen * rows / budget
+                  if seen >= _COST_TUPLES else None)
         p50 = p99 = None
         q = f.get("end_ms_q")
         if q and written_at is not None:

@@ -16,11 +16,12 @@ Examples
 --------
 >>> from spark_stretch.driver.policy import BatchMetrics, ElasticPolicy
 >>> p = ElasticPolicy(max_parallelism=4)
->>> busy = BatchMetrics(batch=7, parallelism=1, max_parallelism=4, utilization=[1.2])
+>>> busy = BatchMetrics(batch=7, parallelism=1, max_parallelism=4, utilization=[1.2],
+...                     tuples=5000)
 >>> p.decide(busy)
 Decision(cause='scale_out', parallelism=2, owner_map=None)
 >>> p.decide(BatchMetrics(batch=8, parallelism=2, max_parallelism=4, utilization=[0.2, 0.2],
-...                       batches_since_switch=3))
+...                       tuples=5000, batches_since_switch=3))
 Decision(cause='scale_in', parallelism=1, owner_map=None)
 >>> ElasticPolicy(scale_in_below=0.8, target=0.7)
 Traceback (most recent call last):
@@ -53,8 +54,9 @@ class BatchMetrics:
     per active instance (``instances``). An instance's utilization is its busy time in the
     batch's step over the time the batch had: the trigger interval of a processing-time trigger,
     else the wall time since the previous step ended (it exceeds 1 when the engine falls
-    behind). ``demand`` is the mean utilization the batch's *input* takes at the step's cost
-    per processed tuple (busy time per tuple times the input rows, over the batch's time): in
+    behind). ``demand`` is the mean utilization the batch's *input* takes at the instances'
+    cost per processed tuple (their busy time per tuple in the last few steps at this
+    parallelism, times the input rows, over the batch's time; None until known): in
     append mode the watermark releases a batch's rows to the instances one batch later, so the
     input is what the next step processes, and ``demand`` sees a rate step one batch before
     ``utilization`` does. ``imbalance`` is the busiest instance's load over the mean (keys
@@ -238,8 +240,8 @@ class ElasticPolicy(Policy):
         since = m.batches_since_switch
         if since is not None and since <= self.cooldown_batches:
             return None
-        if not m.utilization:
-            return None
+        if not m.utilization or (m.demand is None and not m.tuples):
+            return None  # (nothing measured: the step processed no tuple)
         top = min(m.max_parallelism, self.max_parallelism or m.max_parallelism)
         cur = m.parallelism
         u = m.demand if m.demand is not None else m.mean_utilization

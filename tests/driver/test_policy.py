@@ -11,6 +11,7 @@ from spark_stretch.protocol.placement import balanced_owner_map
 
 
 def _m(u, par=2, top=4, since=None, demand=None, **kw):
+    kw.setdefault("tuples", 1000)
     return BatchMetrics(batch=5, parallelism=par, max_parallelism=top, utilization=u,
                         batches_since_switch=since, demand=demand, **kw)
 
@@ -84,3 +85,8 @@ def test_elastic_argument():
         Decision("manual", parallelism=2)
     with pytest.raises(ValueError, match="give parallelism= or owner_map="):
         Decision("scale_out")
+
+
+def test_a_batch_that_measured_nothing_decides_nothing():
+    assert ElasticPolicy().decide(_m([5.0], par=1, tuples=0)) is None  # (a first step, say)
+    assert ElasticPolicy().decide(_m([5.0], par=1, tuples=10)).cause == "scale_out"
