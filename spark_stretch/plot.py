@@ -1,5 +1,6 @@
 """A Fig. 11-style plot of an elastic query (stretch-tpds §8.5): input rate, parallelism and
-event-time latency over time, from its per-batch figures, as a PNG (matplotlib).
+event-time latency over time, from its per-batch figures, as a PNG (matplotlib). Each point is a
+batch, at the time its output was written.
 
 From a query, ``plot_metrics(q.metrics(), "run.png")``; from the command line, with the figures
 saved as JSON (``json.dump(q.metrics(), f)``), a Delta metrics table
@@ -62,8 +63,8 @@ def load_metrics(source: Union[str, Path, dict]):
 
 
 def plot_metrics(metrics, path: Optional[Union[str, Path]] = None, title: Optional[str] = None):
-    """Plot a query's input rate (and the engine's processed rate), parallelism (each epoch
-    switch marked by its cause) and event-time latency (p50, p99) against seconds since its
+    """Plot a query's input rate, parallelism (each epoch switch marked by its cause) and
+    event-time latency (p50, p99 of each batch's output rows) against seconds since its
     first batch; save a PNG at ``path`` if given. ``metrics``: what :func:`load_metrics`
     takes. Returns the matplotlib Figure."""
     import matplotlib
@@ -76,12 +77,11 @@ def plot_metrics(metrics, path: Optional[Union[str, Path]] = None, title: Option
     fig, (rate, par, lat) = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
     x = df["seconds"] if len(df) else []
     if len(df):
-        rate.plot(x, df["input_rate"], label="input", color="tab:blue")
-        if "processed_rate" in df:
-            rate.plot(x, df["processed_rate"], label="processed by the engine", color="tab:orange",
-                      alpha=0.6, linewidth=1)
+        rate.plot(x, df["input_rate"], color="tab:blue")
         par.step(x, df["parallelism"], where="post", color="black")
-        par.set_ylim(0, max(df.get("max_parallelism", df["parallelism"]).max(), 1) + 0.5)
+        top = int(max(df.get("max_parallelism", df["parallelism"]).max(), 1))
+        par.set_ylim(0, top + 0.5)
+        par.set_yticks(range(0, top + 1))
         for _, r in df[df["switched"].notna()].iterrows() if "switched" in df else []:
             par.axvline(r["seconds"], color=_CAUSE_COLORS.get(r["switched"], "tab:gray"),
                         linestyle=":", linewidth=1)
@@ -89,7 +89,6 @@ def plot_metrics(metrics, path: Optional[Union[str, Path]] = None, title: Option
             if q in df:
                 lat.plot(x, df[q], style, label=q[8:11], color="tab:red")
     rate.set_ylabel("input rate (rows/s)")
-    rate.legend(loc="upper right", fontsize="small")
     par.set_ylabel("parallelism")
     lat.set_ylabel("event-time latency (ms)")
     lat.legend(loc="upper right", fontsize="small")

@@ -36,7 +36,8 @@ class QueryMetrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._m = {"batches": 0, "output_rows": 0, "plans": [], "reconfigurations": []}
+        self._m = {"batches": 0, "output_rows": 0, "plans": [], "reconfigurations": [],
+                   "per_batch": []}
 
     def wants_plans(self) -> bool:
         """Whether the next batch's plans are still kept (the first few batches' only)."""

@@ -5,6 +5,8 @@ with exponent ``zipf``: key ``r - 1`` has the r-th largest share) and a double v
 stream is a file per micro-batch, each spanning ``span_s`` seconds of event time, with the
 file's number of events as its rate: files of different sizes are the low and high steps of
 STRETCH's Q5 (stretch-tpds §8.5) replayed by a file source, one file a trigger.
+:func:`publish_steps` writes them live instead, each file when its time comes, its events' times
+the wall-clock interval before it, so the event-time latency of the results is real.
 
 Examples
 --------
@@ -17,6 +19,8 @@ Examples
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -26,7 +30,7 @@ import pyarrow.parquet as pq
 
 from .data import _event_times, _stamp
 
-__all__ = ["EVENTS", "events_table", "event_source", "steps", "write_steps"]
+__all__ = ["EVENTS", "events_table", "event_source", "publish_steps", "steps", "write_steps"]
 
 #: The schema of :func:`write_steps`'s files, as Spark reads them.
 EVENTS = "ts TIMESTAMP, k BIGINT, v DOUBLE"
@@ -66,6 +70,38 @@ def write_steps(folder, sizes: Sequence[int], span_s: float = 10.0, first_file: 
         pq.write_table(t, path)
         _stamp(path)
     return folder
+
+
+def publish_steps(folder, sizes: Sequence[int], interval_s: float, seed: int = 0,
+                  stop: Optional[threading.Event] = None, **kwargs) -> threading.Thread:
+    """A live stepped stream: file ``i`` (``sizes[i]`` events, their times spread over the
+    ``interval_s`` seconds of wall-clock time before it) is written ``i * interval_s`` seconds
+    after the call (``stop`` ends it early). Returns the writing thread, started; its
+    ``published`` lists ``(file, wall-clock time)``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stop = stop or threading.Event()
+
+    def run():
+        t0 = time.time()
+        for i, n in enumerate(sizes):
+            due = t0 + (i + 1) * interval_s
+            if stop.wait(max(0.0, due - time.time())):
+                return
+            now = time.time()
+            t = events_table(int(n), start_s=now - interval_s, rate=max(n, 1) / interval_s,
+                             jitter_s=0.0, seed=seed * 100_003 + i, **kwargs)
+            path = folder / f"events-{i:06d}.parquet"
+            tmp = folder / f".events-{i:06d}.parquet.tmp"
+            pq.write_table(t, tmp)
+            _stamp(tmp)
+            tmp.rename(path)
+            thread.published.append((path.name, now))
+
+    thread = threading.Thread(target=run, name="stretch-publish-steps", daemon=True)
+    thread.published = []
+    thread.start()
+    return thread
 
 
 def event_source(spark, src, delay: str = "1 second", files_per_batch: int = 1):
