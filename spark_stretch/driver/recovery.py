@@ -205,9 +205,11 @@ class Recovery:
     def reconfigured(self, msg: M.Reconfigure, reply: M.Reconfigured, t0: float,
                      cause: str = "manual") -> dict:
         """Record a reconfiguration requested at ``t0`` (``perf_counter``) in the figures, with
-        its ``cause`` (the user's ``"manual"``, or a policy's decision), and remember it, to
-        apply it again after a restart; its record."""
-        rec = dict(reply.to_dict(), cause=cause, request_ms=(time.perf_counter() - t0) * 1e3)
+        its ``cause`` (the user's ``"manual"``, or a policy's decision) and when it was done
+        (``at_ms``, wall clock), and remember it, to apply it again after a restart; its
+        record."""
+        rec = dict(reply.to_dict(), cause=cause, request_ms=(time.perf_counter() - t0) * 1e3,
+                   at_ms=int(time.time() * 1e3))
         self._metrics.append("reconfigurations", rec)
         self._reconfigs.append({"parallelism": msg.parallelism, "owner_map": msg.owner_map,
                                 "after_batch": reply.after_batch, "persist": msg.persist})
