@@ -245,6 +245,8 @@ class PlanRun:
         self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
         if delta is not None:
             self._sink.start()
+            # (the engine's appends: the sink is the shim's, its progress carries the figures)
+            jvm.register_aggregation_figures(spark, agg_id, self.elastic.sink_figures)
         self.recovery.open_in_background()
 
     def batch(self, batch_id: int, jdf, jplan) -> dict:

@@ -16,6 +16,7 @@ from pyspark.sql.types import StructType
 
 __all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "plan_string",
            "foreach_batch_with_metrics", "forget_batch_function", "processing_interval_ms",
+           "register_aggregation_figures",
            "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "splits_for",
            "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
@@ -125,6 +126,16 @@ def foreach_batch_with_metrics(df: DataFrame, func, figures, key: str):
 def forget_batch_function(spark: SparkSession, key: str) -> None:
     """Drop what :func:`foreach_batch_with_metrics` registered as ``key``."""
     spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchBatchSink.unregister(key)
+
+
+def register_aggregation_figures(spark: SparkSession, agg_id: str, figures) -> None:
+    """``figures()`` (a dict) as the sink's custom metrics of the shim's ``StretchDeltaSink``
+    when it appends the stretch aggregation ``agg_id``'s rows (``stretch(df)`` to Delta)."""
+    from pyspark.java_gateway import ensure_callback_server_started
+
+    ensure_callback_server_started(spark.sparkContext._gateway)
+    spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchBatchSink.registerFigures(
+        agg_id, _SinkMetrics(figures))
 
 
 def processing_interval_ms(query) -> Optional[int]:

@@ -226,3 +226,27 @@ def test_a_policy_that_does_not_fit_the_query_fails_before_it_starts(spark, tmp_
     assert spark.streams.active == [] or all(
         "events" not in str(s.lastProgress) for s in spark.streams.active)
     assert spark_stretch.ElasticPolicy is ElasticPolicy
+
+
+def test_stretch_df_appending_to_delta_reports_its_figures_in_sparks_progress(spark, tmp_path):
+    from pyspark.sql import functions as F
+
+    src = write_steps(tmp_path / "src", [2000] * 4, keys=500, seed=2)
+    agg = event_source(spark, src).groupBy(F.window("ts", "10 seconds"), "k").count()
+    listener = _Progress()
+    spark.streams.addListener(listener)
+    try:
+        q = (spark_stretch.stretch(agg).writeStream.format("delta")
+             .option("checkpointLocation", str(tmp_path / "c")).trigger(availableNow=True)
+             .start(str(tmp_path / "o")))
+        q.awaitTermination()
+        time.sleep(0.5)
+    finally:
+        spark.streams.removeListener(listener)
+    mine = [s for qid, _, s in listener.events if qid == str(q.id)]
+    assert any("stretch.batch" in s for s in mine), mine
+    rows = spark_stretch.control(q).metrics()["per_batch"]
+    # (Spark's own no-data batch at the end of the run is a batch of the engine's too)
+    assert [r["batch"] for r in rows][:4] == list(range(4))
+    assert all(r["parallelism"] == 1 for r in rows)
+    assert spark_stretch.control(q).metrics_frame()["input_rows"].sum() == 8000

@@ -45,16 +45,7 @@ class StretchBatchSink(fn: PythonForeachBatchFunction, source: StretchSinkMetric
   extends ForeachBatchSink[Row]((ds, batchId) => fn.call(ds, batchId),
     ExpressionEncoder(schema)) with ReportsSinkMetrics {
 
-  override def metrics(): java.util.Map[String, String] = {
-    val out = new java.util.HashMap[String, String]()
-    try {
-      val node = StretchPlans.mapper.readTree(source.metrics())
-      node.fields().asScala.foreach { e => out.put(e.getKey, e.getValue.asText()) }
-    } catch {
-      case _: Exception => // (no figures this time: a progress update must not fail the query)
-    }
-    out
-  }
+  override def metrics(): java.util.Map[String, String] = StretchBatchSink.figures(source)
 }
 
 object StretchBatchSink {
@@ -70,4 +61,25 @@ object StretchBatchSink {
     registered.put(key, (fn, metrics, DataType.fromJson(schemaJson).asInstanceOf[StructType]))
 
   def unregister(key: String): Unit = registered.remove(key)
+
+  /** The figures callbacks of stretch aggregations in a plan, by aggregation id (for
+   *  [[StretchDeltaSink]]: the engine appending a `stretch(df)` query's rows to Delta). */
+  private[stretch] val byAggregation = new ConcurrentHashMap[String, StretchSinkMetrics]()
+
+  def registerFigures(aggId: String, metrics: StretchSinkMetrics): Unit =
+    byAggregation.put(aggId, metrics)
+
+  /** A callback's figures as a sink's metrics (none if it fails or has none). */
+  def figures(source: StretchSinkMetrics): java.util.Map[String, String] = {
+    val out = new java.util.HashMap[String, String]()
+    if (source != null) {
+      try {
+        val node = StretchPlans.mapper.readTree(source.metrics())
+        node.fields().asScala.foreach { e => out.put(e.getKey, e.getValue.asText()) }
+      } catch {
+        case _: Exception => // (no figures this time: a progress update must not fail the query)
+      }
+    }
+    out
+  }
 }
