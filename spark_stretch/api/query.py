@@ -2,7 +2,8 @@
 
 It has every method of pyspark's :class:`~pyspark.sql.streaming.StreamingQuery`, each forwarded
 to Spark's query explicitly (as pyspark's own ``streaming/query.py`` forwards to the JVM), plus
-what only stretch has: :meth:`StretchQuery.reconfigure` and :meth:`StretchQuery.metrics`.
+what only stretch has: :meth:`StretchQuery.reconfigure`, :meth:`StretchQuery.metrics` and
+:meth:`StretchQuery.metrics_frame`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["StretchQuery"]
 
 class StretchQuery:
     """A running stretch query: a :class:`~pyspark.sql.streaming.StreamingQuery` plus
-    :meth:`reconfigure` and :meth:`metrics`.
+    :meth:`reconfigure`, :meth:`metrics` and :meth:`metrics_frame`.
 
     Examples
     --------

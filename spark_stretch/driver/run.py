@@ -1,7 +1,9 @@
 """A running stretch query on the driver: how it starts, watches its run, and ends.
 
 Spark runs the query kind's input as a streaming query whose ``foreachBatch`` is the
-:class:`~.pipeline.Pipeline`; around it, this module opens the host engine where Spark resumes
+:class:`~.pipeline.Pipeline` (Spark's ``ForeachBatchSink`` as the shim's ``StretchBatchSink``,
+which adds the batches' figures, :mod:`.elastic`, to the query's progress); around it, this
+module opens the host engine where Spark resumes
 (:class:`~.recovery.Recovery`), plays Spark's no-data batch when a trigger of the query finds no
 data (and before ``processAllAvailable`` returns) or a one-shot run ends, and releases the engine
 (and the query's shared memory) when the run ends.
