@@ -92,7 +92,11 @@ class ElasticRun:
         if self._table is not None:
             self._table.append(m.row())
         if self.policy is not None:
-            decision = self.policy.decide(m)
+            try:
+                decision = self.policy.decide(m)
+            except Exception as e:  # (fails the query, as an error in foreachBatch would)
+                raise RuntimeError(f"stretch: the elastic policy {self.policy!r} failed on "
+                                   f"batch {batch}: {type(e).__name__}: {e}") from e
             if decision is not None:
                 with self._lock:
                     self._pending = decision

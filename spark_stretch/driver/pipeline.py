@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Optional, Tuple
 
 from pyspark.sql import DataFrame
@@ -175,11 +176,10 @@ class Pipeline:
     def _apply_decision(self) -> None:
         """The policy's decision after the last batch, applied now (nothing in flight)."""
         d = self.elastic.pending() if self.elastic is not None else None
-        if d is not None:
-            msg = M.Reconfigure(query=self._qid, parallelism=d.parallelism,
-                                owner_map=None if d.owner_map is None else
-                                [int(x) for x in d.owner_map], persist=False)
-            self._switch(msg, d.cause)
+        if d is not None:  # (checked as a user's would be: 1 <= parallelism <= max)
+            msg = recovery.reconfiguration(self._qid, d.parallelism, d.owner_map,
+                                           self._kind.max_parallelism)
+            self._switch(replace(msg, persist=False), d.cause)
 
     def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
         t0 = time.perf_counter()

@@ -90,3 +90,18 @@ def test_elastic_argument():
 def test_a_batch_that_measured_nothing_decides_nothing():
     assert ElasticPolicy().decide(_m([5.0], par=1, tuples=0)) is None  # (a first step, say)
     assert ElasticPolicy().decide(_m([5.0], par=1, tuples=10)).cause == "scale_out"
+
+
+def test_a_failing_policy_is_named_with_its_batch():
+    from spark_stretch.driver.elastic import ElasticRun
+    from spark_stretch.driver.metrics import QueryMetrics
+
+    class Broken(Policy):
+        def decide(self, metrics):
+            raise KeyError("oops")
+
+    run = ElasticRun(Broken(), max_parallelism=2, metrics=QueryMetrics())
+    fig = {"step_ms": 1.0, "instances": [0], "busy_ms": [0.5], "parallelism": 1, "tuples": 1}
+    with pytest.raises(RuntimeError, match=r"the elastic policy .*Broken.* failed on batch 3: "
+                                           r"KeyError: 'oops'"):
+        run.batch_done(3, fig, written_at=None)
