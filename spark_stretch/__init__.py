@@ -25,7 +25,8 @@ if _os.environ.get("SPARK_STRETCH_PROCESS") in ("host", "worker"):
 else:
     from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
-    from .api import (FallbackWarning, StretchAggregation, StretchControl,
+    from .api import (BatchMetrics, Decision, ElasticPolicy, FallbackWarning, Policy,
+                      StretchAggregation, StretchControl,
                       StretchGroupedAggregation, StretchQuery, control, install, pairs, stretch,
                       stretch_aggregate, stretch_apply_in_pandas_with_state)
     from .driver.session import configure_spark_with_stretch, session
@@ -33,7 +34,8 @@ else:
 
     install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
 
-    __all__ = ["FallbackWarning", "GroupState", "GroupStateTimeout", "Receiver",
+    __all__ = ["BatchMetrics", "Decision", "ElasticPolicy", "Policy",
+               "FallbackWarning", "GroupState", "GroupStateTimeout", "Receiver",
                "StretchAggregation", "StretchControl", "StretchGroupedAggregation", "control",
                "stretch", "StretchQuery", "configure_spark_with_stretch",
                "pairs", "session", "stretch_aggregate", "stretch_apply_in_pandas_with_state",

@@ -6,6 +6,8 @@
 - :func:`~.grouped.stretch_apply_in_pandas_with_state` (``df.groupBy(...).stretchAggregate``):
   the ``applyInPandasWithState`` drop-in (:mod:`.grouped`);
 - ``.writeStream`` (:mod:`.writer`) starts a :class:`~.query.StretchQuery`;
+- ``elastic=`` takes an :class:`ElasticPolicy` (or a :class:`Policy` of the user's: a batch's
+  :class:`BatchMetrics` in, a :class:`Decision` out; :mod:`spark_stretch.driver.policy`);
 - :func:`~.native_spelling.stretch` (``df.groupBy(...).stretchAgg``): a native aggregation as
   written for Spark, on the engine inside Spark's plan, a streaming DataFrame back
   (:mod:`.native_spelling`), and :func:`~.native_spelling.control` for its running query.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from pyspark.sql import DataFrame
 from pyspark.sql.group import GroupedData
 
+from ..driver.policy import BatchMetrics, Decision, ElasticPolicy, Policy
 from .aggregate import StretchAggregation, stretch_aggregate
 from .grouped import StretchGroupedAggregation, stretch_apply_in_pandas_with_state
 from .native_spelling import FallbackWarning, StretchControl, control, stretch, stretch_agg
@@ -25,7 +28,8 @@ from .operators import StretchOperatorAggregation
 from .query import StretchQuery
 from .specs import pairs
 
-__all__ = ["FallbackWarning", "StretchAggregation", "StretchControl", "StretchGroupedAggregation",
+__all__ = ["BatchMetrics", "Decision", "ElasticPolicy", "Policy", "FallbackWarning",
+           "StretchAggregation", "StretchControl", "StretchGroupedAggregation",
            "StretchOperatorAggregation", "StretchQuery", "control", "install", "pairs", "stretch",
            "stretch_aggregate", "stretch_apply_in_pandas_with_state"]
 

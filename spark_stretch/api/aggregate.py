@@ -11,6 +11,7 @@ from __future__ import annotations
 from pyspark.sql import DataFrame
 from pyspark.sql.types import StructType
 
+from ..driver.policy import as_policy
 from ..protocol.specs import AggregateSpec
 from .native import native_equivalent
 from .operators import StretchOperatorAggregation, build_operator_spec, is_engine_operator
@@ -22,7 +23,7 @@ __all__ = ["StretchAggregation", "stretch_aggregate"]
 
 def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, others=None,
                       parallelism: int = 1, max_parallelism: int = 4,
-                      buckets: int = 4096) -> "StretchAggregation":
+                      buckets: int = 4096, elastic=None) -> "StretchAggregation":
     """Windowed aggregation per key on the host's shared-state (VSN) engine.
 
     The rows are those of the native ``groupBy(window(ts, size, slide), key).agg(...)`` (after
@@ -54,6 +55,13 @@ def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, oth
         Instances created (n); ``reconfigure`` moves between 1 and n without a restart.
     buckets : int
         State buckets (B); ownership moves between instances bucket by bucket.
+    elastic : bool or Policy, optional
+        Reconfigure the running query by itself: ``True`` for
+        :class:`spark_stretch.ElasticPolicy`'s defaults (scale out above 90% utilization, in
+        below 45%, aiming at 70%, between 1 and ``max_parallelism``; rebalance buckets when the
+        busiest instance carries more than 1.2x the mean load), an ``ElasticPolicy(...)`` with
+        other thresholds, or a :class:`spark_stretch.Policy` of your own. Checked here;
+        ``reconfigure`` still works beside it.
 
     Returns
     -------
@@ -70,6 +78,11 @@ def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, oth
     ...                             agg="count", parallelism=1, max_parallelism=4))
     >>> q = counts.writeStream.format("delta").option("checkpointLocation", ckpt).start(out)  # doctest: +SKIP
     >>> q.reconfigure(parallelism=2)   # online: no restart, no shuffle, no state moved  # doctest: +SKIP
+    >>> elastic = words.stretchAggregate(keys="words", window="60 seconds",        # doctest: +SKIP
+    ...                                  max_parallelism=2, elastic=True)
+    >>> q = elastic.writeStream.option("checkpointLocation", ckpt2).start(out2)  # doctest: +SKIP
+    >>> [r["cause"] for r in q.metrics()["reconfigurations"]]              # doctest: +SKIP
+    ['scale_out', 'scale_in']
 
     Notes
     -----
@@ -82,13 +95,16 @@ def stretch_aggregate(df: DataFrame, keys=None, window=None, agg="count", *, oth
     if is_engine_operator(agg):
         spec = build_operator_spec(df, others, agg, window, keys, parallelism, max_parallelism,
                                    buckets)
-        return StretchOperatorAggregation(df, others, spec)
-    if others is not None:
-        raise ValueError("others= is the second input stream of an engine operator with I = 2 "
-                         "(agg=spark_stretch.ops.band_join(...), passthrough(...)); built-in "
-                         "aggregations read one stream")
-    spec = build_spec(df, keys, window, agg, parallelism, max_parallelism, buckets)
-    return StretchAggregation(df, spec)
+        kind = StretchOperatorAggregation(df, others, spec)
+    else:
+        if others is not None:
+            raise ValueError("others= is the second input stream of an engine operator with "
+                             "I = 2 (agg=spark_stretch.ops.band_join(...), passthrough(...)); "
+                             "built-in aggregations read one stream")
+        kind = StretchAggregation(df, build_spec(df, keys, window, agg, parallelism,
+                                                 max_parallelism, buckets))
+    kind.elastic = as_policy(elastic, kind.max_parallelism)
+    return kind
 
 
 class StretchAggregation(StretchResult):

@@ -19,6 +19,7 @@ from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import StructType
 
 from ..driver import jvm
+from ..driver.policy import as_policy
 from ..protocol.layout import FLUSH_FORMAT, check_format, write_json
 from ..protocol.specs import GroupedSpec
 from .specs import find_watermark
@@ -70,7 +71,7 @@ def stretch_apply_in_pandas_with_state(
         gd: GroupedData, func, outputStructType: Union[StructType, str],
         stateStructType: Union[StructType, str], outputMode: str, timeoutConf: str, *,
         parallelism: Optional[int] = None, max_parallelism: Optional[int] = None,
-        buckets: int = 256) -> "StretchGroupedAggregation":
+        buckets: int = 256, elastic=None) -> "StretchGroupedAggregation":
     """
     Applies the given function to each group of data, while maintaining a user-defined per-group
     state, on the host's shared-state engine: the drop-in replacement for
@@ -112,6 +113,11 @@ def stretch_apply_in_pandas_with_state(
     buckets : int
         State buckets; ownership moves between instances bucket by bucket. Keep it the same
         across restarts from one checkpoint.
+    elastic : bool or Policy, optional
+        Reconfigure the running query by itself, as ``stretchAggregate(elastic=...)`` does:
+        ``True``, an :class:`spark_stretch.ElasticPolicy` or a :class:`spark_stretch.Policy`.
+        An instance's utilization is its function's time in the batch; its load, the rows of
+        the buckets it owns.
 
     Returns
     -------
@@ -194,7 +200,9 @@ def stretch_apply_in_pandas_with_state(
         ts_column=ts_column, delay_ms=int(delay), watermark_present=present,
         runner_conf=_runner_conf(spark), parallelism=m, max_parallelism=n, buckets=buckets,
         func=base64.b64encode(cloudpickle.dumps(func)).decode())
-    return StretchGroupedAggregation(df, spec, native, outputStructType)
+    kind = StretchGroupedAggregation(df, spec, native, outputStructType)
+    kind.elastic = as_policy(elastic, n)
+    return kind
 
 
 class StretchGroupedAggregation(StretchResult):

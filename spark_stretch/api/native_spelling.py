@@ -17,6 +17,7 @@ from pyspark.sql import DataFrame, GroupedData, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from ..driver import jvm
+from ..driver.elastic import per_batch_frame
 from ..driver.inplan import FallbackWarning, fall_back, handler_for, run_of
 from ..protocol.specs import AggregateSpec
 from .frame import StretchFrame
@@ -159,8 +160,13 @@ class StretchControl:
         return self._run().reconfigure(parallelism, owner_map, key_groups)
 
     def metrics(self) -> dict:
-        """The engine's figures for this run (batches, rows, reconfigurations, ...)."""
+        """The engine's figures for this run (batches, rows, reconfigurations, per-batch
+        figures, ...), as :meth:`spark_stretch.StretchQuery.metrics`."""
         return self._run().figures()
+
+    def metrics_frame(self):
+        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch."""
+        return per_batch_frame(self._run().figures())
 
 
 def control(query: StreamingQuery) -> Optional[StretchControl]:

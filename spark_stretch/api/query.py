@@ -2,7 +2,8 @@
 
 It has every method of pyspark's :class:`~pyspark.sql.streaming.StreamingQuery`, each forwarded
 to Spark's query explicitly (as pyspark's own ``streaming/query.py`` forwards to the JVM), plus
-what only stretch has: :meth:`StretchQuery.reconfigure` and :meth:`StretchQuery.metrics`.
+what only stretch has: :meth:`StretchQuery.reconfigure`, :meth:`StretchQuery.metrics` and
+:meth:`StretchQuery.metrics_frame`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import List, Optional
 
 from pyspark.errors import StreamingQueryException
 
+from ..driver.elastic import per_batch_frame
 from ..driver.run import QueryRun
 
 __all__ = ["StretchQuery"]
@@ -18,7 +20,7 @@ __all__ = ["StretchQuery"]
 
 class StretchQuery:
     """A running stretch query: a :class:`~pyspark.sql.streaming.StreamingQuery` plus
-    :meth:`reconfigure` and :meth:`metrics`.
+    :meth:`reconfigure`, :meth:`metrics` and :meth:`metrics_frame`.
 
     Examples
     --------
@@ -73,8 +75,31 @@ class StretchQuery:
 
     def metrics(self) -> dict:
         """Engine and per-batch figures: parallelism, epoch, switch times, late rows, timings
-        (see :mod:`spark_stretch.driver.metrics` for the keys)."""
+        (see :mod:`spark_stretch.driver.metrics` for the keys); ``per_batch`` has each batch's
+        rates, event-time latency, utilization and load per instance, parallelism and epoch
+        switch, and ``reconfigurations`` each switch with its ``cause``.
+
+        Examples
+        --------
+        >>> m = q.metrics()                                          # doctest: +SKIP
+        >>> m["per_batch"][-1]["utilization"], m["per_batch"][-1]["latency_p99_ms"]  # doctest: +SKIP
+        ([0.41, 0.39], 2150.0)
+        """
         return self._run.figures()
+
+    def metrics_frame(self):
+        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch (``time``,
+        ``seconds`` since the first, ``input_rate``, ``parallelism``, ``latency_p99_ms``,
+        ``utilization_max``, ``imbalance``, ``switched``, ``switch_ms``, ...).
+
+        Examples
+        --------
+        >>> q.metrics_frame()[["batch", "input_rate", "parallelism"]].tail(2)   # doctest: +SKIP
+           batch  input_rate  parallelism
+        8      8      4980.1            2
+        9      9      1012.7            1
+        """
+        return per_batch_frame(self._run.figures())
 
     # -- StreamingQuery ------------------------------------------------------------------------
     @property

@@ -30,6 +30,7 @@ from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
 from ..protocol.specs import AggregateSpec
 from . import jvm, recovery
+from .elastic import ElasticRun
 from .ingest import Ingest
 from .metrics import QueryMetrics
 from .pipeline import Pipeline
@@ -219,6 +220,7 @@ class PlanRun:
                        checkpoint=recovery.checkpointing(self.layout, settings))
         self.spec = spec
         self.metrics = QueryMetrics()
+        self.elastic = ElasticRun(None, spec.max_parallelism, self.metrics)  # (figures only)
         self._plan = None
         engine = lambda: self.recovery.engine  # noqa: E731
         if delta is not None:
@@ -237,11 +239,14 @@ class PlanRun:
         # input before Spark may commit it).
         # (Spark runs this query's no-data batches itself: no trigger state to watch)
         self._pipeline = (Pipeline(qid, kind, self.recovery, self._ingest, self._sink,
-                                   self.metrics, lambda: None) if delta is not None else None)
+                                   self.metrics, lambda: None, self.elastic)
+                          if delta is not None else None)
         self._lock = threading.Lock()
         self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
         if delta is not None:
             self._sink.start()
+            # (the engine's appends: the sink is the shim's, its progress carries the figures)
+            jvm.register_aggregation_figures(spark, agg_id, self.elastic.sink_figures)
         self.recovery.open_in_background()
 
     def batch(self, batch_id: int, jdf, jplan) -> dict:
@@ -256,6 +261,7 @@ class PlanRun:
                 self._last = (batch_id, {"rows": 0, "direct": True})
                 return self._last[1]
             self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
+            self.elastic.started(batch_id)
             t0 = time.perf_counter()
             reply = self.recovery.with_engine(f"batch {batch_id}",
                                               lambda: self._step(df, batch_id), opened=False)
@@ -265,8 +271,11 @@ class PlanRun:
             answer = {"endpoint": opts["endpoints"], "stream": reply.stream, "rows": reply.rows,
                       "splits": jvm.splits_for(self._spark, reply.rows),
                       **({"secret": opts["secret"]} if "secret" in opts else {})}
+            figures = {k: v for k, v in reply.metrics.items() if k != "elastic"}
             self.metrics.record_batch({"batch": batch_id, "step_s": time.perf_counter() - t0,
-                                       "rows_out": reply.rows, **reply.metrics}, reply.rows, [])
+                                       "rows_out": reply.rows, **figures}, reply.rows, [])
+            if "elastic" in reply.metrics:  # (its rows go to Spark's sink now)
+                self.elastic.batch_done(batch_id, reply.metrics["elastic"], time.time())
             self._last = (batch_id, answer)
             return answer
 
@@ -292,7 +301,9 @@ class PlanRun:
         with self._lock:
             reply = self.recovery.with_engine("a reconfiguration",
                                               lambda: self.recovery.engine.call(msg))
-        return self.recovery.reconfigured(msg, reply, t0)
+            rec = self.recovery.reconfigured(msg, reply, t0)
+            self.elastic.switched(rec)
+            return rec
 
     def settle(self) -> None:
         """Wait until the last batch is written (the engine appends to Delta after Spark has

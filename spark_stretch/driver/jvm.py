@@ -15,6 +15,8 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 __all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "plan_string",
+           "foreach_batch_with_metrics", "forget_batch_function", "processing_interval_ms",
+           "register_aggregation_figures",
            "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "splits_for",
            "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
@@ -82,6 +84,68 @@ def trigger_state(query) -> Optional[Tuple[int, int, int, bool]]:
     if start < 0 or ctx.currentTriggerStartTimestamp() != start:
         return None  # none yet, or another trigger began while these were read
     return int(batch), int(start), int(before), bool(idle)
+
+
+class _SinkMetrics:
+    """The shim's ``StretchSinkMetrics`` (py4j callback): ``figures()``, a dict of the query's
+    figures, as the JSON object of strings its progress's sink metrics are."""
+
+    def __init__(self, figures):
+        self._figures = figures
+
+    def metrics(self) -> str:
+        import json
+
+        try:
+            return json.dumps({k: str(v) for k, v in self._figures().items()})
+        except Exception:  # (no figures this time: a progress update must not fail the query)
+            return "{}"
+
+    class Java:
+        implements = ["org.apache.spark.sql.stretch.StretchSinkMetrics"]
+
+
+def foreach_batch_with_metrics(df: DataFrame, func, figures, key: str):
+    """``df.writeStream.foreachBatch(func)``, run by Spark's own ``ForeachBatchSink`` as the
+    shim's ``StretchBatchSink``, which adds ``figures()`` (a dict) to each progress update as
+    the sink's custom metrics (``progress.sink.metrics``). ``key`` names the registration (one
+    per query: :func:`forget_batch_function` drops it). The writer, to configure and start."""
+    from pyspark.java_gateway import ensure_callback_server_started
+    from pyspark.sql.utils import ForeachBatchFunction
+
+    spark = df.sparkSession
+    gw = spark.sparkContext._gateway
+    shim = spark.sparkContext._jvm.org.apache.spark.sql.stretch
+    shim.StretchBatchSink.register(key, ForeachBatchFunction(spark, func), _SinkMetrics(figures),
+                                   df.schema.json())
+    ensure_callback_server_started(gw)
+    return (df.writeStream.format("org.apache.spark.sql.stretch.StretchBatchSinkProvider")
+            .option("stretch.sink", key))
+
+
+def forget_batch_function(spark: SparkSession, key: str) -> None:
+    """Drop what :func:`foreach_batch_with_metrics` registered as ``key``."""
+    spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchBatchSink.unregister(key)
+
+
+def register_aggregation_figures(spark: SparkSession, agg_id: str, figures) -> None:
+    """``figures()`` (a dict) as the sink's custom metrics of the shim's ``StretchDeltaSink``
+    when it appends the stretch aggregation ``agg_id``'s rows (``stretch(df)`` to Delta)."""
+    from pyspark.java_gateway import ensure_callback_server_started
+
+    ensure_callback_server_started(spark.sparkContext._gateway)
+    spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchBatchSink.registerFigures(
+        agg_id, _SinkMetrics(figures))
+
+
+def processing_interval_ms(query) -> Optional[int]:
+    """The interval (ms) of a running ``StreamingQuery``'s processing-time trigger, or None
+    (another trigger, or an interval of 0: batches back to back)."""
+    trigger = query._jsq.streamingQuery().trigger()
+    if trigger.getClass().getSimpleName() != "ProcessingTimeTrigger":
+        return None
+    ms = int(trigger.intervalMs())
+    return ms if ms > 0 else None
 
 
 def plan_string(ran) -> str:

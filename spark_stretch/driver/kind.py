@@ -14,6 +14,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 from ..protocol.specs import QuerySpec
+from .policy import Policy
 
 __all__ = ["QueryKind"]
 
@@ -23,6 +24,8 @@ class QueryKind(ABC):
 
     #: The engine runtime has submit/result and an input log: micro-batches are pipelined.
     pipelined: bool = True
+    #: The elastic policy deciding reconfigurations after each batch (``elastic=``), or None.
+    elastic: Optional[Policy] = None
 
     def __init__(self, df: DataFrame):
         self._df = df

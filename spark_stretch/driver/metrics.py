@@ -1,8 +1,11 @@
 """A running query's figures on the driver, as ``StretchQuery.metrics()`` returns them.
 
 Keys: ``batches``, ``output_rows``, ``batch_times`` (the last 100 batches: ingest, engine, output
-and checkpoint times, the checkpoint's figures), ``last_batch``, ``plans`` (the Spark plans of
-the first batches' jobs: tests assert no Exchange), ``reconfigurations``, ``ingest`` (batches
+and checkpoint times, the checkpoint's figures), ``last_batch``, ``per_batch`` (each batch's
+figures: rates, event-time latency, utilization and load per instance, parallelism, switches;
+:class:`~.policy.BatchMetrics`, :mod:`.elastic`), ``plans`` (the Spark plans of the first
+batches' jobs: tests assert no Exchange), ``reconfigurations`` (each with its ``cause``,
+``parallelism`` and ``switch_ms``), ``ingest`` (batches
 per ingest path) and, when they happened, ``files_off``, ``direct_writes``,
 ``direct_write_off``, ``flushes``, ``engine_restarts``, ``realigned``; ``engine`` is the host
 engine's own figures, merged in by the query.
@@ -19,7 +22,7 @@ Examples
 from __future__ import annotations
 
 import threading
-from typing import List
+from typing import List, Optional
 
 __all__ = ["QueryMetrics"]
 
@@ -33,7 +36,8 @@ class QueryMetrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._m = {"batches": 0, "output_rows": 0, "plans": [], "reconfigurations": []}
+        self._m = {"batches": 0, "output_rows": 0, "plans": [], "reconfigurations": [],
+                   "per_batch": []}
 
     def wants_plans(self) -> bool:
         """Whether the next batch's plans are still kept (the first few batches' only)."""
@@ -60,9 +64,13 @@ class QueryMetrics:
         with self._lock:
             self._m[key] = self._m.get(key, 0) + n
 
-    def append(self, key: str, item) -> None:
+    def append(self, key: str, item, keep: Optional[int] = None) -> None:
+        """Add ``item`` to the list ``key`` (keeping its last ``keep`` items, if given)."""
         with self._lock:
-            self._m.setdefault(key, []).append(item)
+            items = self._m.setdefault(key, [])
+            items.append(item)
+            if keep is not None:
+                del items[:-keep]
 
     def set(self, key: str, value) -> None:
         with self._lock:

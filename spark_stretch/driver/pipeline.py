@@ -11,6 +11,10 @@ batch is in flight: a flush, ``reconfigure``, ``processAllAvailable``, ``stop`` 
 ``availableNow`` run wait for it. The drop-in (not pipelined) steps, writes and checkpoints each
 batch before ``foreachBatch`` returns.
 
+An elastic query's policy decides after each batch (:mod:`.elastic`); its decision is applied
+before the next batch's step, with nothing in flight, as :meth:`Pipeline.reconfigure` applies
+the user's.
+
 Spark's no-data batch (a *flush*) is played where a stateful query would run one: after a
 trigger of Spark's query found no data (:func:`.jvm.trigger_state` tells), before the next
 batch's rows, and on every such trigger while the engine says another may have rows
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Optional, Tuple
 
 from pyspark.sql import DataFrame
@@ -29,6 +34,7 @@ from ..protocol import messages as M
 from . import jvm, recovery
 from .ingest import Ingest
 from .metrics import QueryMetrics
+from .elastic import ElasticRun
 from .recovery import Recovery
 from .sink import Sink
 
@@ -39,8 +45,10 @@ class Pipeline:
     """The micro-batches of one query (``kind.pipelined``: overlapped, see the module doc)."""
 
     def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: Sink,
-                 metrics: QueryMetrics, trigger: Callable[[], Optional[Tuple]]):
+                 metrics: QueryMetrics, trigger: Callable[[], Optional[Tuple]],
+                 elastic: Optional[ElasticRun] = None):
         self._qid = qid
+        self.elastic = elastic  # per-batch figures and the policy's decisions
         self._kind = kind
         self._rec = rec
         self._ingest = ingest
@@ -62,6 +70,8 @@ class Pipeline:
     def run_batch(self, batch_df: DataFrame, batch_id: int) -> None:
         """The ``foreachBatch`` function."""
         with self._step_lock:
+            if self.elastic is not None:
+                self.elastic.started(batch_id)
             # After a restart the engine continues from what it held after the previous batch
             # (its state, or its logged input: on disk before Spark committed that batch) and
             # this batch runs again whole.
@@ -83,6 +93,7 @@ class Pipeline:
         t1 = time.perf_counter()
         self._drain()
         self._play_before(trigger)
+        self._apply_decision()
         t2 = time.perf_counter()
         eng = self._rec.engine
         eng.call(M.Submit(query=self._qid, batch=batch_id))
@@ -100,10 +111,10 @@ class Pipeline:
             reply = eng.call(M.Result(query=self._qid, batch=batch_id))
             t1 = time.perf_counter()
             out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
-            t2 = time.perf_counter()
+            t2, written = time.perf_counter(), time.time()
             # written meanwhile; waited for here only for its figures (and a write error)
             saved = eng.call(M.Saved(query=self._qid))
-            self._record(dict(times, engine_s=t1 - t0, output_s=t2 - t1,
+            self._record(dict(times, written_at=written, engine_s=t1 - t0, output_s=t2 - t1,
                               checkpoint_wait_s=time.perf_counter() - t2,
                               checkpoint=saved.to_dict(), rows_out=reply.rows, **reply.metrics),
                          reply.rows, [ran, out])
@@ -135,26 +146,48 @@ class Pipeline:
         ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         self._play_before(trigger)
+        self._apply_decision()
         eng = self._rec.engine
         reply = eng.call(M.Step(query=self._qid, batch=batch_id,
                                 batch_ts_ms=self._kind.batch_time(self._rec, batch_id)))
         t2 = time.perf_counter()
         out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
-        t3 = time.perf_counter()
+        t3, written = time.perf_counter(), time.time()
         # The engine wrote its state after this batch while Spark wrote the output; it must be on
         # disk before Spark commits the batch (a restart resumes from it).
         saved = eng.call(M.Saved(query=self._qid))
-        self._record({"batch": batch_id, "ingest_s": t1 - t0, "engine_s": t2 - t1,
+        self._record({"batch": batch_id, "written_at": written, "ingest_s": t1 - t0,
+                      "engine_s": t2 - t1,
                       "output_s": t3 - t2, "checkpoint_wait_s": time.perf_counter() - t3,
                       "checkpoint": saved.to_dict(), "rows_out": reply.rows, **reply.metrics},
                      reply.rows, [ran, out])
 
     def _record(self, times: dict, rows: int, jobs: list) -> None:
         """Count a finished batch; keep the physical plans of its Spark jobs (``jobs``:
-        DataFrames, physical plans or None) for the first few batches."""
+        DataFrames, physical plans or None) for the first few batches; its figures to the
+        elastic run (which may decide a reconfiguration)."""
+        figures, written = times.pop("elastic", None), times.pop("written_at", None)
         plans = [jvm.plan_string(j) for j in jobs if j is not None] \
             if self._metrics.wants_plans() else []
         self._metrics.record_batch(times, rows, plans)
+        if self.elastic is not None and figures is not None:
+            self.elastic.batch_done(times["batch"], figures, written)
+
+    def _apply_decision(self) -> None:
+        """The policy's decision after the last batch, applied now (nothing in flight)."""
+        d = self.elastic.pending() if self.elastic is not None else None
+        if d is not None:  # (checked as a user's would be: 1 <= parallelism <= max)
+            msg = recovery.reconfiguration(self._qid, d.parallelism, d.owner_map,
+                                           self._kind.max_parallelism)
+            self._switch(replace(msg, persist=False), d.cause)
+
+    def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
+        t0 = time.perf_counter()
+        reply = self._rec.engine.call(msg)
+        rec = self._rec.reconfigured(msg, reply, t0, cause)
+        if self.elastic is not None:
+            self.elastic.switched(rec)
+        return rec
 
     # -- Spark's no-data batch -----------------------------------------------------------------
     def flush(self, final: bool = False) -> int:
@@ -253,9 +286,8 @@ class Pipeline:
             return fn()
 
     def reconfigure(self, msg: M.Reconfigure) -> dict:
-        """Switch the engine's epoch between two micro-batches, none in flight."""
-        t0 = time.perf_counter()
+        """Switch the engine's epoch between two micro-batches, none in flight (the user's:
+        cause ``"manual"``)."""
         with self._step_lock:
             self._rec.with_engine("the last batch", self._drain)
-            reply = self._rec.engine.call(msg)
-        return self._rec.reconfigured(msg, reply, t0)
+            return self._switch(msg, "manual")

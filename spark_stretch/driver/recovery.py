@@ -171,7 +171,7 @@ class Recovery:
         for r in self._reconfigs:
             if start is None or r["after_batch"] >= start:
                 self.engine.call(M.Reconfigure(query=self.qid, parallelism=r["parallelism"],
-                                               owner_map=r["owner_map"]))
+                                               owner_map=r["owner_map"], persist=r["persist"]))
         return start
 
     def realign(self, committed: Optional[int]) -> None:
@@ -202,13 +202,17 @@ class Recovery:
         self._metrics.set("realigned", {"opened_after": was, "continued_after": committed,
                                         "checkpoint": start})
 
-    def reconfigured(self, msg: M.Reconfigure, reply: M.Reconfigured, t0: float) -> dict:
-        """Record a reconfiguration requested at ``t0`` (``perf_counter``) in the figures, and
-        remember it, to apply it again after a restart; its record."""
-        rec = dict(reply.to_dict(), request_ms=(time.perf_counter() - t0) * 1e3)
+    def reconfigured(self, msg: M.Reconfigure, reply: M.Reconfigured, t0: float,
+                     cause: str = "manual") -> dict:
+        """Record a reconfiguration requested at ``t0`` (``perf_counter``) in the figures, with
+        its ``cause`` (the user's ``"manual"``, or a policy's decision) and when it was done
+        (``at_ms``, wall clock), and remember it, to apply it again after a restart; its
+        record."""
+        rec = dict(reply.to_dict(), cause=cause, request_ms=(time.perf_counter() - t0) * 1e3,
+                   at_ms=int(time.time() * 1e3))
         self._metrics.append("reconfigurations", rec)
         self._reconfigs.append({"parallelism": msg.parallelism, "owner_map": msg.owner_map,
-                                "after_batch": reply.after_batch})
+                                "after_batch": reply.after_batch, "persist": msg.persist})
         return rec
 
     def move_groups(self, key_groups) -> dict:

@@ -1,7 +1,9 @@
 """A running stretch query on the driver: how it starts, watches its run, and ends.
 
 Spark runs the query kind's input as a streaming query whose ``foreachBatch`` is the
-:class:`~.pipeline.Pipeline`; around it, this module opens the host engine where Spark resumes
+:class:`~.pipeline.Pipeline` (Spark's ``ForeachBatchSink`` as the shim's ``StretchBatchSink``,
+which adds the batches' figures, :mod:`.elastic`, to the query's progress); around it, this
+module opens the host engine where Spark resumes
 (:class:`~.recovery.Recovery`), plays Spark's no-data batch when a trigger of the query finds no
 data (and before ``processAllAvailable`` returns) or a one-shot run ends, and releases the engine
 (and the query's shared memory) when the run ends.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import uuid
 from dataclasses import replace
 from typing import Dict, Optional
 
@@ -21,8 +24,10 @@ from pyspark.sql.streaming import StreamingQuery
 from ..protocol.layout import QueryLayout
 from . import jvm, recovery
 from .cluster import engine_hosts
+from .elastic import ElasticRun
 from .ingest import Ingest
 from .metrics import QueryMetrics
+from .metrics_table import MetricsTable
 from .pipeline import Pipeline
 from .recovery import Recovery
 from .settings import read_settings
@@ -75,8 +80,14 @@ class QueryRun:
         ingest = Ingest(spark, self.stretch_id, lambda: self.recovery.engine,
                         self.recovery.opened, self._batch_plan, settings.columnar,
                         settings.read_files, schema, self.metrics)
+        self._interval_ms: Optional[int] = None  # a processing-time trigger's
+        self.table = (MetricsTable(spark, settings.metrics_table, self._ids)
+                      if settings.metrics_table else None)
+        self.elastic = ElasticRun(kind.elastic, kind.max_parallelism, self.metrics,
+                                  lambda: self._interval_ms, self.table)
         self.pipeline = Pipeline(self.stretch_id, kind, self.recovery, ingest, self.sink,
-                                 self.metrics, self._trigger_state)
+                                 self.metrics, self._trigger_state, self.elastic)
+        self._sink_key = f"{self.stretch_id}-{uuid.uuid4().hex[:8]}"
         self.recovery.open_in_background()
 
     @classmethod
@@ -91,7 +102,9 @@ class QueryRun:
             raise ValueError(f"start() needs a path (or use toTable) for format '{fmt}'")
         kind.check_start(mode)
         run = cls(kind, fmt, options, path, table)
-        writer = (kind.input_df().writeStream.foreachBatch(run.pipeline.run_batch)
+        # foreachBatch, with the batch's figures in Spark's progress (the sink's metrics)
+        writer = (jvm.foreach_batch_with_metrics(kind.input_df(), run.pipeline.run_batch,
+                                                 run.elastic.sink_figures, run._sink_key)
                   .option("checkpointLocation", run.layout.checkpoint))
         if trigger:
             writer = writer.trigger(**trigger)
@@ -106,8 +119,16 @@ class QueryRun:
             raise
         finally:
             run._started.set()
+        run._interval_ms = jvm.processing_interval_ms(run.query)
         threading.Thread(target=run._watch, name="stretch-query-watch", daemon=True).start()
         return run
+
+    def _ids(self) -> dict:
+        """The query's ids, for its rows of the metrics table."""
+        q = self.query
+        return {"stretch_id": self.stretch_id, "query_id": None if q is None else str(q.id),
+                "run_id": None if q is None else str(q.runId),
+                "query_name": None if q is None else q.name}
 
     def _batch_plan(self, batch_id: int):
         self._started.wait()  # foreachBatch may run before start() has returned the query
@@ -165,6 +186,9 @@ class QueryRun:
         self.pipeline.join(timeout=60)
         self.sink.join(timeout=60)
         self.recovery.release()
+        if self.table is not None:
+            self.table.close()
+        _quietly(lambda: jvm.forget_batch_function(self.kind.session, self._sink_key))
         if self._own_checkpoint:
             shutil.rmtree(self.layout.checkpoint, ignore_errors=True)
 
@@ -218,12 +242,28 @@ class QueryRun:
 
     def figures(self) -> dict:
         """The query's figures, with the engine's own (the last ones, also after the end)."""
-        return {**self.metrics.snapshot(), **self.recovery.figures()}
+        out = {**self.metrics.snapshot(), **self.recovery.figures()}
+        if self.table is not None and self.table.error is not None:
+            out["metrics_table_error"] = str(self.table.error)
+        return out
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
 
 
 def _check_hosts(kind) -> None:
-    """Built-in aggregations run on several hosts; an engine operator or the drop-in on one."""
+    """Built-in aggregations run on several hosts; an engine operator, the drop-in and an
+    elastic query on one."""
     hosts = engine_hosts(kind.session)
+    if hosts and kind.elastic is not None:
+        raise NotImplementedError(
+            f"executors on hosts {hosts}: an elastic query runs on one host so far (its policy "
+            "rescales one host engine's instances; moving key groups between hosts is not "
+            "built); start it without elastic=")
     spec_kind = kind.engine_spec().kind
     if hosts and spec_kind != "aggregate":
         raise NotImplementedError(

@@ -128,6 +128,11 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
          "seconds a host engine waits for its driver before it exits",
          "a query on several hosts: an executor host's engine exits when its driver has not "
          "reached it for this long (a killed driver leaves nothing behind)"),
+    Setting("spark.stretch.metrics.table", "", "text",
+            "a Delta table (a path, or a table name) every stretch query appends its per-batch "
+            "figures to (`q.metrics()[\"per_batch\"]`: rates, latency, utilization, "
+            "parallelism, switches), in the background",
+            choices=(("", "a Delta table path or a table name"),), pattern=r"\S+"),
     Setting("spark.stretch.testClockMs", "", "text",
             "tests only: `<start>[+<step>]` makes the drop-in's batch N run at processing time "
             "`start + N * step` ms",
@@ -150,6 +155,7 @@ class QuerySettings:
     niceness: int
     fallback: bool
     test_clock: str
+    metrics_table: str
     key_groups: int
     lease_s: int
     # Spark's own state store settings, followed by the engine's checkpoints
@@ -172,6 +178,7 @@ def read_settings(conf) -> QuerySettings:
         niceness=v["spark.stretch.engine.niceness"],
         fallback=v["spark.stretch.fallback"],
         test_clock=v["spark.stretch.testClockMs"],
+        metrics_table=v["spark.stretch.metrics.table"],
         key_groups=v["spark.stretch.keyGroups"],
         lease_s=v["spark.stretch.engine.leaseSeconds"],
         min_deltas=int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),

@@ -33,6 +33,7 @@ import numpy as np
 from . import kernels as K
 from .errors import EngineError
 from .esg import ESG, Control, sort_rows
+from .meter import Meter
 from .state import BucketState, Interner, RWLock, balanced_owner_map, validate_owner_map
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
@@ -174,6 +175,7 @@ class Engine:
         self.strings_ranked = 0  # (order_strings)
         self._m = {"tuples": 0, "segments": 0, "epoch_switches": 0, "last_switch_ms": 0.0, "grows": 0,
                    "out_rows": 0, "state_bytes_copied": 0, "pool_refills": 0}
+        self.meter = Meter(n, n_buckets)  # busy time per instance, keys per bucket
         self.esg_in.add_readers(self.active)
         self.esg_out.add_sources(self.active, ordered=False)
         if out_reader is not None:
@@ -330,12 +332,14 @@ class Engine:
         cols = self._cols(seg)
         om = self.owner_map
         act = list(self.active)
+        self.meter.segment(self.op, seg, cols, self._ip)
+        timed, run = self.meter.timed, self._run_instance
         if len(act) == 1 or not self._threads_on or len(seg) < self.inline_rows:
-            blocks = [self._run_instance(j, seg, cols, om) for j in act]
+            blocks = [timed(j, run, j, seg, cols, om) for j in act]
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.n, thread_name_prefix="stretch-instance")
-            futs = [self._executor.submit(self._run_instance, j, seg, cols, om) for j in act]
+            futs = [self._executor.submit(timed, j, run, j, seg, cols, om) for j in act]
             blocks = [f.result() for f in futs]
         for j, blk in zip(act, blocks):
             self._emit(j, blk, seg.watermark)
@@ -491,9 +495,11 @@ class Engine:
                     if isinstance(it, Control):
                         it.barrier.wait()
                     else:
-                        blk = self._run_instance(j, it, self._cols(it), self.owner_map)
+                        blk = self.meter.timed(j, self._run_instance, j, it, self._cols(it),
+                                               self.owner_map)
                         self._emit(j, blk, it.watermark)
                         if j == self.active[0]:
+                            self.meter.segment(self.op, it, self._cols(it), self._ip)
                             self._m["tuples"] += len(it)
                             self._m["segments"] += 1
             finally:

@@ -308,7 +308,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
             self.spec, [eng.esg_out.get_batch("driver")[0] for eng in self.engines]))
 
     # -- control -----------------------------------------------------------------------------------
-    def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
+    def reconfigure(self, parallelism: Optional[int], owner_map, persist=True) -> M.Reconfigured:
         with self.lock:  # between two micro-batches: the engine is idle here
             self.store.join()
             t0 = time.perf_counter()
@@ -324,9 +324,9 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                                  after_batch=self.last_batch,
                                  live_windows=int(self.engines[0].live_windows()))
             self.switches.append(rec.to_dict())
-            if self.last_batch >= 0:
+            if persist and self.last_batch >= 0:
                 # The input log does not hold reconfigurations: a restart must find this one in
-                # a checkpoint (written in the background; the next step waits for it).
+                # a checkpoint (background; the next step waits for it). Not a controller's.
                 self._save(self.last_batch, full=True)
             return rec
 

@@ -60,7 +60,8 @@ class HostDaemon:
                 (M.Flushed, lambda m: self._query(m).flushed()),
                 (M.WriteDelta, self._write_delta), (M.CreateDelta, self._create_delta),
                 (M.PrepareDelta, self._prepare_delta), (M.CommitDelta, self._commit_delta),
-                (M.Reconfigure, lambda m: self._query(m).reconfigure(m.parallelism, m.owner_map)),
+                (M.Reconfigure, lambda m: self._query(m).reconfigure(m.parallelism, m.owner_map,
+                                                                     m.persist)),
                 (M.Metrics, self._metrics), (M.Close, self._close), (M.Shutdown, self._shutdown)):
             self.receiver.register(message, handler)
 

@@ -47,7 +47,7 @@ from ..protocol import placement
 from ..protocol.errors import BadRequest, InstanceDiedError, StateError, UserFunctionError
 from ..protocol.layout import GROUPED_META, bucket_file, shm_prefix, shm_root
 from ..protocol.specs import GroupedSpec
-from . import faults
+from . import faults, load
 from .checkpoints import read_arrow
 from .instances import InstancePool
 from .runtime import Runtime
@@ -229,6 +229,7 @@ class GroupedRuntime(Runtime):
         """Rows per owning instance, sorted by (bucket, key), with their group starts."""
         keys = self.spec.key_columns
         b = _buckets(table, keys, self.B)
+        self.bucket_rows = np.bincount(b, minlength=self.B)  # (the step's figures)
         table = table.append_column("__b", pa.array(b))
         order = pc.sort_indices(table, sort_keys=[("__b", "ascending")] +
                                 [(k, "ascending") for k in keys], null_placement="at_end")
@@ -307,8 +308,9 @@ class GroupedRuntime(Runtime):
         self.checkpoint = batch
 
     # -- control -----------------------------------------------------------------------------
-    def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
-        """Epoch switch between two batches: only the owner map changes (no state is moved)."""
+    def reconfigure(self, parallelism: Optional[int], owner_map, persist=True) -> M.Reconfigured:
+        """Epoch switch between two batches: only the owner map changes (no state is moved;
+        the next batch's checkpoint holds it, ``persist`` or not)."""
         with self.lock:
             self._check_usable()
             t0 = time.perf_counter()
@@ -330,6 +332,10 @@ class GroupedRuntime(Runtime):
                                  state_keys=self.state_keys, state_copied_bytes=0)
             self.switches.append(rec.to_dict())
             return rec
+
+    def _step_figures(self, t0: float, since_ms: Optional[float]) -> dict:
+        rows, self.bucket_rows = getattr(self, "bucket_rows", None), None
+        return load.grouped_figures(self, t0, since_ms, rows)
 
     def metrics(self) -> dict:
         with self.lock:

@@ -37,7 +37,7 @@ from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
-from . import faults
+from . import faults, load
 from .checkpoints import CheckpointStore
 from .input_log import InputLog
 from .parquet import read_like_spark
@@ -81,6 +81,7 @@ class Runtime(ABC):
         # restarted engine of the same query.
         self.keep_checkpoint_lock = False
         self.store.hold_lock()
+        self._clock = load.StepClock()  # (a step's figures: the time since the last one)
 
     # -- what a runtime is -------------------------------------------------------------------
     @abstractmethod
@@ -97,8 +98,11 @@ class Runtime(ABC):
         """Spark's no-data batch after the last one."""
 
     @abstractmethod
-    def reconfigure(self, parallelism: Optional[int], owner_map) -> M.Reconfigured:
-        """Switch epoch between two batches (no state moved)."""
+    def reconfigure(self, parallelism: Optional[int], owner_map, persist: bool = True
+                    ) -> M.Reconfigured:
+        """Switch epoch between two batches (no state moved); ``persist``: checkpoint the state
+        after it, so a restart from the checkpoint starts in the new epoch (an elastic
+        controller's switch need not: a restart applies it again, or decides anew)."""
 
     @abstractmethod
     def metrics(self) -> dict:
@@ -125,6 +129,11 @@ class Runtime(ABC):
 
     def _check_usable(self) -> None:
         """Raise StateError if an earlier failure left the state unusable."""
+
+    def _step_figures(self, t0: float, since_ms: Optional[float]) -> dict:
+        """The figures of the step that started at ``t0`` (:mod:`.load`), for the driver's
+        elastic controller and per-batch metrics."""
+        return load.engine_figures(self, t0, since_ms)
 
     def _close(self) -> None:
         """Release what the subclass holds (under the lock, once)."""
@@ -215,7 +224,12 @@ class Runtime(ABC):
             self._check_usable()
             if stream_max_ms:
                 self.fold_event_times(stream_max_ms)
-            self.last_reply = self._step(batch, table, batch_ts_ms)
+            t0 = time.perf_counter()
+            reply = self._step(batch, table, batch_ts_ms)
+            figures = self._step_figures(t0, self._clock.lap())
+            figures["input_rows"] = sum(t.num_rows for t, _ in table if t is not None) \
+                if isinstance(table, list) else 0 if table is None else table.num_rows
+            self.last_reply = replace(reply, metrics={**reply.metrics, "elastic": figures})
             return self.last_reply
 
     def submit(self, batch: int, stream_max_ms: Optional[list] = None) -> M.Submitted:

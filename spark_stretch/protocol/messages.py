@@ -419,13 +419,16 @@ class CreateDelta(Request):
 
 @dataclass(frozen=True)
 class Reconfigure(Request):
-    """Switch epoch between two batches: a new parallelism and/or owner map."""
+    """Switch epoch between two batches: a new parallelism and/or owner map. ``persist``:
+    checkpoint the state after the switch (an elastic controller's switches are not: a restart
+    re-applies or re-decides them)."""
 
     op: ClassVar[str] = "reconfigure"
     reply: ClassVar[type] = Reconfigured
     query: str
     parallelism: Optional[int] = None
     owner_map: Optional[List[int]] = None
+    persist: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,211 @@
+"""Per-batch figures of a running query, and its elastic controller, on the driver.
+
+Each finished micro-batch's figures (the engine's, :mod:`spark_stretch.host.load`, with the
+driver's times) become a :class:`~.policy.BatchMetrics`: a row of ``q.metrics()["per_batch"]``,
+of the Delta metrics table (``spark.stretch.metrics.table``) and of the query's progress (the
+sink's custom metrics, :func:`.jvm.foreach_batch_with_metrics`). A query with a policy asks it
+for a decision there; the decision is applied before the next batch's step (no batch in
+flight, :meth:`~.pipeline.Pipeline.run_batch`), an epoch switch recorded with its cause.
+
+Examples
+--------
+>>> from spark_stretch.driver.metrics import QueryMetrics
+>>> from spark_stretch.driver.policy import ElasticPolicy
+>>> run = ElasticRun(ElasticPolicy(), max_parallelism=2, metrics=QueryMetrics())
+>>> fig = {"step_ms": 900.0, "since_ms": 1000.0, "instances": [0], "busy_ms": [950.0],
+...        "load": [100], "parallelism": 1, "epoch": 0, "end_ms_q": None, "tuples": 100,
+...        "input_rows": 100, "live_windows": 10, "state_bytes": 4096}
+>>> m = run.batch_done(0, fig, written_at=None)
+>>> m.utilization, m.demand     # (busy 950 ms of a 1 s batch; its input takes as much)
+([0.95], 0.95)
+>>> run.pending()
+Decision(cause='scale_out', parallelism=2, owner_map=None)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import numpy as np
+
+from .metrics import QueryMetrics
+from .policy import BatchMetrics, Decision, Policy
+
+__all__ = ["ElasticRun", "sink_figures", "per_batch_frame"]
+
+_ROWS_KEPT = 10_000  # per-batch rows kept in q.metrics() (the metrics table keeps every one)
+# The cost per tuple is the instances' busy time over the tuples they processed in the last
+# _COST_STEPS steps at the current parallelism, once they processed _COST_TUPLES (one slow
+# step of a few tuples, a table grown say, does not make it)
+_COST_STEPS, _COST_TUPLES = 4, 100
+
+
+class ElasticRun:
+    """One query's per-batch figures and, with a ``policy``, its decisions.
+
+    ``interval_ms()``: the query's processing-time trigger interval, or None; ``table``: the
+    Delta metrics table's appender (or None).
+    """
+
+    def __init__(self, policy: Optional[Policy], max_parallelism: int, metrics: QueryMetrics,
+                 interval_ms: Callable[[], Optional[int]] = lambda: None, table=None):
+        self.policy = policy
+        self._max = max_parallelism
+        self._metrics = metrics
+        self._interval_ms = interval_ms
+        self._table = table
+        self._lock = threading.Lock()
+        self._started: dict = {}           # batch -> its foreachBatch's start (perf_counter)
+        self._last_start: Optional[float] = None
+        self._pending: Optional[Decision] = None
+        self._since: Optional[int] = None  # batches stepped since the last epoch switch
+        self._switch: Optional[dict] = None  # the switch before the next batch's step
+        # (mean busy ms, tuples) of the last steps since the last switch: their cost per tuple
+        self._costs: deque = deque(maxlen=_COST_STEPS)
+        self.latest: Optional[BatchMetrics] = None
+
+    # -- asked by the pipeline ---------------------------------------------------------------
+    def started(self, batch: int) -> None:
+        """Batch ``batch``'s ``foreachBatch`` began (its input rate is over the time since the
+        previous one began)."""
+        now = time.perf_counter()
+        with self._lock:
+            gap = None if self._last_start is None else now - self._last_start
+            self._last_start = now
+            self._started[batch] = gap
+            for b in [b for b in self._started if b < batch - 8]:
+                del self._started[b]
+
+    def batch_done(self, batch: int, figures: dict, written_at: Optional[float]) -> BatchMetrics:
+        """A batch's output is written (at ``written_at``, ``time.time()``): its figures
+        recorded, and the policy asked."""
+        with self._lock:
+            if self._since is not None:
+                self._since += 1
+            switch, self._switch = self._switch, None
+            m = self._metrics_of(batch, figures, written_at, switch)
+            self.latest = m
+        self._metrics.append("per_batch", m.row(), keep=_ROWS_KEPT)
+        if self._table is not None:
+            self._table.append(m.row())
+        if self.policy is not None:
+            try:
+                decision = self.policy.decide(m)
+            except Exception as e:  # (fails the query, as an error in foreachBatch would)
+                raise RuntimeError(f"stretch: the elastic policy {self.policy!r} failed on "
+                                   f"batch {batch}: {type(e).__name__}: {e}") from e
+            if decision is not None:
+                with self._lock:
+                    self._pending = decision
+        return m
+
+    def pending(self) -> Optional[Decision]:
+        """The decision to apply before the next batch's step (taken: asked once)."""
+        with self._lock:
+            d, self._pending = self._pending, None
+            return d
+
+    def switched(self, record: dict) -> None:
+        """An epoch switch happened (a decision applied, or the user's ``reconfigure``)."""
+        with self._lock:
+            self._since = 0
+            self._switch = record
+            self._costs.clear()  # (another parallelism: another cost per tuple)
+            if record.get("cause") == "manual":
+                self._pending = None  # (decided under the parallelism the user changed)
+
+    # -- the figures ---------------------------------------------------------------------------
+    def _metrics_of(self, batch, f, written_at, switch) -> BatchMetrics:
+        step_ms = float(f.get("step_ms") or 0.0)
+        budget = self._interval_ms() or f.get("since_ms") or step_ms or 1.0
+        busy = [float(x) for x in f.get("busy_ms", [])]
+        load = f.get("load")
+        total = float(sum(load)) if load else 0.0
+        imbalance = (max(load) / (total / len(load))) if load and total > 0 else None
+        gap = self._started.get(batch)
+        rows = int(f.get("input_rows", 0))
+        tuples = int(f.get("tuples", 0))
+        if tuples and busy:
+            self._costs.append((float(np.mean(busy)), tuples))
+        seen = sum(t for _, t in self._costs)
+        demand = (sum(b for b, _ in self._costs) / seen * rows / budget
+                  if seen >= _COST_TUPLES else None)
+        p50 = p99 = None
+        q = f.get("end_ms_q")
+        if q and written_at is not None:
+            now_ms = written_at * 1e3
+            p50, p99 = now_ms - q[0], now_ms - q[1]
+        ba = f.get("bucket_load")
+        om = f.get("owner_map")
+        return BatchMetrics(
+            batch=batch, parallelism=int(f.get("parallelism", 0)), max_parallelism=self._max,
+            utilization=[b / budget for b in busy], instances=list(f.get("instances", [])),
+            busy_ms=busy, load=load, imbalance=imbalance, demand=demand, input_rows=rows,
+            input_rate=(rows / gap) if gap else None,
+            processed_rate=(f.get("tuples", 0) / (step_ms / 1e3)) if step_ms > 0 else None,
+            latency_p50_ms=p50, latency_p99_ms=p99, step_ms=step_ms, budget_ms=float(budget),
+            tuples=tuples, epoch=int(f.get("epoch", 0)),
+            live_windows=int(f.get("live_windows", 0)), state_bytes=int(f.get("state_bytes", 0)),
+            time_ms=int((written_at or time.time()) * 1e3), batches_since_switch=self._since,
+            switched=None if switch is None else switch.get("cause"),
+            switch_ms=None if switch is None else switch.get("switch_ms"),
+            bucket_load=None if ba is None else np.asarray(ba, np.int64),
+            owner_map=None if om is None else np.asarray(om, np.int64))
+
+    def sink_figures(self) -> dict:
+        """The latest batch's figures as the query's progress carries them."""
+        return sink_figures(self.latest)
+
+
+_SINK_KEYS = (("batch", "batch"), ("parallelism", "parallelism"), ("epoch", "epoch"),
+              ("inputRows", "input_rows"), ("inputRate", "input_rate"),
+              ("processedRate", "processed_rate"), ("latencyP50Ms", "latency_p50_ms"),
+              ("latencyP99Ms", "latency_p99_ms"), ("utilizationMean", "utilization_mean"),
+              ("utilizationMax", "utilization_max"), ("demand", "demand"),
+              ("imbalance", "imbalance"),
+              ("stepMs", "step_ms"), ("liveWindows", "live_windows"),
+              ("stateBytes", "state_bytes"), ("switched", "switched"), ("switchMs", "switch_ms"))
+
+
+def sink_figures(m: Optional[BatchMetrics]) -> dict:
+    """``stretch.<name>`` -> value of a batch's figures (None ones left out), as Spark's
+    progress carries them in ``sink.metrics`` (camelCase, like the progress's own keys).
+
+    Examples
+    --------
+    >>> sink_figures(BatchMetrics(batch=3, parallelism=2, max_parallelism=4, input_rate=10.5))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'stretch.batch': 3, 'stretch.parallelism': 2, 'stretch.epoch': 0, 'stretch.inputRows': 0,
+     'stretch.inputRate': 10.5, 'stretch.utilizationMean': 0.0, 'stretch.utilizationMax': 0.0,
+     'stretch.stepMs': 0.0, 'stretch.liveWindows': 0, 'stretch.stateBytes': 0}
+    """
+    if m is None:
+        return {}
+    row = m.row()
+    return {f"stretch.{name}": row[key] for name, key in _SINK_KEYS if row.get(key) is not None}
+
+
+def per_batch_frame(figures: dict):
+    """``q.metrics()``'s ``per_batch`` rows as a pandas DataFrame, one row per batch, with
+    ``time`` as a timestamp (UTC) and ``seconds`` since the first row.
+
+    Examples
+    --------
+    >>> rows = [BatchMetrics(batch=b, parallelism=1, max_parallelism=2, time_ms=1000 * b,
+    ...                      utilization=[0.5]).row() for b in range(3)]
+    >>> per_batch_frame({"per_batch": rows})[["batch", "seconds", "utilization_max"]]
+       batch  seconds  utilization_max
+    0      0      0.0              0.5
+    1      1      1.0              0.5
+    2      2      2.0              0.5
+    """
+    import pandas as pd
+
+    df = pd.DataFrame(figures.get("per_batch") or [])
+    if len(df):
+        df["time"] = pd.to_datetime(df["time_ms"], unit="ms", utc=True)
+        df["seconds"] = (df["time_ms"] - df["time_ms"].iloc[0]) / 1e3
+    return df
