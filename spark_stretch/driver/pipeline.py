@@ -198,13 +198,21 @@ class Pipeline:
             self._rec.realign(recovery.last_committed(self._rec.layout.checkpoint))
             return self._rec.with_engine("a flush", lambda: self._flush(final)).rows
 
-    def play_idle(self) -> int:
+    def play_idle(self, settle_s: float = 0.0) -> int:
         """Play the no-data batch of the last trigger of Spark's query that found no data after
         the last batch, if not played yet (a stateful query runs one there); the rows written.
-        Nothing before the run's first batch (nor does Spark after a restart)."""
+        Nothing before the run's first batch (nor does Spark after a restart).
+
+        ``settle_s``: a trigger is known to have found no data (``processAllAvailable``
+        returned) but may not be over yet; wait up to that long for it to end."""
         if self._batch_trigger is None or self._idle_done:
             return 0
         state = self._trigger()
+        deadline = time.monotonic() + settle_s
+        while (state is not None and not state[3] and state[0] == self._rec.last_done + 1
+               and time.monotonic() < deadline):
+            time.sleep(0.005)  # Spark marks the trigger over just after it signals no data
+            state = self._trigger()
         with self._step_lock:  # (a batch may have run meanwhile: then it played it)
             at = self._idle_trigger(state)
             if at is None:

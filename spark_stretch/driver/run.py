@@ -226,7 +226,7 @@ class QueryRun:
         if self.kind.pipelined:
             self.pipeline.settle()
         if self.query.isActive:
-            self.pipeline.play_idle()
+            self.pipeline.play_idle(settle_s=1.0)
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
                     key_groups=None) -> dict:

@@ -615,6 +615,17 @@ class Engine:
     def _load_state_arrays(self, arrs):
         self.state = BucketState.from_compact(arrs["shared"])
 
+    def _check_layout(self, op):
+        """Refuse restored state whose windows are laid out for another operator."""
+        want = (op.n_int, op.n_float, sum(w for _, _, w in getattr(op, "pool", ())))
+        for st in self._states():
+            have = (st.init_i.shape[0], st.init_f.shape[0], st.pool.shape[1])
+            if have != want:
+                raise EngineError(f"the snapshot's windows keep {have[0]} ints, {have[1]} floats "
+                                  f"and {have[2]} pool words each, operator {op.name}'s "
+                                  f"{want[0]}, {want[1]} and {want[2]} (another version or "
+                                  "query): restart it from a new checkpoint location")
+
     def _apply_state_delta(self, arrs):
         self.state.apply_compact(arrs["shared"])
 
@@ -666,14 +677,7 @@ class Engine:
         eng._load_state_arrays(base["state"])
         for x in ds:
             eng._apply_state_delta(x["state"])
-        want = (op.n_int, op.n_float, sum(w for _, _, w in getattr(op, "pool", ())))
-        for st in eng._states():
-            have = (st.init_i.shape[0], st.init_f.shape[0], st.pool.shape[1])
-            if have != want:
-                raise EngineError(f"the snapshot's windows keep {have[0]} ints, {have[1]} floats "
-                                  f"and {have[2]} pool words each, operator {op.name}'s "
-                                  f"{want[0]}, {want[1]} and {want[2]} (another version or "
-                                  "query): restart it from a new checkpoint location")
+        eng._check_layout(op)
         eng.interner.__init__(d["interner"])
         eng.owner_map, eng.epoch, eng.active = d["owner_map"], d["epoch"], list(d["active"])
         eng.esg_in.restore(d["esg_in"])

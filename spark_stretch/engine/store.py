@@ -289,5 +289,12 @@ class JoinEngine(Engine):
     def _load_state_arrays(self, arrs):
         self.state = JoinStore.from_arrays(arrs["shared"])
 
+    def _check_layout(self, op):
+        width = self.state.e_pay.shape[2]
+        if width != len(op.left):
+            raise EngineError(f"the snapshot's join store keeps {width} payload columns, operator "
+                              f"{op.name}'s {len(op.left)} (another version or query): restart "
+                              "it from a new checkpoint location")
+
     def _apply_state_delta(self, arrs):
         self._load_state_arrays(arrs)
