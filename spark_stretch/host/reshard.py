@@ -1,10 +1,11 @@
-"""Key groups that change hosts: a host's state rebuilt from every host's checkpoint.
+"""Key groups that change hosts: a host's state rebuilt from the hosts' checkpoints.
 
 A query on several hosts moves key groups between hosts at a batch boundary (``reconfigure(
 key_groups=...)``), restores a lost host's groups on the others, or restarts on another host
 map: in each case every host has a full checkpoint of the same batch ``N`` written under the
-old host map (each holding the keys of its own groups), and each host then builds its state
-under the new map from all of them, keeping what it owns now:
+old host map (each holding the keys of its own groups), and each host whose groups changed
+builds its state under the new map from its own and those of the hosts it takes groups from
+(the sources), keeping what it owns now:
 
 - **windows**: the live window records of every source whose key is in one of its new groups,
   their keys (and the interned string values some aggregates keep) mapped to this host's ids,
@@ -218,10 +219,13 @@ class Resharding:
         """Key groups changed hosts after ``batch`` (its checkpoint has another host map): this
         host's groups now, from every host's checkpoint (:mod:`.reshard`); the next is full."""
         hosts = self.store.dir.parent.parent  # (<root>/hosts/<slot>/state)
-        own = self.spec.share.host  # (the sources: the slots that held groups, and this one)
+        own = self.spec.share.host
         have = self.store.latest(batch) == batch
         was = self._old_host_map(hosts, batch)
-        slots = sorted(set(was) | ({own} if have else set()))
+        # The sources: this host's own checkpoint and those of the slots that held a group it
+        # holds now; no other checkpoint has a window or waiting tuple of its keys.
+        now = self.spec.share.host_map
+        slots = sorted({w for w, h in zip(was, now) if h == own} | ({own} if have else set()))
         dirs = [hosts / str(j) / "state" for j in slots]
         engines, self.codec, metas = load_resharded(self.spec, [str(d) for d in dirs],
                                                     self.META, batch, ops,
@@ -235,6 +239,15 @@ class Resharding:
         self._restore_common(meta)
         self.stream_max_ms, self.store.chain = meta.get("stream_max_ms", [None]), None
         return engines
+
+    @staticmethod
+    def _groups_changed(meta: dict, share) -> bool:
+        """Whether the host's own key groups differ from those it had at a checkpoint (``meta``):
+        a host whose groups stayed continues from its own checkpoint, whatever moved elsewhere."""
+        was = meta.get("host_map")
+        if was is None or len(was) != len(share.host_map):
+            return was != share.host_map
+        return any((w == share.host) != (h == share.host) for w, h in zip(was, share.host_map))
 
     def _old_host_map(self, hosts, batch: int) -> list:
         """The host map the checkpoints of ``batch`` were written under (its own, or another

@@ -61,12 +61,12 @@ def _one_host(kind, batches):
     return outs
 
 
-def _hosts(kind, root, host_map, resume=None):
-    """The query's two host runtimes (under ``root``), opened after ``resume``."""
+def _hosts(kind, root, host_map, resume=None, n=2):
+    """The query's ``n`` host runtimes (under ``root``), opened after ``resume``."""
     return [AggregateRuntime("q", _spec(kind, root / "hosts" / str(h) / "state",
-                                        HostShare(host=h, hosts=2, key_groups=G,
+                                        HostShare(host=h, hosts=n, key_groups=G,
                                                   host_map=list(host_map)), resume), _Offers())
-            for h in range(2)]
+            for h in range(n)]
 
 
 @pytest.mark.parametrize("kind", ["array", "pairs", "scalar", "hll"])
@@ -94,6 +94,46 @@ def test_moving_key_groups_between_hosts_keeps_every_window(kind, tmp_path):
         rt.close()
     assert got == want
     assert sum(len(b) for b in want) > 50
+
+
+@pytest.mark.parametrize("kind", ["array", "pairs"])
+def test_a_move_reads_only_the_checkpoints_of_the_groups_a_host_gains(kind, tmp_path,
+                                                                       monkeypatch):
+    # Three hosts; after batch 2 host 0's groups go to host 1. Host 1 reads its own checkpoint
+    # and host 0's, host 0 only its own (it drops what it lost), host 2 is not resharded at all.
+    from spark_stretch.host import reshard
+
+    read = []
+    real = reshard._source
+    monkeypatch.setattr(reshard, "_source", lambda d, *a: read.append(d) or real(d, *a))
+    batches = _batches()
+    want = _one_host(kind, batches)
+    hm = balanced_host_map(G, 3).tolist()
+    hosts = _hosts(kind, tmp_path, hm, n=3)
+    got = []
+    for b, t in enumerate(batches):
+        outs = []
+        for rt in hosts:
+            rt.ingest(f"in:{b}", "j", t)
+            outs.append(rt.receiver.out[rt.step(b).stream])
+        got.append(_rows(pa.concat_tables(outs)))
+        if b == 2:
+            for rt in hosts:
+                rt.flushed()
+                rt.close()
+            new = [1 if h == 0 else h for h in hm]
+            opened = []
+            for h in range(3):  # (one at a time: which checkpoints each one read)
+                read.clear()
+                opened.append(AggregateRuntime("q", _spec(
+                    kind, tmp_path / "hosts" / str(h) / "state",
+                    HostShare(host=h, hosts=3, key_groups=G, host_map=new), 2), _Offers()))
+                slots = sorted(int(d.split("/hosts/")[1].split("/")[0]) for d in read)
+                assert slots == [[0], [0, 1], []][h], (h, read)
+            hosts = opened
+    for rt in hosts:
+        rt.close()
+    assert got == want
 
 
 @pytest.mark.parametrize("kind", ["array", "pairs", "scalar"])
