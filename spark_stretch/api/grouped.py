@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
+from dataclasses import replace
 from typing import List, Optional, Union
 
 from pyspark.sql import DataFrame
@@ -26,7 +28,7 @@ from .specs import find_watermark
 from .writer import StretchResult
 
 __all__ = ["StretchGroupedAggregation", "stretch_apply_in_pandas_with_state", "GroupState",
-           "GroupStateTimeout"]
+           "GroupStateTimeout", "task_attempts"]
 
 _DELAY_KEY = "spark.watermarkDelayMs"  # EventTimeWatermark.delayKey: marks the event-time column
 
@@ -167,6 +169,11 @@ def stretch_apply_in_pandas_with_state(
       ``spark.stretch.testClockMs=<start>[+<step>]`` makes batch ``N``'s timestamp
       ``start + N * step`` (tests).
     - The grouping columns must be columns of the DataFrame (not expressions).
+    - An instance process that dies during a micro-batch is started again and runs its share of
+      the batch again, on the state as the previous batch left it, at most
+      ``spark.stretch.instanceMaxFailures`` (4) times; a function that raises fails the batch
+      with its traceback, at once on a local master, after ``spark.task.maxFailures`` attempts
+      on others (as Spark runs a failing task).
     """
     from pyspark import cloudpickle
 
@@ -228,6 +235,14 @@ class StretchGroupedAggregation(StretchResult):
     def engine_spec(self) -> GroupedSpec:
         return self.spec
 
+    def with_settings(self, spec: GroupedSpec, settings) -> GroupedSpec:
+        """An instance that dies is retried ``spark.stretch.instanceMaxFailures`` times; a
+        function that raises as many times as Spark runs a failing task on this master."""
+        sc = self.session.sparkContext
+        return replace(spec, instance_max_failures=settings.instance_max_failures,
+                       function_attempts=task_attempts(
+                           sc.master, sc.getConf().get("spark.task.maxFailures", "4")))
+
     def input_df(self) -> DataFrame:
         return self._df.select(*self.spec.columns)
 
@@ -277,6 +292,26 @@ class StretchGroupedAggregation(StretchResult):
         if saved.get("batch") != batch or saved.get("seq", 0) != seq:
             return None
         return saved["batch_ts_ms"]
+
+
+def task_attempts(master: str, max_failures="4") -> int:
+    """How many times Spark runs a task that fails on ``master`` (``SparkContext``'s
+    ``createTaskScheduler``): once in local mode (``local``, ``local[N]``, ``local[*]``), ``F``
+    times for ``local[N, F]``, ``spark.task.maxFailures`` (``max_failures``) times otherwise.
+
+    Examples
+    --------
+    >>> task_attempts("local[2]"), task_attempts("local[*, 3]")
+    (1, 3)
+    >>> task_attempts("local-cluster[2,1,1024]"), task_attempts("spark://h:7077", "8")
+    (4, 8)
+    """
+    if master == "local" or re.fullmatch(r"local\[([0-9]+|\*)\]", master):
+        return 1
+    m = re.fullmatch(r"local\[([0-9]+|\*)\s*,\s*([0-9]+)\]", master)
+    if m:
+        return int(m.group(2))
+    return int(max_failures)
 
 
 def _test_time(query, batch_id: int) -> Optional[int]:

@@ -48,6 +48,11 @@ class QueryKind(ABC):
     def engine_spec(self) -> QuerySpec:
         """The spec the host engine opens (the driver adds checkpointing and resume point)."""
 
+    def with_settings(self, spec: QuerySpec, settings) -> QuerySpec:
+        """``spec`` with what the session's settings (a :class:`~.settings.QuerySettings`,
+        read when the query starts) add for this kind."""
+        return spec
+
     @abstractmethod
     def input_df(self) -> DataFrame:
         """The streaming DataFrame whose micro-batches go to the engine."""

@@ -7,7 +7,8 @@ figures: rates, event-time latency, utilization and load per instance, paralleli
 batches' jobs: tests assert no Exchange), ``reconfigurations`` (each with its ``cause``,
 ``parallelism`` and ``switch_ms``), ``ingest`` (batches
 per ingest path) and, when they happened, ``files_off``, ``direct_writes``,
-``direct_write_off``, ``flushes``, ``engine_restarts``, ``realigned``; ``engine`` is the host
+``direct_write_off``, ``flushes``, ``engine_restarts``, ``realigned``, ``instance_retries``
+(the drop-in's shares of a step run again after their instance died); ``engine`` is the host
 engine's own figures, merged in by the query.
 
 Examples

@@ -167,6 +167,8 @@ class Pipeline:
         DataFrames, physical plans or None) for the first few batches; its figures to the
         elastic run (which may decide a reconfiguration)."""
         figures, written = times.pop("elastic", None), times.pop("written_at", None)
+        if times.get("instance_retries"):
+            self._metrics.add("instance_retries", times["instance_retries"])
         plans = [jvm.plan_string(j) for j in jobs if j is not None] \
             if self._metrics.wants_plans() else []
         self._metrics.record_batch(times, rows, plans)
@@ -255,6 +257,8 @@ class Pipeline:
         eng = self._rec.engine
         ts = self._kind.flush_time(self._rec, at_ms)
         reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=ts))
+        if (reply.metrics or {}).get("instance_retries"):
+            self._metrics.add("instance_retries", reply.metrics["instance_retries"])
         if reply.rows:
             self._kind.keep_flush_time(self._rec, reply.batch, reply.seq, ts)  # for a replay
             self._sink.emit_flush(reply.stream, reply.rows, reply.batch, reply.seq, reply.serial)

@@ -70,8 +70,9 @@ class QueryRun:
         self.one_shot = False              # availableNow / once: flush when the run ends
         self.stopped = False
         schema = arrow_schema(kind.input_df().schema) if kind.pipelined else None
-        spec = replace(kind.engine_spec(), input_schema=schema,
-                       checkpoint=recovery.checkpointing(self.layout, settings))
+        spec = kind.with_settings(
+            replace(kind.engine_spec(), input_schema=schema,
+                    checkpoint=recovery.checkpointing(self.layout, settings)), settings)
         sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
         self.sink = Sink(kind, fmt, sink_options, path, table, self.stretch_id, app_id,
                          settings.direct_write, lambda: self.recovery.engine, self.metrics)

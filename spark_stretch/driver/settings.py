@@ -90,6 +90,11 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
     _int("spark.stretch.maxEngineRestarts", 3, 0, None,
          "engine restarts in a row before the query fails",
          "engine restarts in a row before the query fails"),
+    _int("spark.stretch.instanceMaxFailures", 4, 1, None,
+         "runs of an instance's share of a step whose process dies",
+         "the drop-in: how many times an instance's share of a micro-batch is run when its "
+         "process dies (a new process runs only that share again; 1: the first death fails "
+         "the batch), as `spark.task.maxFailures` bounds a task's attempts"),
     _int("spark.stretch.checkpoint.interval", 10, 1, None,
          "batches between two engine checkpoints",
          "batches between two engine checkpoints (the input log is the delta between)"),
@@ -147,6 +152,7 @@ class QuerySettings:
 
     on_failure: str
     max_restarts: int
+    instance_max_failures: int
     checkpoint_interval: int
     fsync: bool
     direct_write: bool
@@ -170,6 +176,7 @@ def read_settings(conf) -> QuerySettings:
     return QuerySettings(
         on_failure=v["spark.stretch.onEngineFailure"],
         max_restarts=v["spark.stretch.maxEngineRestarts"],
+        instance_max_failures=v["spark.stretch.instanceMaxFailures"],
         checkpoint_interval=v["spark.stretch.checkpoint.interval"],
         fsync=v["spark.stretch.checkpoint.fsync"],
         direct_write=v["spark.stretch.delta.directWrite"],

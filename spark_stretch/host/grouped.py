@@ -16,7 +16,9 @@ drop-in's runtime. The function itself runs in the instance processes (:mod:`spa
 - **State** lives in one file per bucket on tmpfs: a pickled dict ``key tuple -> (state value in
   Spark's internal form or None, timeout timestamp ms)``. Every instance can read every bucket;
   an instance caches the buckets it owns and writes back the ones it changed at the end of each
-  batch. A rescale or rebalance only swaps the owner map between two batches: nothing is
+  batch, into the step's own directory; the pool moves them into place once every instance of
+  the step is done, so an instance that dies mid-step is started again and runs its share again
+  on the previous step's state (:meth:`~.instances.InstancePool.run`). A rescale or rebalance only swaps the owner map between two batches: nothing is
   restarted, shuffled or copied; a new owner reads a bucket from shared memory the first time
   it needs it.
 - **Placement**: a key's bucket and owner follow :mod:`spark_stretch.protocol.placement` (a
@@ -67,7 +69,7 @@ class GroupedRuntime(Runtime):
         self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
         self._prev_owner = self.owner.copy()
         self.epoch = 0
-        self.counters.update(calls=0, timeout_calls=0)
+        self.counters.update(calls=0, timeout_calls=0, instance_retries=0)
         self.max_event_ms: Optional[int] = None
         self.state_keys = 0
         self.flush_seq = 0             # no-data batches with rows since the last batch
@@ -188,10 +190,12 @@ class GroupedRuntime(Runtime):
                               reload=owned[self._prev_owner[owned] != i], batch_ts_ms=ts_ms,
                               watermark_ms=evict_wm, input=None if path is None else str(path),
                               starts=starts, group_buckets=gb)
+        what = f"the no-data batch after batch {batch}" if flush else f"batch {batch}"
         try:
-            replies = self.pool.run(msgs, batch)
-        except UserFunctionError:  # nothing cached in the instances may be trusted again
-            self._broken = f"the user function failed in batch {batch}"
+            replies, retries = self.pool.run(msgs, what, self.spec.instance_max_failures,
+                                             self.spec.function_attempts)
+        except UserFunctionError:  # instances that finished cached the step, not applied
+            self._broken = f"the user function failed in {what}"
             raise
         except InstanceDiedError as e:
             self._broken = str(e)
@@ -219,9 +223,11 @@ class GroupedRuntime(Runtime):
         out = pa.concat_tables(tables) if tables else pa.table({})  # no rows: nothing to read
         self.counters["calls"] += calls
         self.counters["timeout_calls"] += timeouts
+        self.counters["instance_retries"] += len(retries)
         m = {"calls": calls, "timeout_calls": timeouts, "state_keys": self.state_keys,
              "changed_buckets": len(dirty), "split_ms": (t_split - t0) * 1e3,
-             "instances_ms": (t_run - t_split) * 1e3, "instances": per}
+             "instances_ms": (t_run - t_split) * 1e3, "instances": per,
+             "instance_retries": len(retries), **({"retries": retries} if retries else {})}
         self.last_metrics = m
         return out, dirty, m
 

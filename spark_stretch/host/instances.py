@@ -3,22 +3,26 @@
 Instances are processes (Python functions hold the GIL), all ``max_parallelism`` started with the
 query, each with a socket pair to the engine. They die with the engine (``PR_SET_PDEATHSIG``)
 and also exit when their socket closes. A death or an error is seen at once: the engine waits on
-every instance of a step together and never blocks on one.
+every instance of a step together and never blocks on one. An instance that dies during a step
+is started again and runs its share of the step again, while the others go on (a failed task
+costs Spark a retry of that task, not of the job), a bounded number of times.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait as conn_wait
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from ..protocol import instances as I
 from ..protocol.errors import InstanceDiedError, StretchError, UserFunctionError
+from ..protocol.layout import bucket_file
 from ..protocol.lifecycle import spawn_child
 
 __all__ = ["InstanceHandle", "InstancePool"]
@@ -27,14 +31,16 @@ __all__ = ["InstanceHandle", "InstancePool"]
 class InstanceHandle:
     """One instance process: ``index`` in the query, its log file in ``shm``."""
 
-    def __init__(self, index: int, shm: Path):
+    def __init__(self, index: int, shm: Path, again: bool = False):
         self.index = index
+        self.starting = True  # until its Ready
         ours, theirs = socket.socketpair()
         self.log = shm / f"instance-{index}.log"
         env = dict(os.environ)
         env.pop("PYSPARK_GATEWAY_PORT", None)
         env["SPARK_STRETCH_PROCESS"] = "worker"  # (the package root attaches no driver API there)
-        with open(self.log, "wb") as log:
+        # a restarted instance appends: the output of the one that died stays in the log
+        with open(self.log, "ab" if again else "wb") as log:
             self.proc = spawn_child(
                 [sys.executable, "-m", "spark_stretch.worker", "--fd", str(theirs.fileno()),
                  "--parent", str(os.getpid())],
@@ -83,6 +89,16 @@ class InstanceHandle:
         return (f"stretch instance {self.index} (pid {self.pid}) {how} during {what}"
                 + (f"; its output:\n{tail}" if tail else ""))
 
+    def kill(self) -> None:
+        """Make sure the process is gone (it closed its channel but may still run)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
     def stop(self) -> None:
         try:
             if self.proc.poll() is None:
@@ -106,48 +122,135 @@ class InstancePool:
     """The ``n`` instance processes of one query, started with :class:`~.protocol.instances.Init`."""
 
     def __init__(self, n: int, shm: Path, init: I.Init):
+        self.shm, self.init = shm, init
         self.instances: List[InstanceHandle] = []
         try:
             for i in range(n):
                 self.instances.append(InstanceHandle(i, shm))
             for inst in self.instances:
-                inst.send(I.Init(spec=init.spec, func=init.func, shm=init.shm, index=inst.index))
+                inst.send(self._init(inst.index))
             for inst in self.instances:
                 inst.recv(timeout=300, what="start-up")
+                inst.starting = False
         except BaseException:
             self.stop()
             raise
+
+    def _init(self, index: int) -> I.Init:
+        return I.Init(spec=self.init.spec, func=self.init.func, shm=self.init.shm, index=index)
 
     @property
     def pids(self) -> List[int]:
         return [i.pid for i in self.instances]
 
-    def run(self, msgs: Dict[int, I.Batch], batch: int) -> Dict[int, I.BatchDone]:
-        """Send each instance its message and wait for every reply. An instance that dies or
-        whose function raises fails the step with a :class:`InstanceDiedError` or
-        :class:`UserFunctionError` (never a hang)."""
-        for i, msg in msgs.items():
-            self.instances[i].send(msg)
-        waiting = {self.instances[i].conn: i for i in msgs}
-        replies = {}
-        while waiting:
+    def restart(self, index: int) -> InstanceHandle:
+        """A new process for instance ``index`` (the old one killed if it still runs). Its
+        start-up is not waited for: its ``Ready`` comes before its first reply."""
+        self.instances[index].kill()
+        inst = self.instances[index] = InstanceHandle(index, self.shm, again=True)
+        inst.send(self._init(index))
+        return inst
+
+    def run(self, msgs: Dict[int, I.Batch], what: str, max_deaths: int = 1,
+            max_raises: int = 1) -> Tuple[Dict[int, I.BatchDone], list]:
+        """Run one step: send each instance its message, wait for every reply, then put the
+        bucket files the step changed in place (``what``: the step, for errors).
+
+        An instance that dies is started again and sent its message again, up to
+        ``max_deaths`` runs of its share; a function that raises is run again up to
+        ``max_raises`` times in the same process (which dropped its cache). A failed run's
+        files are removed, and no bucket file of the step is in place before every share is
+        done, so a share always runs again on the state the previous step left. Past those
+        bounds the step fails, with nothing of it applied, with a :class:`InstanceDiedError`
+        or :class:`UserFunctionError` (never a hang).
+
+        Returns the replies and the retries made (``instance``, ``attempt``, ``cause``,
+        ``died``, the new ``pid``, ``restart_ms``: to send it again, ``recovered_ms``: to
+        its reply)."""
+        deaths = dict.fromkeys(msgs, 0)
+        raises = dict.fromkeys(msgs, 0)
+        replies: Dict[int, I.BatchDone] = {}
+        retries: list = []
+        waiting: Dict[Connection, int] = {}
+        to_send = list(msgs)
+
+        def clean(i: int) -> None:  # what a failed run of instance i's share left
+            shutil.rmtree(I.pending_dir(self.shm, msgs[i].seq, i), ignore_errors=True)
+            I.output_file(self.shm, msgs[i].seq, i).unlink(missing_ok=True)
+
+        def failed(i: int, died: bool, cause: str) -> None:
+            t0 = time.perf_counter()
+            n, most = (deaths, max_deaths) if died else (raises, max_raises)
+            n[i] += 1
+            runs = deaths[i] + raises[i]
+            if n[i] >= most:
+                for j in msgs:  # the step fails whole: the others' shares are not applied
+                    clean(j)
+                if died:
+                    raise InstanceDiedError(
+                        cause if most == 1 else f"{cause}\n(instance {i} died {n[i]} times "
+                        f"running its share of {what}: spark.stretch.instanceMaxFailures={most})")
+                raise UserFunctionError(cause)
+            clean(i)
+            if died:
+                self.restart(i)
+            retries.append({"instance": i, "attempt": runs + 1, "cause": cause.split("\n")[0],
+                            "died": died, "pid": self.instances[i].pid,
+                            "restart_ms": (time.perf_counter() - t0) * 1e3, "t0": t0})
+            to_send.append(i)
+
+        while to_send or waiting:
+            for i in to_send:
+                inst = self.instances[i]
+                try:
+                    inst.send(msgs[i])
+                    waiting[inst.conn] = i
+                except InstanceDiedError:
+                    waiting[inst.conn] = i  # (its death is taken below, as any other)
+            to_send.clear()
             ready = conn_wait(list(waiting), timeout=5.0)
+            dead = []
             for conn in ready:
                 i = waiting.pop(conn)
                 inst = self.instances[i]
                 try:
-                    r = inst.conn.recv()
+                    r = conn.recv()
                 except (EOFError, OSError):
-                    raise InstanceDiedError(inst.death(f"batch {batch}")) from None
-                if isinstance(r, I.Failed):
-                    raise UserFunctionError(
-                        f"applyInPandasWithState function failed in batch {batch} (stretch "
-                        f"instance {i}, pid {inst.pid}):\n{r.error}")
-                replies[i] = r
+                    dead.append(i)
+                    continue
+                if isinstance(r, I.Ready):  # a restarted instance is up: its reply comes next
+                    inst.starting = False
+                    waiting[conn] = i
+                elif isinstance(r, I.Failed):
+                    runs = deaths[i] + raises[i] + 1
+                    if inst.starting:  # (it could not even load the function again)
+                        failed(i, True, f"stretch instance {i} (pid {inst.pid}) failed to start "
+                                        f"again during {what}:\n{r.error}")
+                    else:
+                        failed(i, False, f"applyInPandasWithState function failed in {what} "
+                                         f"(stretch instance {i}, pid {inst.pid}"
+                                         + (f", attempt {runs}" if runs > 1 else "")
+                                         + f"):\n{r.error}")
+                else:
+                    replies[i] = r
+                    for x in retries:  # the failure to the share's reply: its recovery
+                        if x["instance"] == i and "t0" in x:
+                            x["recovered_ms"] = (time.perf_counter() - x.pop("t0")) * 1e3
             for conn, i in list(waiting.items()):  # a killed instance may not close at once
                 if self.instances[i].proc.poll() is not None:
-                    raise InstanceDiedError(self.instances[i].death(f"batch {batch}"))
-        return replies
+                    del waiting[conn]
+                    dead.append(i)
+            for i in dead:
+                runs = deaths[i] + raises[i] + 1
+                failed(i, True, self.instances[i].death(
+                    what if max_deaths == 1 else f"{what} (run {runs})"))
+        for i, r in replies.items():
+            if r.dirty:
+                pending = I.pending_dir(self.shm, msgs[i].seq, i)
+                for b in r.dirty:
+                    os.replace(bucket_file(pending, b), bucket_file(self.shm, b))
+                pending.rmdir()
+        return replies, retries
 
     def stop(self) -> None:
         for inst in self.instances:

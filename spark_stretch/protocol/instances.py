@@ -12,6 +12,8 @@ Examples
 'x'
 >>> input_file("/dev/shm/x", 3, 1).name
 'in-3-1.arrow'
+>>> pending_dir("/dev/shm/x", 3, 1).name
+'new-3-1'
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import numpy as np
 
 from .specs import GroupedSpec
 
-__all__ = ["Init", "Batch", "Exit", "Ready", "BatchDone", "Failed", "input_file", "output_file"]
+__all__ = ["Init", "Batch", "Exit", "Ready", "BatchDone", "Failed", "input_file", "output_file",
+           "pending_dir"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ class Ready:
 
 @dataclass(frozen=True)
 class BatchDone:
-    """A step done: its output file (None: no rows), the buckets it changed, and figures."""
+    """A step done: its output file (None: no rows), the buckets it changed (their new files in
+    :func:`pending_dir`, for the engine to put in place), and figures."""
 
     out: Optional[str]
     rows: int
@@ -96,3 +100,10 @@ def input_file(shm, seq: int, index: int) -> Path:
 def output_file(shm, seq: int, index: int) -> Path:
     """Step ``seq``'s output file of instance ``index``."""
     return Path(shm) / f"out-{seq}-{index}.arrow"
+
+
+def pending_dir(shm, seq: int, index: int) -> Path:
+    """Where instance ``index`` writes the bucket files it changed in step ``seq``. The engine
+    moves them over the live ones only once every instance of the step is done, so an instance
+    that dies mid-step leaves the step's state untouched (its share can be run again)."""
+    return Path(shm) / f"new-{seq}-{index}"

@@ -160,6 +160,9 @@ class GroupedSpec(QuerySpec):
     watermark_present: bool = False
     runner_conf: Dict[str, object] = field(default_factory=dict)  # pyspark worker's settings
     func: str = ""                     # the function, cloudpickled (base64)
+    instance_max_failures: int = 4     # runs of an instance's share of a step whose process dies
+    function_attempts: int = 1         # runs of a share whose function raises (Spark's task
+    #                                    attempts for the master: 1 in local mode)
 
 
 _KINDS = {c.kind: c for c in (AggregateSpec, OperatorSpec, GroupedSpec)}

@@ -90,9 +90,11 @@ class Instance:
                                  default=NO_TIMESTAMP)
         return d
 
-    def _write_bucket(self, b: int) -> None:
+    def _write_bucket(self, b: int, pending: Path) -> None:
+        """Bucket ``b`` as this step left it, into the step's ``pending`` directory: the engine
+        puts it in place once the whole step is done (never half a step's buckets)."""
         d = self.cache[b]
-        with open(bucket_file(self.shm, b), "wb") as f:
+        with open(bucket_file(pending, b), "wb") as f:
             f.write(pickle.dumps(d, protocol=5))
         self.min_ts[b] = min((v[1] for v in d.values() if v[1] != NO_TIMESTAMP),
                              default=NO_TIMESTAMP)
@@ -151,8 +153,11 @@ class Instance:
                     tcalls += 1
             batches += out.finish()
         t2 = time.perf_counter()
-        for b in self.dirty:
-            self._write_bucket(b)
+        if self.dirty:
+            pending = I.pending_dir(self.shm, msg.seq, self.index)
+            pending.mkdir(exist_ok=True)
+            for b in self.dirty:
+                self._write_bucket(b, pending)
         out_path = None
         rows = sum(x.num_rows for x in batches)
         if batches:

@@ -447,7 +447,53 @@ def test_engine_killed_mid_batch_is_restarted_from_checkpoint(spark, stream, tmp
     equal(read(spark, tmp_path / "o"), want)
 
 
-def test_instance_process_death_fails_the_query(spark, tmp_path):
+def dies_once_for_some_keys(markers: str, how: str):
+    """``sessions``, but the instance process dies (``how``: ``exit``, ``kill``) the first
+    time a few keys are called with state (a later batch, or their timeout in the last no-data
+    batch): one marker file per key, so a key dies at most once."""
+    def func(key, pdfs, state):
+        import zlib
+
+        user = key[0]
+        if state.exists and zlib.crc32(user.encode()) % 40 == 0:
+            try:
+                os.close(os.open(os.path.join(markers, user), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                if how == "exit":
+                    os._exit(13)
+                os.kill(os.getpid(), signal.SIGKILL)
+        yield from sessions(key, pdfs, state)
+    return func
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_dying_instance_reruns_its_share_alone_and_equals_native(spark, stream, tmp_path, how):
+    # Instances die in the middle of batches (after other keys of theirs changed state in
+    # memory) and of the last no-data batch: each is started again and runs its share again,
+    # the query never restarts, and the table is native's (which never dies).
+    src, args, want = stream
+    markers = tmp_path / "died"
+    markers.mkdir()
+    before = _shm_dirs()
+    func = dies_once_for_some_keys(str(markers), how)
+    q = run_stretch(source(spark, src).groupBy("user").stretchAggregate(
+        func, *args[1:], parallelism=2), tmp_path / "o")
+    assert q.exception() is None
+    equal(read(spark, tmp_path / "o"), want)
+    deaths = len(list(markers.iterdir()))
+    m = q.metrics()
+    assert deaths >= 2 and m["instance_retries"] == deaths == m["engine"]["instance_retries"]
+    assert "engine_restarts" not in m and m["batches"] == 6
+    retried = [r for b in m["batch_times"] for r in b.get("retries", [])]
+    status = "exited with status 13" if how == "exit" else \
+        f"was killed by signal {int(signal.SIGKILL)}"
+    assert retried and all(r["died"] and status in r["cause"] for r in retried), retried
+    assert _shm_dirs() <= before
+
+
+def test_an_instance_that_always_dies_fails_the_query_after_bounded_retries(spark, tmp_path):
     def dies(key, pdfs, state):
         n = sum(len(p) for p in pdfs)
         if state.exists:  # second batch of a key
@@ -455,11 +501,21 @@ def test_instance_process_death_fails_the_query(spark, tmp_path):
         state.update((n,))
         yield pd.DataFrame({"user": [key[0]], "n": [n]})
 
+    before = _shm_dirs()
     src = write_tweets(tmp_path / "src", 60, files=2, rate=10.0, users=2, vocab=10, seed=9)
-    q = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(
-        dies, "user string, n long", "n long", "Update", GroupStateTimeout.NoTimeout),
-        tmp_path / "o")
-    with pytest.raises(StreamingQueryException, match=r"stretch instance \d \(pid \d+\) exited "
-                                                      r"with status 7 during batch 1"):
+    spark.conf.set("spark.stretch.instanceMaxFailures", "2")
+    try:
+        t0 = time.monotonic()
+        q = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(
+            dies, "user string, n long", "n long", "Update", GroupStateTimeout.NoTimeout,
+            parallelism=1), tmp_path / "o")
+    finally:
+        spark.conf.unset("spark.stretch.instanceMaxFailures")  # (read when the query starts)
+    with pytest.raises(StreamingQueryException, match=r"(?s)stretch instance 0 \(pid \d+\) "
+                       r"exited with status 7 during batch 1 \(run 2\).*instance 0 died 2 "
+                       r"times running its share of batch 1: "
+                       r"spark.stretch.instanceMaxFailures=2"):
         q.awaitTermination(300)
+    assert time.monotonic() - t0 < 120
     assert read(spark, tmp_path / "o").count() == 2  # batch 0, committed
+    assert _shm_dirs() <= before
