@@ -215,6 +215,8 @@ def stretch_apply_in_pandas_with_state(
 class StretchGroupedAggregation(StretchResult):
     """The result of ``groupBy(...).stretchAggregate(func, ...)``: write it with ``.writeStream``."""
 
+    operator_name = "stretchGroupsWithState"
+
     pipelined = False  # the engine steps, writes and checkpoints each batch before Spark commits
 
     def __init__(self, df: DataFrame, spec: GroupedSpec, native: DataFrame, schema: StructType):

@@ -34,7 +34,7 @@ import numpy as np
 from .metrics import QueryMetrics
 from .policy import BatchMetrics, Decision, Policy
 
-__all__ = ["ElasticRun", "sink_figures", "per_batch_frame"]
+__all__ = ["ElasticRun", "sink_figures", "state_figures", "per_batch_frame"]
 
 _ROWS_KEPT = 10_000  # per-batch rows kept in q.metrics() (the metrics table keeps every one)
 # The cost per tuple is the instances' busy time over the tuples they processed in the last
@@ -148,7 +148,9 @@ class ElasticRun:
             processed_rate=(f.get("tuples", 0) / (step_ms / 1e3)) if step_ms > 0 else None,
             latency_p50_ms=p50, latency_p99_ms=p99, step_ms=step_ms, budget_ms=float(budget),
             tuples=tuples, epoch=int(f.get("epoch", 0)),
-            live_windows=int(f.get("live_windows", 0)), state_bytes=int(f.get("state_bytes", 0)),
+            live_windows=int(f.get("state_rows", f.get("live_windows", 0))),
+            state_bytes=int(f.get("state_bytes", 0)), rows_updated=int(f.get("rows_updated", 0)),
+            rows_removed=int(f.get("rows_removed", 0)), late_rows=int(f.get("late_rows", 0)),
             time_ms=int((written_at or time.time()) * 1e3), batches_since_switch=self._since,
             switched=None if switch is None else switch.get("cause"),
             switch_ms=None if switch is None else switch.get("switch_ms"),
@@ -158,6 +160,10 @@ class ElasticRun:
     def sink_figures(self) -> dict:
         """The latest batch's figures as the query's progress carries them."""
         return sink_figures(self.latest)
+
+    def state_figures(self) -> dict:
+        """The latest batch's figures as the query's state operator in its progress."""
+        return state_figures(self.latest)
 
 
 _SINK_KEYS = (("batch", "batch"), ("parallelism", "parallelism"), ("epoch", "epoch"),
@@ -186,6 +192,34 @@ def sink_figures(m: Optional[BatchMetrics]) -> dict:
         return {}
     row = m.row()
     return {f"stretch.{name}": row[key] for name, key in _SINK_KEYS if row.get(key) is not None}
+
+
+def state_figures(m: Optional[BatchMetrics]) -> dict:
+    """A batch's figures as the fields of the query's ``StateOperatorProgress`` (Spark's
+    progress: ``stateOperators``); ``customMetrics`` are longs, as Spark's are: the batch,
+    parallelism, epoch, the step's and the busiest instance's milliseconds, and the epoch
+    switch before the step in microseconds.
+
+    Examples
+    --------
+    >>> f = state_figures(BatchMetrics(batch=3, parallelism=2, max_parallelism=4,
+    ...                                live_windows=10, rows_updated=4, busy_ms=[1.5, 2.6]))
+    >>> f["numRowsTotal"], f["numRowsUpdated"], f["customMetrics"]["busyMsMax"]
+    (10, 4, 3)
+    >>> state_figures(None)
+    {}
+    """
+    if m is None:
+        return {}
+    custom = {"batch": m.batch, "parallelism": m.parallelism,
+              "maxParallelism": m.max_parallelism, "epoch": m.epoch,
+              "stepMs": round(m.step_ms), "busyMsMax": round(max(m.busy_ms, default=0.0))}
+    if m.switch_ms is not None:
+        custom["epochSwitchMicros"] = round(m.switch_ms * 1e3)
+    return {"numRowsTotal": m.live_windows, "numRowsUpdated": m.rows_updated,
+            "numRowsRemoved": m.rows_removed, "memoryUsedBytes": m.state_bytes,
+            "numRowsDroppedByWatermark": m.late_rows, "allUpdatesTimeMs": round(m.step_ms),
+            "numStateStoreInstances": m.parallelism, "customMetrics": custom}
 
 
 def per_batch_frame(figures: dict):

@@ -258,7 +258,9 @@ class PlanRun:
             self._plan = jplan
             if self._pipeline is not None:
                 self._pipeline.run_batch(df, batch_id)
-                self._last = (batch_id, {"rows": 0, "direct": True})
+                # (the engine's latest finished batch: this one is still in flight)
+                self._last = (batch_id, {"rows": 0, "direct": True,
+                                         "state": self.elastic.state_figures()})
                 return self._last[1]
             self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
             self.elastic.started(batch_id)
@@ -276,6 +278,7 @@ class PlanRun:
                                        "rows_out": reply.rows, **figures}, reply.rows, [])
             if "elastic" in reply.metrics:  # (its rows go to Spark's sink now)
                 self.elastic.batch_done(batch_id, reply.metrics["elastic"], time.time())
+            answer["state"] = self.elastic.state_figures()  # (Spark's state operator's figures)
             self._last = (batch_id, answer)
             return answer
 

@@ -88,10 +88,12 @@ def trigger_state(query) -> Optional[Tuple[int, int, int, bool]]:
 
 class _SinkMetrics:
     """The shim's ``StretchSinkMetrics`` (py4j callback): ``figures()``, a dict of the query's
-    figures, as the JSON object of strings its progress's sink metrics are."""
+    figures, as the JSON object of strings its progress's sink metrics are; ``state()``, a
+    dict of its state operator's figures (``StateOperatorProgress``'s fields), as JSON."""
 
-    def __init__(self, figures):
+    def __init__(self, figures, state=None):
         self._figures = figures
+        self._state = state
 
     def metrics(self) -> str:
         import json
@@ -101,25 +103,38 @@ class _SinkMetrics:
         except Exception:  # (no figures this time: a progress update must not fail the query)
             return "{}"
 
+    def state(self) -> str:
+        import json
+
+        try:
+            return json.dumps(self._state() if self._state is not None else {})
+        except Exception:  # (as above)
+            return "{}"
+
     class Java:
         implements = ["org.apache.spark.sql.stretch.StretchSinkMetrics"]
 
 
-def foreach_batch_with_metrics(df: DataFrame, func, figures, key: str):
+def foreach_batch_with_metrics(df: DataFrame, func, figures, key: str, state=None,
+                               operator: str = "stretchAggregate"):
     """``df.writeStream.foreachBatch(func)``, run by Spark's own ``ForeachBatchSink`` as the
     shim's ``StretchBatchSink``, which adds ``figures()`` (a dict) to each progress update as
-    the sink's custom metrics (``progress.sink.metrics``). ``key`` names the registration (one
-    per query: :func:`forget_batch_function` drops it). The writer, to configure and start."""
+    the sink's custom metrics (``progress.sink.metrics``) and ``state()`` (a dict of
+    ``StateOperatorProgress`` fields) as its state operator ``operator``
+    (``progress.stateOperators``: the shim's ``StretchStateExec``, a pass-through node over
+    ``df``'s plan). ``key`` names the registration (one per query:
+    :func:`forget_batch_function` drops it). The writer, to configure and start."""
     from pyspark.java_gateway import ensure_callback_server_started
     from pyspark.sql.utils import ForeachBatchFunction
 
     spark = df.sparkSession
     gw = spark.sparkContext._gateway
     shim = spark.sparkContext._jvm.org.apache.spark.sql.stretch
-    shim.StretchBatchSink.register(key, ForeachBatchFunction(spark, func), _SinkMetrics(figures),
-                                   df.schema.json())
+    shim.StretchBatchSink.register(key, ForeachBatchFunction(spark, func),
+                                   _SinkMetrics(figures, state), df.schema.json())
     ensure_callback_server_started(gw)
-    return (df.writeStream.format("org.apache.spark.sql.stretch.StretchBatchSinkProvider")
+    marked = DataFrame(shim.StretchState.mark(df._jdf, key, operator), spark)
+    return (marked.writeStream.format("org.apache.spark.sql.stretch.StretchBatchSinkProvider")
             .option("stretch.sink", key))
 
 

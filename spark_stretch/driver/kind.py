@@ -27,6 +27,9 @@ class QueryKind(ABC):
     #: The elastic policy deciding reconfigurations after each batch (``elastic=``), or None.
     elastic: Optional[Policy] = None
 
+    #: The query's state operator in Spark's progress (``stateOperators[].operatorName``).
+    operator_name = "stretchAggregate"
+
     def __init__(self, df: DataFrame):
         self._df = df
 

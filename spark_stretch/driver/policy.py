@@ -61,7 +61,9 @@ class BatchMetrics:
     input is what the next step processes, and ``demand`` sees a rate step one batch before
     ``utilization`` does. ``imbalance`` is the busiest instance's load over the mean (keys
     processed, the drop-in: rows). ``batches_since_switch``: batches stepped since the last
-    epoch switch, this one included (None: none yet).
+    epoch switch, this one included (None: none yet). ``live_windows`` (the drop-in: keys in
+    state), ``rows_updated``, ``rows_removed`` and ``late_rows`` are the state operator's rows
+    after the step, written and removed by it, and the input rows it dropped as late.
     """
 
     batch: int
@@ -84,6 +86,9 @@ class BatchMetrics:
     epoch: int = 0
     live_windows: int = 0
     state_bytes: int = 0
+    rows_updated: int = 0
+    rows_removed: int = 0
+    late_rows: int = 0
     time_ms: int = 0
     batches_since_switch: Optional[int] = None
     switched: Optional[str] = None

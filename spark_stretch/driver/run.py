@@ -105,7 +105,8 @@ class QueryRun:
         run = cls(kind, fmt, options, path, table)
         # foreachBatch, with the batch's figures in Spark's progress (the sink's metrics)
         writer = (jvm.foreach_batch_with_metrics(kind.input_df(), run.pipeline.run_batch,
-                                                 run.elastic.sink_figures, run._sink_key)
+                                                 run.elastic.sink_figures, run._sink_key,
+                                                 run.elastic.state_figures, kind.operator_name)
                   .option("checkpointLocation", run.layout.checkpoint))
         if trigger:
             writer = writer.trigger(**trigger)

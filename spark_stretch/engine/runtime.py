@@ -591,6 +591,14 @@ class Engine:
         pool = np.concatenate(held)
         return (*rows, {q: pool[:, at:at + w] for q, at, w in getattr(self.op, "pool", ())})
 
+    def stamped_rows(self, stamp: int) -> int:
+        """How many live windows carry the update stamp ``stamp`` (a stamped aggregation's
+        windows the batch changed). Call when idle."""
+        n = 0
+        for st in self._states():
+            n += int(np.count_nonzero(st.rec[:, :, 1 + st.init_i.shape[0]] == stamp))
+        return n
+
     def _states(self):
         return [self.state]
 

@@ -32,7 +32,7 @@ from ..engine import Interner, engine_class
 from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META
-from . import faults
+from . import faults, load
 from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
                            per_aggregation, rank_strings, reject_nulls, state_output)
 from .checkpoints import arrow_bytes, read_arrow
@@ -54,6 +54,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
     def __init__(self, qid: str, spec, receiver):
         super().__init__(qid, spec, receiver)
         self.codec = KeyCodec()
+        self._evicted = 0  # (the windows the last step closed unsaid: update mode)
         self.sources: list = []  # (after key groups changed hosts: every host's input log)
         self.share = None if spec.share is None else KeyShare(spec.share, spec.key_kind,
                                                               spec.key_column, spec.ts_column)
@@ -128,6 +129,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         t0 = time.perf_counter()
         lead = self.engines[0]
         late_before = lead.esg_in.late_dropped
+        live_before = lead.live_windows()
         # (on several hosts: this host's share, kept as it arrived, or after key groups changed
         # hosts each source host's logged share of it, with what this host keeps of it)
         parts = table if isinstance(table, list) else [(table, self.share)]
@@ -150,6 +152,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         out = self._emit(batch)
         self.next_watermark_ms = self._next_watermark()  # W_{N+1}, used from the next batch
         late = lead.esg_in.late_dropped - late_before
+        self.state_changes = load.window_changes(self, batch, live_before, out)
         self.counters["late_rows"] += late
         self.counters["batches"] += 1
         self.last_batch = batch
@@ -291,7 +294,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
             eng.esg_in.advance_watermark(watermark_ms * 1000)
             eng.drain()
             if not read:  # (update mode: the closed windows were emitted when they changed)
-                eng.esg_out.get_batch("driver")
+                self._evicted = len(eng.esg_out.get_batch("driver")[0]["ts"])
         return self._output() if read else None
 
     def _arrived(self, table: pa.Table) -> pa.Table:

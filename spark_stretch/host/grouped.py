@@ -224,6 +224,9 @@ class GroupedRuntime(Runtime):
         self.counters["calls"] += calls
         self.counters["timeout_calls"] += timeouts
         self.counters["instance_retries"] += len(retries)
+        self.state_changes = {"state_rows": self.state_keys,
+                              "rows_updated": sum(r.updated for r in replies.values()),
+                              "rows_removed": sum(r.removed for r in replies.values())}
         m = {"calls": calls, "timeout_calls": timeouts, "state_keys": self.state_keys,
              "changed_buckets": len(dirty), "split_ms": (t_split - t0) * 1e3,
              "instances_ms": (t_run - t_split) * 1e3, "instances": per,

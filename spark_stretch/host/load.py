@@ -40,7 +40,8 @@ import pyarrow.compute as pc
 
 from ..engine.meter import state_bytes
 
-__all__ = ["StepClock", "engine_figures", "grouped_figures", "window_end_quantiles"]
+__all__ = ["StepClock", "engine_figures", "grouped_figures", "window_changes",
+           "window_end_quantiles"]
 
 _QUANTILE_ROWS = 200_000  # window ends read per step (evenly spaced) for the quantiles
 
@@ -71,6 +72,27 @@ def window_end_quantiles(table: Optional[pa.Table]) -> Optional[List[int]]:
     if not len(end):
         return None
     return [int(x) for x in np.quantile(end, [0.5, 0.01], method="lower")]
+
+
+def window_changes(rt, batch: int, before: int, out: pa.Table) -> dict:
+    """A step's changes to an aggregation's state rows (its windows: ``before`` the step, and
+    the lead engine's after it), for the query's state operator in Spark's progress: ``rows_removed`` the
+    windows it closed (append mode: its rows; update mode: evicted unsaid, ``rt._evicted``),
+    ``rows_updated`` the windows it changed (update mode: its rows; complete mode: those with
+    its stamp, ``batch + 1``) or, in append mode, the windows it opened (which existing
+    windows a step updated is not tracked there)."""
+    after = rt.engines[0].live_windows()
+    if not getattr(rt, "windows_changed", True):
+        return {"state_rows": int(after)}
+    mode = getattr(rt.spec, "output_mode", "append")
+    removed = out.num_rows if mode == "append" else rt._evicted
+    if mode == "update":
+        updated = out.num_rows
+    elif mode == "complete":
+        updated = rt.engines[0].stamped_rows(batch + 1)
+    else:
+        updated = max(0, after - before + removed)
+    return {"state_rows": int(after), "rows_updated": int(updated), "rows_removed": int(removed)}
 
 
 def _common(step_ms: float, since_ms: Optional[float], instances, busy_s, load, parallelism,

@@ -45,6 +45,10 @@ class OperatorRuntime(AggregateRuntime):
                               shares=op.shares, pred=op.pred, fp=op.fp, name=op.name)
         return [op]
 
+    # (its state rows are its live windows or stored tuples; what a step changed of them, the
+    # user's kernel knows)
+    windows_changed = False
+
     def _lateness(self, op) -> str:
         # Windows: Spark's rule for window aggregations; otherwise (joins, keyed state) a tuple
         # at or below the watermark is late, as Spark's stream-stream join drops it.

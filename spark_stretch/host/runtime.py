@@ -229,6 +229,9 @@ class Runtime(ABC):
             figures = self._step_figures(t0, self._clock.lap())
             figures["input_rows"] = sum(t.num_rows for t, _ in table if t is not None) \
                 if isinstance(table, list) else 0 if table is None else table.num_rows
+            # (the query's state operator in Spark's progress: state rows, changes, late rows)
+            figures.update(getattr(self, "state_changes", None) or {},
+                           late_rows=int(reply.metrics.get("late_rows", 0)))
             self.last_reply = replace(reply, metrics={**reply.metrics, "elastic": figures})
             return self.last_reply
 

@@ -83,6 +83,8 @@ class BatchDone:
     bucket_loads: int
     state_keys: int
     times: Dict[str, float] = field(default_factory=dict)
+    updated: int = 0  # keys whose state the batch wrote
+    removed: int = 0  # keys whose state it deleted
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class Instance:
             self.min_ts.pop(int(b), None)
         self.loads = 0
         self.dirty = set()
+        self.updated = self.removed = 0  # (keys whose state was written, or deleted)
         self.ts_ms = int(msg.batch_ts_ms)
         self.wm_ms = int(msg.watermark_ms)
         calls = tcalls = 0
@@ -170,6 +171,7 @@ class Instance:
         return I.BatchDone(out=out_path, rows=rows, dirty=sorted(self.dirty), calls=calls,
                            timeout_calls=tcalls, bucket_loads=self.loads,
                            state_keys=sum(len(self._bucket(b)) for b in owned),
+                           updated=self.updated, removed=self.removed,
                            times={"data_ms": (t1 - t0) * 1e3, "timeouts_ms": (t2 - t1) * 1e3,
                                   "write_ms": (t3 - t2) * 1e3})
 
@@ -261,6 +263,7 @@ class Instance:
         # FlatMapGroupsInPandasWithStateExec.process / onIteratorCompletion
         timeout = state._timeout_timestamp
         if state._removed and timeout == NO_TIMESTAMP:
+            self.removed += 1  # (counted as native counts them: numRemovedStateRows)
             if key in d:
                 del d[key]
                 self.dirty.add(b)
@@ -276,5 +279,6 @@ class Instance:
                     else tuple(v)
             d[key] = (stored, int(timeout))
             self.dirty.add(b)
+            self.updated += 1
 
 

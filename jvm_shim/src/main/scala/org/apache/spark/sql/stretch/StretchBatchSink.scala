@@ -4,7 +4,10 @@ import java.util.concurrent.ConcurrentHashMap
 
 import scala.jdk.CollectionConverters._
 
-import org.apache.spark.sql.{Row, SQLContext}
+import com.fasterxml.jackson.databind.JsonNode
+
+import org.apache.spark.sql.{Dataset, Row, SparkSession, SQLContext}
+import org.apache.spark.sql.classic.{Dataset => ClassicDataset}
 import org.apache.spark.sql.catalyst.encoders.ExpressionEncoder
 import org.apache.spark.sql.connector.read.streaming.ReportsSinkMetrics
 import org.apache.spark.sql.execution.streaming.Sink
@@ -17,6 +20,10 @@ import org.apache.spark.sql.types.{DataType, StructType}
 trait StretchSinkMetrics {
   /** A JSON object of string values: the sink metrics of the query's progress. */
   def metrics(): String
+
+  /** A JSON object: the query's state operator in its progress (`StateOperatorProgress`'s
+   *  fields, `customMetrics` an object of longs), `{}` before the engine's first batch. */
+  def state(): String
 }
 
 /**
@@ -36,6 +43,8 @@ class StretchBatchSinkProvider extends StreamSinkProvider {
       s"stretch: option '${StretchBatchSink.KeyOption}' names no registered batch function"))
     val (fn, metrics, schema) = Option(StretchBatchSink.registered.get(key)).getOrElse(
       throw new IllegalArgumentException(s"stretch: no batch function registered as '$key'"))
+    // (the query's session: its state operator finds the running query through it)
+    StretchBatchSink.sessions.put(key, sqlContext.sparkSession)
     new StretchBatchSink(fn, metrics, schema)
   }
 }
@@ -46,6 +55,11 @@ class StretchBatchSink(fn: PythonForeachBatchFunction, source: StretchSinkMetric
     ExpressionEncoder(schema)) with ReportsSinkMetrics {
 
   override def metrics(): java.util.Map[String, String] = StretchBatchSink.figures(source)
+
+  override def addBatch(batchId: Long, data: Dataset[Row]): Unit = {
+    super.addBatch(batchId, data)
+    StretchState.committed(data.asInstanceOf[ClassicDataset[Row]].queryExecution.executedPlan)
+  }
 }
 
 object StretchBatchSink {
@@ -60,7 +74,20 @@ object StretchBatchSink {
                schemaJson: String): Unit =
     registered.put(key, (fn, metrics, DataType.fromJson(schemaJson).asInstanceOf[StructType]))
 
-  def unregister(key: String): Unit = registered.remove(key)
+  def unregister(key: String): Unit = {
+    registered.remove(key)
+    sessions.remove(key)
+  }
+
+  private[stretch] val sessions = new ConcurrentHashMap[String, SparkSession]()
+
+  /** The state operator figures of the query registered as `key` (null: none, or the callback
+   *  failed: a progress update must not fail the query). */
+  private[stretch] def stateFigures(key: String): JsonNode =
+    Option(registered.get(key)).map(r => parsed(r._2)).orNull
+
+  private[stretch] def parsed(source: StretchSinkMetrics): JsonNode =
+    try StretchPlans.mapper.readTree(source.state()) catch { case _: Exception => null }
 
   /** The figures callbacks of stretch aggregations in a plan, by aggregation id (for
    *  [[StretchDeltaSink]]: the engine appending a `stretch(df)` query's rows to Delta). */

@@ -45,6 +45,7 @@ object StretchIngest {
         case w: EventTimeWatermarkExec if w.eventTime.dataType == TimestampType ||
             w.eventTime.dataType == TimestampNTZType => marks += w; p = w.child
         case w: WholeStageCodegenExec => p = w.child
+        case s: StretchStateExec => p = s.child  // (the query's state operator: pass-through)
         case a: InputAdapter => p = a.child
         case pr: ProjectExec if pr.projectList.forall(_.isInstanceOf[Attribute]) => p = pr.child
         case c: ColumnarToRowExec =>

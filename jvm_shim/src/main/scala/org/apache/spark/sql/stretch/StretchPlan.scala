@@ -70,6 +70,8 @@ object StretchStrategy extends SparkStrategy {
   override def apply(plan: LogicalPlan): Seq[SparkPlan] = plan match {
     case StretchMarker(id, native, input, _, out) =>
       StretchExec(id, planLater(native), planLater(input), out) :: Nil
+    case StretchStateMarker(key, name, child) =>
+      StretchStateExec(key, name, StretchState.stateInfo(key), planLater(child)) :: Nil
     case _ => Nil
   }
 }
@@ -111,6 +113,9 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
       aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
       info.checkpointLocation, info.queryRunId.toString, df, input, sink))
+    // The chain's state operator is the query's in Spark's progress: the engine's figures
+    // (of the latest batch it finished) as its metrics.
+    if (answer.has("state")) StretchState.setChainMetrics(save, answer.get("state"))
     // Spark's state stores of the chain never run: for the commit check a foreachBatch sink
     // gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
     val coordinator = spark.streams.stateStoreCoordinator
