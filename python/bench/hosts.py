@@ -161,24 +161,33 @@ def _bytes(spark, work: Path, args) -> dict:
 def _move(spark, work: Path, n: int) -> dict:
     """~``n`` live windows (n users, one window each) on two hosts: move every key group to one
     host; against Spark's stop + repartition + restart of the native query's RocksDB state."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
 
     src = work / f"move-{n}"
     src.mkdir()
-    ts = pa.array([1_700_000_000_000_000 + i for i in range(n)], pa.timestamp("us", "UTC"))
-    pq.write_table(pa.table({"ts": ts, "user": [f"u{i}" for i in range(n)]}), src / "0.parquet")
-    read = (spark.readStream.schema("ts TIMESTAMP, user STRING").parquet(str(src))
-            .withWatermark("ts", "1 hour"))
+    # n users a microsecond apart in one hour's window, then one tuple 2 s later: the engine
+    # keeps a tuple in its ESG until the watermark (delay 0) passes it, so after the second
+    # batch every user's window is live in the buckets (and in Spark's state store).
+    t0 = 1_700_000_000_000_000 - 1_700_000_000_000_000 % 3_600_000_000
+    for i, (ts, users) in enumerate([(t0 + np.arange(n), [f"u{i}" for i in range(n)]),
+                                     (np.array([t0 + n + 2_000_000]), ["late"])]):
+        pq.write_table(pa.table({"ts": pa.array(ts, pa.timestamp("us", "UTC")), "user": users}),
+                       src / f"{i}.parquet")
+    read = (spark.readStream.option("maxFilesPerTrigger", 1)
+            .schema("ts TIMESTAMP, user STRING").parquet(str(src))
+            .withWatermark("ts", "0 seconds"))
     agg = read.stretchAggregate(keys=F.col("user"), window="1 hour", max_parallelism=1)
     dst = work / f"move-{n}-out"
     q = (agg.writeStream.format("delta").option("checkpointLocation", f"{dst}-ckpt")
          .trigger(processingTime="1 second").start(str(dst)))
-    while q.metrics().get("batches", 0) < 1:
+    while q.metrics().get("batches", 0) < 2:
         time.sleep(0.1)
     hosts = [h["host"] for h in q.metrics()["engine"]["hosts"]]
     live = q.metrics()["engine"]["live_windows"]
+    assert live >= n, f"{live} live windows, not the {n} users' (the move would move nothing)"
     rec = q.reconfigure(key_groups={hosts[0]: 64, hosts[1]: 0})
     back = q.reconfigure(key_groups={hosts[0]: 32, hosts[1]: 32})
     q.stop()
@@ -189,6 +198,9 @@ def _move(spark, work: Path, n: int) -> dict:
     nq = (agg.native().writeStream.format("noop").outputMode("append")
           .option("checkpointLocation", str(nck)).trigger(availableNow=True).start())
     nq.awaitTermination()
+    # (the restart runs one batch, one new tuple: Spark loads the state a batch touches)
+    pq.write_table(pa.table({"ts": pa.array([t0 + n + 3_000_000], pa.timestamp("us", "UTC")),
+                             "user": ["next"]}), src / "2.parquet")
     t0 = time.perf_counter()
     spark._streamingCheckpointManager.repartition(str(nck), 1)
     t1 = time.perf_counter()

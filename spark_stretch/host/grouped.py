@@ -175,7 +175,9 @@ class GroupedRuntime(Runtime):
         self.store.join()  # the previous checkpoint read its bucket files already; be sure
         t0 = time.perf_counter()
         self._seq += 1
-        parts = self._split(table) if table is not None and table.num_rows else {}
+        parts = {}
+        if table is not None and table.num_rows:
+            parts, self.bucket_rows = split_rows(table, self.spec.key_columns, self.B, self.owner)
         t_split = time.perf_counter()
         msgs = {}
         for i in sorted(set(int(x) for x in np.unique(self.owner))):
@@ -233,40 +235,6 @@ class GroupedRuntime(Runtime):
              "instance_retries": len(retries), **({"retries": retries} if retries else {})}
         self.last_metrics = m
         return out, dirty, m
-
-    def _split(self, table: pa.Table) -> dict:
-        """Rows per owning instance, sorted by (bucket, key), with their group starts."""
-        keys = self.spec.key_columns
-        b = _buckets(table, keys, self.B)
-        self.bucket_rows = np.bincount(b, minlength=self.B)  # (the step's figures)
-        table = table.append_column("__b", pa.array(b))
-        order = pc.sort_indices(table, sort_keys=[("__b", "ascending")] +
-                                [(k, "ascending") for k in keys], null_placement="at_end")
-        table = table.take(order)
-        b = table.column("__b").to_numpy()
-        table = table.drop_columns(["__b"])
-        new = np.ones(table.num_rows, dtype=bool)
-        if table.num_rows > 1:
-            diff = b[1:] != b[:-1]
-            for k in keys:
-                col = table.column(k)
-                a, c = col.slice(1), col.slice(0, table.num_rows - 1)
-                ne = pc.fill_null(pc.not_equal(a, c), True)
-                both_null = pc.and_(pc.is_null(a), pc.is_null(c))
-                diff |= pc.and_(ne, pc.invert(both_null)).to_numpy(zero_copy_only=False)
-            new[1:] = diff
-        starts = np.flatnonzero(new)
-        row_owner = self.owner[b]
-        g_owner = row_owner[starts]
-        sizes = np.diff(np.append(starts, table.num_rows))
-        parts = {}
-        for i in np.unique(g_owner):
-            gi = g_owner == i
-            sub = table if gi.all() else table.filter(pa.array(row_owner == i))
-            sz = sizes[gi]
-            sub_starts = np.concatenate([[0], np.cumsum(sz)[:-1]]).astype(np.int64)
-            parts[int(i)] = (sub, sub_starts, b[starts[gi]].astype(np.int64))
-        return parts
 
     # -- checkpoints -------------------------------------------------------------------------
     def _save(self, batch: int, full: bool = False, out=None, changed=()) -> None:
@@ -381,3 +349,38 @@ def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:
         cols[k] = s
     h = pd.util.hash_pandas_object(pd.DataFrame(cols), index=False).to_numpy()
     return placement.bucket_of(h, B)
+
+
+def split_rows(table: pa.Table, keys, n_buckets: int, owner: np.ndarray):
+    """Rows per owning instance (of ``owner``, per bucket), sorted by (bucket, key), with their
+    group starts and buckets; and the rows per bucket (the step's figures)."""
+    b = _buckets(table, keys, n_buckets)
+    bucket_rows = np.bincount(b, minlength=n_buckets)
+    table = table.append_column("__b", pa.array(b))
+    order = pc.sort_indices(table, sort_keys=[("__b", "ascending")] +
+                            [(k, "ascending") for k in keys], null_placement="at_end")
+    table = table.take(order)
+    b = table.column("__b").to_numpy()
+    table = table.drop_columns(["__b"])
+    new = np.ones(table.num_rows, dtype=bool)
+    if table.num_rows > 1:
+        diff = b[1:] != b[:-1]
+        for k in keys:
+            col = table.column(k)
+            a, c = col.slice(1), col.slice(0, table.num_rows - 1)
+            ne = pc.fill_null(pc.not_equal(a, c), True)
+            both_null = pc.and_(pc.is_null(a), pc.is_null(c))
+            diff |= pc.and_(ne, pc.invert(both_null)).to_numpy(zero_copy_only=False)
+        new[1:] = diff
+    starts = np.flatnonzero(new)
+    row_owner = owner[b]
+    g_owner = row_owner[starts]
+    sizes = np.diff(np.append(starts, table.num_rows))
+    parts = {}
+    for i in np.unique(g_owner):
+        gi = g_owner == i
+        sub = table if gi.all() else table.filter(pa.array(row_owner == i))
+        sz = sizes[gi]
+        sub_starts = np.concatenate([[0], np.cumsum(sz)[:-1]]).astype(np.int64)
+        parts[int(i)] = (sub, sub_starts, b[starts[gi]].astype(np.int64))
+    return parts, bucket_rows

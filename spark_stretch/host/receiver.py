@@ -63,6 +63,19 @@ def _spark_compatible(table: pa.Table) -> pa.Table:
     return table if schema.equals(table.schema) else table.cast(schema)
 
 
+def _plain(batches: list, schema: pa.Schema):
+    """The batches (and schema) with dictionary-encoded string lists cast back to lists of
+    strings: the shim encodes them on their way to another host (``DictionaryLists``)."""
+    fields = [f.with_type(pa.list_(f.type.value_field.with_type(f.type.value_type.value_type)))
+              if pa.types.is_list(f.type) and pa.types.is_dictionary(f.type.value_type) else f
+              for f in schema]
+    plain = pa.schema(fields, metadata=schema.metadata)
+    if plain.equals(schema):
+        return batches, schema
+    return [pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(b.columns, plain)],
+                                       schema=plain) for b in batches], plain
+
+
 class _Counted:
     """A binary file read through, counting the bytes (what crossed the socket)."""
 
@@ -102,8 +115,8 @@ class _Handler(socketserver.StreamRequestHandler):
                     receiver.writer_pids.add(_CREDS.unpack(creds)[0])
                 counted = _Counted(self.rfile)
                 reader = pa.ipc.open_stream(counted)
-                batches = list(reader)
-                rows = receiver._stage(msg, batches, reader.schema)
+                batches, schema = _plain(list(reader), reader.schema)
+                rows = receiver._stage(msg, batches, schema)
                 receiver.bytes_in["tcp" if tcp else "unix"] += counted.n
                 write_header(self.wfile, M.encode_reply(M.Staged(rows)))
             elif isinstance(msg, (M.Schema, M.Read)):

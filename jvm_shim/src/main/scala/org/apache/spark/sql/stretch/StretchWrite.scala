@@ -157,11 +157,19 @@ class TaskStream(
   private val arrow = ArrowWriter.create(schema, timeZoneId, true, false)
   // To another host (TCP), the batches' buffers are ZSTD-compressed (pyarrow reads them as
   // they come): the bytes between hosts, not this host's Unix socket, are what is scarce.
-  private val stream = if (!opts.address(entry).startsWith("tcp://")) {
+  // and their array<string> columns dictionary-encoded batch by batch (DictionaryLists).
+  private val tcp = opts.address(entry).startsWith("tcp://")
+  private val dicts = if (!tcp) None else {
+    val d = new DictionaryLists(arrow.root,
+      arrow.root.getFieldVectors.asScala.headOption.map(_.getAllocator).orNull)
+    if (d.active) Some(d) else { d.close(); None }
+  }
+  private val stream = if (!tcp) {
     new ArrowStreamWriter(arrow.root, null, client.out)
   } else {
-    new ArrowStreamWriter(arrow.root, null, java.nio.channels.Channels.newChannel(client.out),
-      IpcOption.DEFAULT, CommonsCompressionFactory.INSTANCE, CompressionUtil.CodecType.ZSTD)
+    new ArrowStreamWriter(dicts.map(_.root).getOrElse(arrow.root), dicts.map(_.provider).orNull,
+      java.nio.channels.Channels.newChannel(client.out), IpcOption.DEFAULT,
+      CommonsCompressionFactory.INSTANCE, CompressionUtil.CodecType.ZSTD)
   }
   private var inBatch = 0
   private var rows = 0L
@@ -189,10 +197,12 @@ class TaskStream(
     if (columnar) {
       copiers.get.foreach(_.finish())
       arrow.root.setRowCount(inBatch)
+      dicts.foreach(_.encode())
       stream.writeBatch()
       copiers.get.foreach(_.reset())
     } else {
       arrow.finish()
+      dicts.foreach(_.encode())
       stream.writeBatch()
       arrow.reset()
     }
@@ -243,6 +253,8 @@ class TaskStream(
 
   def close(): Unit = if (open) {
     open = false
-    try arrow.root.close() finally client.close()
+    try {
+      try dicts.foreach(_.close()) finally arrow.root.close()
+    } finally client.close()
   }
 }
