@@ -423,7 +423,8 @@ def _spelled(spark, src, spelling):
         parallelism=2, max_parallelism=2)
 
 
-@pytest.mark.parametrize("spelling", ["stretchAggregate", "stretch"])
+@pytest.mark.parametrize("spelling", [  # (stretch(df) recovers through the same Recovery)
+    "stretchAggregate", pytest.param("stretch", marks=pytest.mark.slow)])
 def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
         spark, stream, tmp_path, spelling):
     # Pipelined batches: Spark commits batch 2 once its input is in the engine's input log,
