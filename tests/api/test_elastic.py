@@ -58,17 +58,19 @@ def _equal_native(spark, agg, got_path, tmp_path):
 
 
 class _Progress(StreamingQueryListener):
-    """Spark's progress events of every query: (batch id, the sink's custom metrics)."""
+    """Spark's progress events of every query: (query id, batch id, ``part`` of its progress;
+    by default the sink's custom metrics)."""
 
-    def __init__(self):
+    def __init__(self, part=lambda p: dict(p.sink.metrics)):
         self.events = []
+        self.part = part
 
     def onQueryStarted(self, event):
         pass
 
     def onQueryProgress(self, event):
         p = event.progress
-        self.events.append((str(p.id), p.batchId, dict(p.sink.metrics)))
+        self.events.append((str(p.id), p.batchId, self.part(p)))
 
     def onQueryIdle(self, event):
         pass

@@ -16,40 +16,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark.sql import functions as F
-from pyspark.sql.streaming import StreamingQueryListener
 from pyspark.sql.streaming.state import GroupStateTimeout
 
 import spark_stretch
 from spark_stretch.testing.stepped import event_source, write_steps
 
+from .test_elastic import _Progress
 from .test_grouped import (SESSION_OUT, SESSION_STATE, sessions, source, start_stretch,
                            write_tweets)
 
 SIZES, WINDOW_S, DELAY_S = [200, 300, 250, 100], 5, 1
 
 
-class _States(StreamingQueryListener):
-    """Spark's progress events: (query id, batch id, its state operators as JSON)."""
-
-    def __init__(self):
-        self.events = []
-
-    def onQueryStarted(self, event):
-        pass
-
-    def onQueryProgress(self, event):
-        p = event.progress
-        self.events.append((str(p.id), p.batchId, json.loads(p.json)["stateOperators"]))
-
-    def onQueryIdle(self, event):
-        pass
-
-    def onQueryTerminated(self, event):
-        pass
-
-
 def _listening(spark, run):
-    listener = _States()
+    listener = _Progress(lambda p: json.loads(p.json)["stateOperators"])
     spark.streams.addListener(listener)
     try:
         q = run()

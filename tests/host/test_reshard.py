@@ -61,6 +61,15 @@ def _one_host(kind, batches):
     return outs
 
 
+def _step_all(hosts, b, t):
+    """Batch ``b`` (table ``t``) on every host runtime: the union of their outputs' rows."""
+    outs = []
+    for rt in hosts:
+        rt.ingest(f"in:{b}", "j", t)  # (each keeps its share of every row)
+        outs.append(rt.receiver.out[rt.step(b).stream])
+    return _rows(pa.concat_tables(outs))
+
+
 def _hosts(kind, root, host_map, resume=None, n=2):
     """The query's ``n`` host runtimes (under ``root``), opened after ``resume``."""
     return [AggregateRuntime("q", _spec(kind, root / "hosts" / str(h) / "state",
@@ -78,11 +87,7 @@ def test_moving_key_groups_between_hosts_keeps_every_window(kind, tmp_path):
     got = []
     moves = {2: [G, 0], 5: [3, 5]}  # after batch 2: every group to host 0; after 5: 3 and 5
     for b, t in enumerate(batches):
-        outs = []
-        for rt in hosts:
-            rt.ingest(f"in:{b}", "j", t)  # (each keeps its share of every row)
-            outs.append(rt.receiver.out[rt.step(b).stream])
-        got.append(_rows(pa.concat_tables(outs)))
+        got.append(_step_all(hosts, b, t))
         if b in moves:
             for rt in hosts:  # every host's full state of batch b, then the new host map
                 rt.flushed()
@@ -112,11 +117,7 @@ def test_a_move_reads_only_the_checkpoints_of_the_groups_a_host_gains(kind, tmp_
     hosts = _hosts(kind, tmp_path, hm, n=3)
     got = []
     for b, t in enumerate(batches):
-        outs = []
-        for rt in hosts:
-            rt.ingest(f"in:{b}", "j", t)
-            outs.append(rt.receiver.out[rt.step(b).stream])
-        got.append(_rows(pa.concat_tables(outs)))
+        got.append(_step_all(hosts, b, t))
         if b == 2:
             for rt in hosts:
                 rt.flushed()
@@ -183,11 +184,7 @@ def test_a_new_host_given_key_groups_takes_their_state(kind, tmp_path):
 
     hosts, got = [host(0, 1, [0] * G)], []
     for b, t in enumerate(batches):
-        outs = []
-        for rt in hosts:
-            rt.ingest(f"in:{b}", "j", t)
-            outs.append(rt.receiver.out[rt.step(b).stream])
-        got.append(_rows(pa.concat_tables(outs)))
+        got.append(_step_all(hosts, b, t))
         if b == 3:
             hosts[0].flushed()
             hosts[0].close()
