@@ -10,6 +10,8 @@ fired while the stream was idle.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import sys
@@ -178,6 +180,7 @@ def timeout_by_key(key, pdfs, state):
     yield pd.DataFrame({"k": [key[0]], "v": [n]})
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_idle_timeouts_are_written_once_across_engine_and_query_restarts(spark, tmp_path,
                                                                          monkeypatch):
     # Two no-data batches with rows after the same batch ("a" times out, then "b"); the engine is

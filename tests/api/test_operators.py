@@ -150,6 +150,7 @@ def _sum_of_squares():
                     columns=((("k", "int64"), ("v", "float64")),), name="sum_of_squares")
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_user_numba_operator_equals_native_window_aggregation(spark, tmp_path):
     _points(tmp_path / "in", 3000, 4, 5, ("k", "v"), True, late=0.05, span=50.0)
     df = _stream(spark, tmp_path / "in", POINTS.format("k", "BIGINT", "v", "BIGINT"))

@@ -33,7 +33,11 @@ def _listening(spark, run):
     spark.streams.addListener(listener)
     try:
         q = run()
-        time.sleep(0.5)  # (the listener bus delivers asynchronously)
+        # (the listener bus delivers asynchronously: wait for every progress the query kept)
+        deadline = time.time() + 30
+        while (sum(qid == str(q.id) for qid, _, _ in listener.events) < len(q.recentProgress)
+               and time.time() < deadline):
+            time.sleep(0.1)
     finally:
         spark.streams.removeListener(listener)
     return q, listener

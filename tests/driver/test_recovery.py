@@ -326,6 +326,7 @@ def test_engine_state_checkpointed_every_interval_with_the_input_log_between(spa
            run_native(spark, _agg(spark, src), tmp_path / "n2"))
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_task_failures_in_ingest_and_output_read_are_retried_by_spark():
     # local[2,3]: Spark retries a failed task (local[2] would not). In its own process.
     result = run_script(Path(__file__).with_name("fault_job.py"))
