@@ -122,17 +122,23 @@ def test_event_time_step_applies_before_the_next_rows_as_native(spark, tmp_path)
     assert m["engine"]["late_rows"] == 1 and m["engine"]["timeout_calls"] == 1
 
 
-def timeout_after_3s(key, pdfs, state):
-    """A row count per key, timing out 3 s of processing time after the key's last rows (-1);
-    6 s for "b"."""
-    if state.hasTimedOut:
-        state.remove()
-        yield pd.DataFrame({"k": [key[0]], "v": [-1]})
-        return
-    n = (state.get[0] if state.exists else 0) + sum(len(p) for p in pdfs)
-    state.update((n,))
-    state.setTimeoutDuration(6000 if key[0] == "b" else 3000)
-    yield pd.DataFrame({"k": [key[0]], "v": [n]})
+def counting_with_timeout(others_ms: int):
+    """A row count per key, timing out ``others_ms`` of processing time after the key's last
+    rows (-1); 6 s for "b"."""
+    def count(key, pdfs, state):
+        if state.hasTimedOut:
+            state.remove()
+            yield pd.DataFrame({"k": [key[0]], "v": [-1]})
+            return
+        n = (state.get[0] if state.exists else 0) + sum(len(p) for p in pdfs)
+        state.update((n,))
+        state.setTimeoutDuration(6000 if key[0] == "b" else others_ms)
+        yield pd.DataFrame({"k": [key[0]], "v": [n]})
+    return count
+
+
+timeout_after_3s = counting_with_timeout(3000)
+timeout_by_key = counting_with_timeout(1000)
 
 
 def test_processing_time_timeout_fires_while_idle_as_native(spark, tmp_path):
@@ -166,18 +172,6 @@ def test_processing_time_timeout_fires_while_idle_as_native(spark, tmp_path):
         sq.stop()
     assert want == [("a", -1), ("a", 1), ("b", -1), ("b", 1), ("w", -1), ("w", 1)]
     assert got == want
-
-
-def timeout_by_key(key, pdfs, state):
-    """As timeout_after_3s, with a timeout of 6 s for "b", 1 s for the others."""
-    if state.hasTimedOut:
-        state.remove()
-        yield pd.DataFrame({"k": [key[0]], "v": [-1]})
-        return
-    n = (state.get[0] if state.exists else 0) + sum(len(p) for p in pdfs)
-    state.update((n,))
-    state.setTimeoutDuration(6000 if key[0] == "b" else 1000)
-    yield pd.DataFrame({"k": [key[0]], "v": [n]})
 
 
 @pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
