@@ -367,11 +367,9 @@ class Flushed(Request):
 
 
 @dataclass(frozen=True)
-class WriteDelta(Request):
-    """Append what is offered on ``stream`` to the Delta table at ``path`` as (app, version)."""
+class _DeltaOutput(Request):
+    """The output offered on ``stream``, for the Delta table at ``path`` as (app, version)."""
 
-    op: ClassVar[str] = "write_delta"
-    reply: ClassVar[type] = DeltaWritten
     query: str
     stream: str
     path: str
@@ -380,17 +378,20 @@ class WriteDelta(Request):
 
 
 @dataclass(frozen=True)
-class PrepareDelta(Request):
+class WriteDelta(_DeltaOutput):
+    """Append what is offered on ``stream`` to the Delta table at ``path`` as (app, version)."""
+
+    op: ClassVar[str] = "write_delta"
+    reply: ClassVar[type] = DeltaWritten
+
+
+@dataclass(frozen=True)
+class PrepareDelta(_DeltaOutput):
     """Write the output offered on a stream into a Delta table's directory as data files,
     uncommitted: their add actions, for one commit of every host's files (:class:`CommitDelta`)."""
 
     op: ClassVar[str] = "prepare_delta"
     reply: ClassVar[type] = DeltaPrepared
-    query: str
-    stream: str
-    path: str
-    app_id: str
-    version: int
 
 
 @dataclass(frozen=True)
