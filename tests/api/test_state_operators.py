@@ -8,8 +8,6 @@ append mode a window becomes a state row when the watermark releases its first r
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import time
 
@@ -46,8 +44,10 @@ def _listening(spark, run):
 
 
 def _ops(q):
-    """Each progress's state operators, by batch id (``recentProgress``)."""
-    return {p["batchId"]: p["stateOperators"] for p in q.recentProgress}
+    """Each progress's state operators, by batch id (``recentProgress``), read from the
+    progress's JSON as the listener reads its events (pyspark's progress objects keep an empty
+    ``customMetrics`` that Spark's JSON leaves out)."""
+    return {p["batchId"]: json.loads(p.json)["stateOperators"] for p in q.recentProgress}
 
 
 def _seen_by_listener(listener, q, ops):
@@ -71,9 +71,6 @@ def _live_windows(src, batch):
     return len(set(zip(rows["k"][open_], start[open_])))
 
 
-# Slow for now: in the full default run (after the other tests, one shared session) the
-# listener's entry of one batch differs from recentProgress's; alone it passes. To find.
-@pytest.mark.slow
 def test_stretch_aggregate_has_one_state_operator_with_the_engines_figures(spark, tmp_path):
     src = write_steps(tmp_path / "src", SIZES, keys=50, seed=3)
     agg = event_source(spark, src, delay=f"{DELAY_S} second").stretchAggregate(
@@ -92,13 +89,13 @@ def test_stretch_aggregate_has_one_state_operator_with_the_engines_figures(spark
     qn.awaitTermination()
     native = {b: so[0] for b, so in _ops(qn).items()}
     ops = _ops(q)
-    assert q.lastProgress["stateOperators"] == ops[max(ops)]
+    assert json.loads(q.lastProgress.json)["stateOperators"] == ops[max(ops)]
     seen, total = set(), {}
     for b, so in ops.items():
         assert len(so) == 1, so
         op = so[0]
         assert op["operatorName"] == "stretchAggregate"
-        if "batch" not in op["customMetrics"]:  # (pipelined: no batch finished yet)
+        if "batch" not in op.get("customMetrics", {}):  # (pipelined: none finished yet)
             assert not seen and op["numRowsTotal"] == 0, (b, op)
             continue
         n = op["customMetrics"]["batch"]  # (pipelined: the latest batch the engine finished)
@@ -141,7 +138,7 @@ def test_drop_in_state_operator_equals_native(spark, tmp_path):
 
     q, listener = _listening(spark, run)
     ops = _ops(q)
-    assert q.lastProgress["stateOperators"] == ops[max(ops)]
+    assert json.loads(q.lastProgress.json)["stateOperators"] == ops[max(ops)]
     late = 0
     for b, so in ops.items():
         assert len(so) == 1, so
