@@ -296,7 +296,9 @@ class PlanRun:
             if self._pipeline is not None:
                 return self._pipeline.between(lambda: self.recovery.move_groups(key_groups))
             with self._lock:
-                return self.recovery.move_groups(key_groups)
+                rec = self.recovery.move_groups(key_groups)
+                self.elastic.switched(rec)
+                return rec
         msg = recovery.reconfiguration(self.qid, parallelism, owner_map, self.spec.max_parallelism)
         if self._pipeline is not None:
             return self._pipeline.reconfigure(msg)

@@ -258,14 +258,9 @@ def _quietly(fn) -> None:
 
 
 def _check_hosts(kind) -> None:
-    """Built-in aggregations run on several hosts; an engine operator, the drop-in and an
-    elastic query on one."""
+    """Built-in aggregations run on several hosts (elastic ones too); an engine operator and
+    the drop-in on one."""
     hosts = engine_hosts(kind.session)
-    if hosts and kind.elastic is not None:
-        raise NotImplementedError(
-            f"executors on hosts {hosts}: an elastic query runs on one host so far (its policy "
-            "rescales one host engine's instances; moving key groups between hosts is not "
-            "built); start it without elastic=")
     spec_kind = kind.engine_spec().kind
     if hosts and spec_kind != "aggregate":
         raise NotImplementedError(
