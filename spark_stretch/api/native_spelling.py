@@ -152,12 +152,12 @@ class StretchControl:
         return run
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
-        """Change the parallelism and/or owner map between two micro-batches (no state moves),
-        or, for a query on several hosts, how many key groups each host owns (``key_groups``:
-        ``{host: count}``; the state of the moved groups moves), as
-        :meth:`spark_stretch.StretchQuery.reconfigure`."""
-        return self._run().reconfigure(parallelism, owner_map, key_groups)
+                    key_groups=None, host: Optional[str] = None) -> dict:
+        """Change the parallelism and/or owner map between two micro-batches (no state moves;
+        on several hosts, of ``host``'s instances or every host's), or, for a query on several
+        hosts, how many key groups each host owns (``key_groups``: ``{host: count}``; the
+        state of the moved groups moves), as :meth:`spark_stretch.StretchQuery.reconfigure`."""
+        return self._run().reconfigure(parallelism, owner_map, key_groups, host)
 
     def metrics(self) -> dict:
         """The engine's figures for this run (batches, rows, reconfigurations, per-batch

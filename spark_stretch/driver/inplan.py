@@ -289,9 +289,13 @@ class PlanRun:
         return eng.call(M.Result(query=self.qid, batch=batch_id))
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
+                    key_groups=None, host: Optional[str] = None) -> dict:
         """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
-        max_parallelism``), or move key groups between hosts (``key_groups``)."""
+        max_parallelism``; on several hosts, of ``host``'s instances or every host's), or move
+        key groups between hosts (``key_groups``)."""
+        if host is not None and not self.recovery.engine.routed:
+            raise ValueError(f"host={host!r}: the query runs on one host engine; host= names "
+                             "one of the hosts of a query on several")
         if key_groups is not None:
             if self._pipeline is not None:
                 return self._pipeline.between(lambda: self.recovery.move_groups(key_groups))
@@ -299,7 +303,8 @@ class PlanRun:
                 rec = self.recovery.move_groups(key_groups)
                 self.elastic.switched(rec)
                 return rec
-        msg = recovery.reconfiguration(self.qid, parallelism, owner_map, self.spec.max_parallelism)
+        msg = recovery.reconfiguration(self.qid, parallelism, owner_map,
+                                       self.spec.max_parallelism, host)
         if self._pipeline is not None:
             return self._pipeline.reconfigure(msg)
         t0 = time.perf_counter()

@@ -182,13 +182,19 @@ class Pipeline:
     def _apply_decision(self) -> None:
         """The policy's decisions after the last batch, applied now (nothing in flight)."""
         for d in self.elastic.pending() if self.elastic is not None else ():
-            if d.host is not None and not self._rec.engine.routed:
-                raise ValueError(f"{d!r}: host= names a host of a query on several; this one "
-                                 "runs on one host engine")
+            if self._gone(d.host):
+                continue
             # (checked as a user's would be: 1 <= parallelism <= max)
             msg = recovery.reconfiguration(self._qid, d.parallelism, d.owner_map,
                                            self._kind.max_parallelism, d.host)
             self._switch(replace(msg, persist=False), d.cause)
+
+    def _gone(self, host: Optional[str]) -> bool:
+        """Whether ``host``, named by a decision, was one of the query's hosts in the figures
+        it was taken on and is no longer (lost since): the decision is dropped."""
+        latest = self.elastic.latest
+        known = {h.host for h in latest.hosts or ()} if latest is not None else set()
+        return host in known and host not in getattr(self._rec.engine, "hosts", ())
 
     def _move_groups(self, trigger) -> None:
         """Before a batch's input reaches the hosts: the policy's decision moving key groups,
@@ -199,9 +205,13 @@ class Pipeline:
         self._drain()
         self._play_before(trigger)
         for d in self.elastic.pending(moves=True):
-            self.elastic.switched(self._rec.move_groups(moves=d.key_groups, cause=d.cause))
+            if not any(self._gone(h) for h in d.key_groups.values()):
+                self.elastic.switched(self._rec.move_groups(moves=d.key_groups, cause=d.cause))
 
     def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
+        if msg.host is not None and not self._rec.engine.routed:
+            raise ValueError(f"host={msg.host!r}: the query runs on one host engine; host= "
+                             "names one of the hosts of a query on several")
         t0 = time.perf_counter()
         reply = self._rec.engine.call(msg)
         rec = self._rec.reconfigured(msg, reply, t0, cause)

@@ -186,6 +186,8 @@ def test_the_drop_in_runs_a_users_policy_beside_manual_reconfigure(spark, tmp_pa
         *args, parallelism=1, max_parallelism=2, buckets=64, elastic=policy)
     q = start_stretch(g, tmp_path / "o", processingTime="100 milliseconds")
     _wait_batches(q, 5)  # (the policy's switches are after batches 1 and 3)
+    with pytest.raises(ValueError, match="host='h1': the query runs on one host engine"):
+        q.reconfigure(parallelism=2, host="h1")  # (a host of a query on several)
     manual = q.reconfigure(parallelism=1)  # beside the policy
     _wait_batches(q, 6)
     _idle_then_stop(q)
@@ -209,6 +211,8 @@ def test_the_drop_in_runs_a_users_policy_beside_manual_reconfigure(spark, tmp_pa
     (dict(min_parallelism=3, max_parallelism=2), "max_parallelism=2 is below min_parallelism=3"),
     (dict(cooldown_batches=-1), "cooldown_batches=-1 must be an integer >= 0"),
     (dict(rebalance_above=0.9), "rebalance_above=0.9 must be above 1"),
+    (dict(rebalance_hosts_above=1), "rebalance_hosts_above=1 must be above 1 (the busiest "
+                                    "host's load over the mean), or None"),
 ])
 def test_bad_policies_are_errors_naming_the_argument(kwargs, needle):
     with pytest.raises(ValueError) as e:
