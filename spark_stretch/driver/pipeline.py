@@ -209,9 +209,7 @@ class Pipeline:
                 self.elastic.switched(self._rec.move_groups(moves=d.key_groups, cause=d.cause))
 
     def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
-        if msg.host is not None and not self._rec.engine.routed:
-            raise ValueError(f"host={msg.host!r}: the query runs on one host engine; host= "
-                             "names one of the hosts of a query on several")
+        recovery.check_host(self._rec.engine, msg.host)
         t0 = time.perf_counter()
         reply = self._rec.engine.call(msg)
         rec = self._rec.reconfigured(msg, reply, t0, cause)

@@ -31,8 +31,8 @@ from .metrics import QueryMetrics
 from .settings import QuerySettings
 from .sink import Sink
 
-__all__ = ["Recovery", "checkpointing", "last_committed", "query_ids", "reconfiguration",
-           "remove_shm"]
+__all__ = ["Recovery", "check_host", "checkpointing", "last_committed", "query_ids",
+           "reconfiguration", "remove_shm"]
 
 
 def last_committed(checkpoint) -> Optional[int]:
@@ -64,6 +64,13 @@ def reconfiguration(qid: str, parallelism: Optional[int], owner_map,
     return M.Reconfigure(query=qid, parallelism=parallelism,
                          owner_map=None if owner_map is None else [int(x) for x in owner_map],
                          host=host)
+
+
+def check_host(engine, host: Optional[str]) -> None:
+    """A ValueError if ``host`` (of a reconfiguration) is given for a query on one host."""
+    if host is not None and not engine.routed:
+        raise ValueError(f"host={host!r}: the query runs on one host engine; host= names one "
+                         "of the hosts of a query on several")
 
 
 def query_ids(layout: QueryLayout) -> Tuple[str, str]:
