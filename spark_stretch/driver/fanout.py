@@ -162,7 +162,7 @@ class FanOut:
         q = self._queries[qid]
         slots = list(q.slots_names)
         slots += [h for h in self.hosts if h not in slots]
-        unknown = sorted(set(counts or {}) | set((moves or {}).values()) - set(self.hosts))
+        unknown = sorted((set(counts or {}) | set((moves or {}).values())) - set(self.hosts))
         if unknown:
             raise ValueError(f"key_groups names hosts {unknown}; the query's hosts (with an "
                              f"executor) are {self.hosts}")

@@ -114,7 +114,7 @@ class ElasticPolicy(Policy):
         above ``scale_out_above`` while another host's would be below ``target``: then by
         their work (each host's busy time per key). Groups are chosen by their measured keys,
         greedily (:func:`~.balance.spread`). None: never. No move within ``cooldown_batches``
-        of the last one.
+        of the last one, nor after a batch with fewer keys than key groups.
 
     Notes
     -----
@@ -226,8 +226,8 @@ class ElasticPolicy(Policy):
                 or (since is not None and since <= self.cooldown_batches)):
             return None
         keys = np.asarray(m.host_load, np.float64)
-        if keys.sum() <= 0:
-            return None
+        if keys.sum() < max(1, len(m.group_load)):
+            return None  # (fewer keys than groups: their loads are mostly chance)
         mean, parts = float(keys.mean()), range(len(m.hosts))
         if keys.max() > theta * mean:  # one host takes too many keys
             om = spread(m.group_load, m.host_map, parts, lambda w, h: w[h] <= theta * mean)

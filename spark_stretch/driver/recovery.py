@@ -221,9 +221,9 @@ class Recovery:
         record."""
         rec = dict(reply.to_dict(), cause=cause, request_ms=(time.perf_counter() - t0) * 1e3,
                    at_ms=int(time.time() * 1e3))
-        self._metrics.append("reconfigurations", rec)
         if msg.host is not None:
             rec["host"] = msg.host
+        self._metrics.append("reconfigurations", rec)
         self._reconfigs.append({"parallelism": msg.parallelism, "owner_map": msg.owner_map,
                                 "after_batch": reply.after_batch, "persist": msg.persist,
                                 "host": msg.host})
@@ -240,6 +240,8 @@ class Recovery:
         (also in ``metrics()["reconfigurations"]``): ``cause``, ``key_groups`` (each host's
         count), ``host_map`` (each group's host), ``moved_groups``, ``switch_ms``."""
         eng = self.engine
+        if (key_groups is None) == (moves is None):
+            raise ValueError("move_groups: give key_groups= or moves=")
         if not eng.routed:
             raise ValueError("key_groups=: the query runs on one host (its executors' host); "
                              "key groups move between the hosts of a query on several")
