@@ -1,7 +1,8 @@
 """One host x 2 cores against two hosts x 1 core, on a real standalone cluster on this machine.
 
     python python/bench/hosts.py [--tweets 1000000] [--files 10] [--queries wordcount,paircount-H]
-                                 [--bytes-tweets 100000] [--move-windows 10000,1000000] [--json]
+                                 [--bytes-tweets 100000] [--move-windows 10000,1000000]
+                                 [--skew-events 2000000] [--json]
 
 Workers bound to 127.0.0.2 (and 127.0.0.3) of this machine (``spark_stretch.testing.cluster``),
 the driver on 127.0.0.1; the same 2 cores in both layouts, executors of 1 GB. Each layout runs in
@@ -20,6 +21,13 @@ its own driver process (``--layout``):
   (N users, one window each); ``reconfigure(key_groups=...)`` moves every group to one host; its
   time. Against Spark 4.2's route for the same state: stop the native query (RocksDB state
   store), ``spark._streamingCheckpointManager.repartition(checkpoint, 1)``, restart.
+- **elastic hosts** (``--skew-events``, two hosts): a count per key of Zipf-skewed keys (s = 1.1)
+  whose 32 heaviest keys lie in the key groups the first host starts with (``--files``
+  micro-batches, availableNow): the static host map against ``elastic=ElasticPolicy()`` (which
+  moves key groups off the hot host); each run twice, alternated, after an untimed run; the
+  host imbalance per batch and the moves reported, the tables equal (and to native Spark's).
+
+``--queries ''`` runs no throughput query (nor the one-host layout).
 """
 
 from __future__ import annotations
@@ -86,7 +94,7 @@ def _run_layout(args) -> dict:
     spark = _session(args.layout, args.url, ui=True)
     out = {"layout": args.layout, "queries": {}}
     try:
-        for name in args.queries.split(","):
+        for name in [q for q in args.queries.split(",") if q]:
             agg = _source(spark, work / "tweets").stretchAggregate(
                 keys=_keys(name), window=WINDOW, parallelism=LAYOUTS[args.layout][1],
                 max_parallelism=LAYOUTS[args.layout][1])
@@ -111,6 +119,8 @@ def _run_layout(args) -> dict:
             out["bytes"] = _bytes(spark, work, args)
         if args.layout == "2x1" and args.move_windows:
             out["moves"] = [_move(spark, work, int(n)) for n in args.move_windows.split(",")]
+        if args.layout == "2x1" and args.skew_events:
+            out["elastic"] = _elastic(spark, work, args)
     finally:
         spark.stop()
     return out
@@ -135,7 +145,7 @@ def _bytes(spark, work: Path, args) -> dict:
     src, res = work / "tweets-small", {}
     spark.conf.set("spark.stretch.ingest.files", "false")
     try:
-        for name in args.queries.split(","):
+        for name in [q for q in args.queries.split(",") if q]:
             agg = _source(spark, src, per_batch=2).stretchAggregate(
                 keys=_keys(name), window=WINDOW, max_parallelism=1)
             dst = work / f"bytes-{name}"
@@ -213,6 +223,74 @@ def _move(spark, work: Path, n: int) -> dict:
             "spark_restart_s": t2 - t1}
 
 
+def _skewed(folder: Path, n: int, files: int, groups: int) -> None:
+    """``n`` events ``(ts, k, v)`` in ``files`` files, Zipf-skewed keys (s = 1.1 over 100,000
+    ranks) whose 32 heaviest lie in the key groups of the first host's balanced share."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spark_stretch.engine.hashing import xxhash64
+    from spark_stretch.protocol.placement import balanced_host_map, key_group
+    from spark_stretch.testing.stepped import events_table
+
+    cand = np.arange(200_000, dtype=np.int64)
+    first = balanced_host_map(groups, 2)[key_group(xxhash64(pa.array(cand)), groups)] == 0
+    hot = cand[first][:32]
+    rank = np.concatenate([hot, np.setdiff1d(cand, hot)[:100_000 - 32]])
+    folder.mkdir()
+    for f in range(files):
+        t = events_table(n // files, start_s=10.0 * f, rate=n / files / 10.0, keys=100_000,
+                         zipf=1.1, seed=f)
+        t = t.set_column(1, "k", pa.array(rank[t.column("k").to_numpy()]))
+        path = folder / f"events-{f:06d}.parquet"
+        pq.write_table(t, path)
+        os.utime(path, (1e9 + f, 1e9 + f))  # (the order the source reads them in)
+
+
+def _elastic(spark, work: Path, args) -> dict:
+    """Skewed keys on two hosts: the static host map against an elastic policy's moves, each
+    run twice, alternated (the best of each compared)."""
+    from spark_stretch import ElasticPolicy
+    from spark_stretch.testing.stepped import event_source
+
+    src = work / "skewed"
+    _skewed(src, args.skew_events, args.files, 64)
+    out = {"static": {"s": []}, "elastic": {"s": []}}
+    warm = event_source(spark, src).stretchAggregate(keys="k", window="10 seconds",
+                                                     max_parallelism=1)
+    _timed(lambda: warm.writeStream.format("delta")  # (untimed: JIT, class loading, engines)
+           .option("checkpointLocation", str(work / "skew-warm-ckpt"))
+           .trigger(availableNow=True).start(str(work / "skew-warm")))
+    for run in range(4):
+        name, policy = ("static", None) if run % 2 == 0 else ("elastic", ElasticPolicy())
+        agg = event_source(spark, src).stretchAggregate(keys="k", window="10 seconds",
+                                                        max_parallelism=1, elastic=policy)
+        dst = work / f"skew-{name}-{run}"
+        q = {}
+        out[name]["s"].append(_timed(lambda: q.setdefault("q", agg.writeStream.format("delta")
+                                     .option("checkpointLocation", f"{dst}-ckpt")
+                                     .trigger(availableNow=True).start(str(dst)))))
+        m = q["q"].metrics()
+        out[name].update(
+            host_imbalance=[r["host_imbalance"] for r in m["per_batch"]],
+            moves=[{k: r[k] for k in ("after_batch", "moved_groups", "switch_ms", "key_groups")}
+                   for r in m.get("reconfigurations", []) if r["cause"] == "rebalance_hosts"])
+        if run == 0:
+            n = work / "skew-native"
+            _timed(lambda: agg.native().writeStream.format("delta").outputMode("append")
+                   .option("checkpointLocation", f"{n}-ckpt").trigger(availableNow=True)
+                   .start(str(n)))
+            out[name]["equal_native"] = _same(spark, n, dst)
+        else:
+            out[name][f"equal_static_{run}"] = _same(spark, work / "skew-static-0", dst)
+    for r in out.values():
+        r["best_s"] = min(r["s"])
+        r["events_per_s"] = args.skew_events / r["best_s"]
+    out["speedup"] = out["static"]["best_s"] / out["elastic"]["best_s"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tweets", type=int, default=1_000_000)
@@ -220,6 +298,7 @@ def main() -> None:
     ap.add_argument("--queries", default="wordcount,paircount-H")
     ap.add_argument("--bytes-tweets", type=int, default=100_000)
     ap.add_argument("--move-windows", default="10000,1000000")
+    ap.add_argument("--skew-events", type=int, default=2_000_000)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--layout", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -232,17 +311,21 @@ def main() -> None:
     from spark_stretch.testing.cluster import StandaloneCluster
 
     work = Path(tempfile.mkdtemp(prefix="stretch-bench-hosts-"))
-    write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
+    if args.queries:
+        write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
     if args.bytes_tweets:
         write_tweets(work / "tweets-small", args.bytes_tweets, files=4, rate=1000.0, seed=2)
     report = {"tweets": args.tweets, "layouts": {}}
     try:
         for layout, (hosts, cores) in LAYOUTS.items():
+            if layout == "1x2" and not args.queries:
+                continue
             with StandaloneCluster(hosts=hosts, cores=cores, memory="3g") as cluster:
                 cmd = [sys.executable, __file__, "--layout", layout, "--url", cluster.url,
                        "--work", str(work), "--tweets", str(args.tweets), "--queries",
                        args.queries, "--bytes-tweets", str(args.bytes_tweets),
-                       "--move-windows", args.move_windows]
+                       "--move-windows", args.move_windows,
+                       "--skew-events", str(args.skew_events), "--files", str(args.files)]
                 p = subprocess.run(cmd, capture_output=True, text=True,
                                    env=dict(os.environ, PYSPARK_PYTHON=sys.executable))
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
@@ -252,13 +335,16 @@ def main() -> None:
                 report["layouts"][layout] = json.loads(line[0][len("RESULT "):])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    one, two = report["layouts"]["1x2"]["queries"], report["layouts"]["2x1"]["queries"]
+    one = report["layouts"].get("1x2", {}).get("queries", {})
+    two = report["layouts"]["2x1"]["queries"]
     for name in one:
         report.setdefault("ratios", {})[name] = two[name]["tweets_per_s"] / one[name]["tweets_per_s"]
     print(json.dumps(report, indent=None if args.json else 1))
     checks = [v for q in two.values() for k, v in q.items() if k.startswith("equal")]
     checks += [v for q in one.values() for k, v in q.items() if k.startswith("equal")]
     checks += [b["equal"] for b in report["layouts"]["2x1"].get("bytes", {}).values()]
+    checks += [v for r in report["layouts"]["2x1"].get("elastic", {}).values()
+               if isinstance(r, dict) for k, v in r.items() if k.startswith("equal")]
     if not all(checks):
         sys.exit("outputs differ between the layouts (or native Spark)")
 

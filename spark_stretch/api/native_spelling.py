@@ -19,6 +19,7 @@ from pyspark.sql.streaming import StreamingQuery
 from ..driver import jvm
 from ..driver.elastic import per_batch_frame
 from ..driver.inplan import FallbackWarning, fall_back, handler_for, run_of
+from ..driver.policy import as_policy
 from ..protocol.specs import AggregateSpec
 from .frame import StretchFrame
 from .specs import check_sizes, parse_interval_us
@@ -27,7 +28,7 @@ __all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "stretch_a
 
 
 def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
-            buckets: int = 4096) -> DataFrame:
+            buckets: int = 4096, elastic=None) -> DataFrame:
     """The streaming aggregation ``df`` (as written for Spark) running on the host's VSN engine.
 
     ``df`` is ``groupBy(window(ts, size[, slide]), *keys).agg(*aggregates)`` over a stream with
@@ -45,6 +46,11 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
         Instances created (n); ``control(q).reconfigure`` moves between 1 and n while running.
     buckets : int
         State buckets (B).
+    elastic : bool or Policy, optional
+        Reconfigure the running query by itself, as ``stretchAggregate(elastic=...)`` does:
+        ``True`` for :class:`~spark_stretch.ElasticPolicy` ``()``, an ``ElasticPolicy(...)``, or
+        a :class:`~spark_stretch.Policy` of your own (checked now: a bad one is an error
+        naming the argument). Its decisions are in ``control(q).metrics()["reconfigurations"]``.
 
     Returns
     -------
@@ -88,6 +94,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     if not isinstance(df, DataFrame):
         raise TypeError(f"stretch() takes a DataFrame, got {type(df).__name__}")
     check_sizes(parallelism, max_parallelism, buckets)
+    policy = as_policy(elastic, max_parallelism)
     spark = df.sparkSession
     plans = jvm.ShimPlans(spark)
     agg_id = uuid.uuid4().hex
@@ -99,7 +106,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     if reason is not None:
         fall_back(spark, reason, stacklevel=2)
         return df
-    handler_for(spark).add(agg_id, spec)
+    handler_for(spark).add(agg_id, spec, policy)
     return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec, agg_id)
 
 
@@ -152,12 +159,12 @@ class StretchControl:
         return run
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
-        """Change the parallelism and/or owner map between two micro-batches (no state moves),
-        or, for a query on several hosts, how many key groups each host owns (``key_groups``:
-        ``{host: count}``; the state of the moved groups moves), as
-        :meth:`spark_stretch.StretchQuery.reconfigure`."""
-        return self._run().reconfigure(parallelism, owner_map, key_groups)
+                    key_groups=None, host: Optional[str] = None) -> dict:
+        """Change the parallelism and/or owner map between two micro-batches (no state moves;
+        on several hosts, of ``host``'s instances or every host's), or, for a query on several
+        hosts, how many key groups each host owns (``key_groups``: ``{host: count}``; the
+        state of the moved groups moves), as :meth:`spark_stretch.StretchQuery.reconfigure`."""
+        return self._run().reconfigure(parallelism, owner_map, key_groups, host)
 
     def metrics(self) -> dict:
         """The engine's figures for this run (batches, rows, reconfigurations, per-batch

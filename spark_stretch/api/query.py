@@ -41,7 +41,7 @@ class StretchQuery:
         return self._run.stretch_id
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
+                    key_groups=None, host: Optional[str] = None) -> dict:
         """Change the number of instances and/or the bucket-to-instance owner map, online; or,
         for a query on several hosts, which host owns which key groups.
 
@@ -58,6 +58,9 @@ class StretchQuery:
             New number of active instances (on each host), 1 to ``max_parallelism``.
         owner_map : sequence of int, optional
             Owner instance for each of the ``buckets`` buckets (a rebalance).
+        host : str, optional
+            On several hosts, the host whose instances take ``parallelism``/``owner_map``
+            (as ``metrics()["engine"]["hosts"]`` names it); every host's when not given.
         key_groups : dict or sequence of int, optional
             How many of the query's key groups (``spark.stretch.keyGroups``) each host owns
             next: ``{host: count}`` with hosts as Spark names the executors' hosts
@@ -71,7 +74,7 @@ class StretchQuery:
         >>> q.reconfigure(key_groups={"10.0.0.2": 128, "10.0.0.3": 0})  # doctest: +SKIP
         {'key_groups': {'10.0.0.2': 128, '10.0.0.3': 0}, 'moved_groups': 64, ...}
         """
-        return self._run.reconfigure(parallelism, owner_map, key_groups)
+        return self._run.reconfigure(parallelism, owner_map, key_groups, host)
 
     def metrics(self) -> dict:
         """Engine and per-batch figures: parallelism, epoch, switch times, late rows, timings

@@ -5,7 +5,12 @@ driver's times) become a :class:`~.policy.BatchMetrics`: a row of ``q.metrics()[
 of the Delta metrics table (``spark.stretch.metrics.table``) and of the query's progress (the
 sink's custom metrics, :func:`.jvm.foreach_batch_with_metrics`). A query with a policy asks it
 for a decision there; the decision is applied before the next batch's step (no batch in
-flight, :meth:`~.pipeline.Pipeline.run_batch`), an epoch switch recorded with its cause.
+flight, :meth:`~.pipeline.Pipeline.run_batch`), an epoch switch recorded with its cause; a
+decision moving key groups between hosts before the next batch's input reaches the hosts.
+
+On several hosts each host's figures (the fan-out's list, :mod:`.fanout`) become a
+``BatchMetrics`` of their own, with that host's cost per tuple and switches, and the query's
+figures are made from them (:func:`merged`).
 
 Examples
 --------
@@ -19,7 +24,7 @@ Examples
 >>> m.utilization, m.demand     # (busy 950 ms of a 1 s batch; its input takes as much)
 ([0.95], 0.95)
 >>> run.pending()
-Decision(cause='scale_out', parallelism=2, owner_map=None)
+[Decision(cause='scale_out', parallelism=2)]
 """
 
 from __future__ import annotations
@@ -27,20 +32,35 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from .metrics import QueryMetrics
 from .policy import BatchMetrics, Decision, Policy
 
-__all__ = ["ElasticRun", "sink_figures", "state_figures", "per_batch_frame"]
+__all__ = ["ElasticRun", "merged", "sink_figures", "state_figures", "per_batch_frame"]
 
 _ROWS_KEPT = 10_000  # per-batch rows kept in q.metrics() (the metrics table keeps every one)
 # The cost per tuple is the instances' busy time over the tuples they processed in the last
 # _COST_STEPS steps at the current parallelism, once they processed _COST_TUPLES (one slow
 # step of a few tuples, a table grown say, does not make it)
 _COST_STEPS, _COST_TUPLES = 4, 100
+
+
+class _Track:
+    """The running figures of a host's instances (or of the query's): batches stepped since
+    they last switched, the switch before their next step, and their recent costs per tuple
+    ((mean busy ms, tuples) of the last steps since the switch)."""
+
+    def __init__(self):
+        self.since: Optional[int] = None
+        self.switch: Optional[dict] = None
+        self.costs: deque = deque(maxlen=_COST_STEPS)
+
+    def switched(self, record: dict) -> None:
+        self.since, self.switch = 0, record
+        self.costs.clear()  # (another parallelism: another cost per tuple)
 
 
 class ElasticRun:
@@ -60,11 +80,10 @@ class ElasticRun:
         self._lock = threading.Lock()
         self._started: dict = {}           # batch -> its foreachBatch's start (perf_counter)
         self._last_start: Optional[float] = None
-        self._pending: Optional[Decision] = None
-        self._since: Optional[int] = None  # batches stepped since the last epoch switch
-        self._switch: Optional[dict] = None  # the switch before the next batch's step
-        # (mean busy ms, tuples) of the last steps since the last switch: their cost per tuple
-        self._costs: deque = deque(maxlen=_COST_STEPS)
+        self._pending: List[Decision] = []
+        # the query's instances (None), or on several hosts each host's by name
+        self._tracks: Dict[Optional[str], _Track] = {None: _Track()}
+        self._since_move: Optional[int] = None  # batches since key groups last moved
         self.latest: Optional[BatchMetrics] = None
 
     # -- asked by the pipeline ---------------------------------------------------------------
@@ -83,42 +102,81 @@ class ElasticRun:
         """A batch's output is written (at ``written_at``, ``time.time()``): its figures
         recorded, and the policy asked."""
         with self._lock:
-            if self._since is not None:
-                self._since += 1
-            switch, self._switch = self._switch, None
-            m = self._metrics_of(batch, figures, written_at, switch)
+            for t in self._tracks.values():
+                t.since = None if t.since is None else t.since + 1
+            if self._since_move is not None:
+                self._since_move += 1
+            hosts = figures.get("hosts")
+            if hosts is None:
+                m = self._metrics_of(batch, figures, written_at, self._tracks[None])
+            else:
+                g = int(figures.get("key_groups") or 0)
+                per = [self._metrics_of(batch, f, written_at, self._track(f["host"]), g)
+                       for f in hosts]
+                top = self._tracks[None]
+                m = merged(batch, per, self._max, g, top.since, self._since_move,
+                           None if top.switch is None else top.switch.get("cause"))
+                top.switch = None
             self.latest = m
         self._metrics.append("per_batch", m.row(), keep=_ROWS_KEPT)
         if self._table is not None:
             self._table.append(m.row())
         if self.policy is not None:
             try:
-                decision = self.policy.decide(m)
+                got = self.policy.decide(m)
+                got = [] if got is None else [got] if isinstance(got, Decision) else list(got)
+                wrong = [d for d in got if not isinstance(d, Decision)]
+                if wrong:
+                    raise TypeError(f"decide() returned {wrong[0]!r}; return a Decision, a "
+                                    "list of them, or None")
             except Exception as e:  # (fails the query, as an error in foreachBatch would)
                 raise RuntimeError(f"stretch: the elastic policy {self.policy!r} failed on "
                                    f"batch {batch}: {type(e).__name__}: {e}") from e
-            if decision is not None:
+            if got:
                 with self._lock:
-                    self._pending = decision
+                    self._pending = got
         return m
 
-    def pending(self) -> Optional[Decision]:
-        """The decision to apply before the next batch's step (taken: asked once)."""
+    def pending(self, moves: bool = False) -> List[Decision]:
+        """The decisions to apply before the next batch's step (``moves``: those moving key
+        groups, applied before its input reaches the hosts); taken: asked once."""
         with self._lock:
-            d, self._pending = self._pending, None
-            return d
+            out = [d for d in self._pending if (d.key_groups is not None) == moves]
+            self._pending = [d for d in self._pending if d not in out]
+            return out
+
+    def move_pending(self) -> bool:
+        """Whether a decision moving key groups waits."""
+        with self._lock:
+            return any(d.key_groups is not None for d in self._pending)
 
     def switched(self, record: dict) -> None:
-        """An epoch switch happened (a decision applied, or the user's ``reconfigure``)."""
+        """An epoch switch happened (a decision applied, or the user's ``reconfigure``; on
+        several hosts, of one host's instances if the record names it), or key groups moved
+        (the record has ``key_groups``: every host's load changed)."""
         with self._lock:
-            self._since = 0
-            self._switch = record
-            self._costs.clear()  # (another parallelism: another cost per tuple)
+            host = record.get("host")
+            if "key_groups" in record:
+                self._since_move = 0
+            for name, t in self._tracks.items():
+                if host is None or name is None:
+                    t.switched(record)
+            if host is not None:
+                self._track(host).switched(record)
             if record.get("cause") == "manual":
-                self._pending = None  # (decided under the parallelism the user changed)
+                self._pending = []  # (decided under the configuration the user changed)
+
+    def _track(self, host: str) -> _Track:
+        t = self._tracks.get(host)
+        if t is None:
+            t = self._tracks[host] = _Track()
+        return t
 
     # -- the figures ---------------------------------------------------------------------------
-    def _metrics_of(self, batch, f, written_at, switch) -> BatchMetrics:
+    def _metrics_of(self, batch, f, written_at, track: _Track, groups: int = 0) -> BatchMetrics:
+        """A batch's figures (``f``: one host engine's) as a ``BatchMetrics`` (on several hosts
+        with ``groups`` key groups: one host's)."""
+        switch, track.switch = track.switch, None
         step_ms = float(f.get("step_ms") or 0.0)
         budget = self._interval_ms() or f.get("since_ms") or step_ms or 1.0
         busy = [float(x) for x in f.get("busy_ms", [])]
@@ -129,9 +187,9 @@ class ElasticRun:
         rows = int(f.get("input_rows", 0))
         tuples = int(f.get("tuples", 0))
         if tuples and busy:
-            self._costs.append((float(np.mean(busy)), tuples))
-        seen = sum(t for _, t in self._costs)
-        demand = (sum(b for b, _ in self._costs) / seen * rows / budget
+            track.costs.append((float(np.mean(busy)), tuples))
+        seen = sum(t for _, t in track.costs)
+        demand = (sum(b for b, _ in track.costs) / seen * rows / budget
                   if seen >= _COST_TUPLES else None)
         p50 = p99 = None
         q = f.get("end_ms_q")
@@ -140,6 +198,11 @@ class ElasticRun:
             p50, p99 = now_ms - q[0], now_ms - q[1]
         ba = f.get("bucket_load")
         om = f.get("owner_map")
+        gl = None
+        if "group_load" in f:
+            gl = np.zeros(groups, np.int64)
+            for g, n in f["group_load"]:
+                gl[g] = n
         return BatchMetrics(
             batch=batch, parallelism=int(f.get("parallelism", 0)), max_parallelism=self._max,
             utilization=[b / budget for b in busy], instances=list(f.get("instances", [])),
@@ -151,9 +214,10 @@ class ElasticRun:
             live_windows=int(f.get("state_rows", f.get("live_windows", 0))),
             state_bytes=int(f.get("state_bytes", 0)), rows_updated=int(f.get("rows_updated", 0)),
             rows_removed=int(f.get("rows_removed", 0)), late_rows=int(f.get("late_rows", 0)),
-            time_ms=int((written_at or time.time()) * 1e3), batches_since_switch=self._since,
+            time_ms=int((written_at or time.time()) * 1e3), batches_since_switch=track.since,
             switched=None if switch is None else switch.get("cause"),
             switch_ms=None if switch is None else switch.get("switch_ms"),
+            host=f.get("host"), key_groups=f.get("key_groups"), group_load=gl,
             bucket_load=None if ba is None else np.asarray(ba, np.int64),
             owner_map=None if om is None else np.asarray(om, np.int64))
 
@@ -171,9 +235,70 @@ _SINK_KEYS = (("batch", "batch"), ("parallelism", "parallelism"), ("epoch", "epo
               ("processedRate", "processed_rate"), ("latencyP50Ms", "latency_p50_ms"),
               ("latencyP99Ms", "latency_p99_ms"), ("utilizationMean", "utilization_mean"),
               ("utilizationMax", "utilization_max"), ("demand", "demand"),
-              ("imbalance", "imbalance"),
+              ("imbalance", "imbalance"), ("hostImbalance", "host_imbalance"),
               ("stepMs", "step_ms"), ("liveWindows", "live_windows"),
               ("stateBytes", "state_bytes"), ("switched", "switched"), ("switchMs", "switch_ms"))
+
+
+def merged(batch: int, hosts: List[BatchMetrics], max_parallelism: int, groups: int,
+           since: Optional[int], since_move: Optional[int], switched: Optional[str]
+           ) -> BatchMetrics:
+    """The query's figures of a batch on several hosts, from each host's (``hosts``, in host
+    order; ``groups`` key groups): instances, rows, tuples and state over all of them, the
+    latency of the slowest host's rows, and the hosts' key loads.
+
+    Examples
+    --------
+    >>> a = BatchMetrics(batch=1, parallelism=1, max_parallelism=2, utilization=[0.9],
+    ...                  load=[30], key_groups=[0], group_load=np.array([30, 0]), host="a")
+    >>> b = BatchMetrics(batch=1, parallelism=2, max_parallelism=2, utilization=[0.2, 0.1],
+    ...                  load=[5, 5], key_groups=[1], group_load=np.array([0, 10]), host="b")
+    >>> m = merged(1, [a, b], 2, 2, since=None, since_move=None, switched=None)
+    >>> m.parallelism, m.host_load, m.host_imbalance, m.host_map.tolist()
+    (3, [30, 10], 1.5, [0, 1])
+    """
+    gl = np.zeros(groups, np.int64)
+    hm = np.full(groups, -1, np.int64)
+    for i, h in enumerate(hosts):
+        if h.group_load is not None:
+            gl += h.group_load
+        hm[list(h.key_groups or ())] = i
+    host_load = [int(gl[list(h.key_groups or ())].sum()) for h in hosts]
+    mean = sum(host_load) / len(hosts) if hosts else 0
+    load = None if any(h.load is None for h in hosts) else [x for h in hosts for x in h.load]
+    total = float(sum(load)) if load else 0.0
+    par = sum(h.parallelism for h in hosts)
+    demands = [h.demand for h in hosts]
+    rates = [h.input_rate for h in hosts if h.input_rate is not None]
+    done = [h.processed_rate for h in hosts if h.processed_rate is not None]
+    lat = [(h.latency_p50_ms, h.latency_p99_ms) for h in hosts if h.latency_p99_ms is not None]
+
+    def total_of(name):
+        return sum(getattr(h, name) for h in hosts)
+
+    return BatchMetrics(
+        batch=batch, parallelism=par, max_parallelism=max_parallelism,
+        utilization=[u for h in hosts for u in h.utilization],
+        instances=[j for h in hosts for j in h.instances],
+        busy_ms=[b for h in hosts for b in h.busy_ms], load=load,
+        imbalance=max(load) / (total / len(load)) if load and total > 0 else None,
+        demand=(None if None in demands or not par else
+                sum(d * h.parallelism for d, h in zip(demands, hosts)) / par),
+        input_rows=total_of("input_rows"), input_rate=sum(rates) if rates else None,
+        processed_rate=sum(done) if done else None,
+        latency_p50_ms=max(p for p, _ in lat) if lat else None,
+        latency_p99_ms=max(p for _, p in lat) if lat else None,
+        step_ms=max((h.step_ms for h in hosts), default=0.0),
+        budget_ms=max((h.budget_ms for h in hosts), default=0.0),
+        tuples=total_of("tuples"), epoch=max((h.epoch for h in hosts), default=0),
+        live_windows=total_of("live_windows"), state_bytes=total_of("state_bytes"),
+        rows_updated=total_of("rows_updated"), rows_removed=total_of("rows_removed"),
+        late_rows=total_of("late_rows"), time_ms=max((h.time_ms for h in hosts), default=0),
+        batches_since_switch=since, switched=switched,
+        switch_ms=max((h.switch_ms for h in hosts if h.switch_ms is not None), default=None),
+        hosts=hosts, host_load=host_load,
+        host_imbalance=max(host_load) / mean if mean > 0 else None,
+        batches_since_move=since_move, group_load=gl, host_map=hm)
 
 
 def sink_figures(m: Optional[BatchMetrics]) -> dict:

@@ -153,21 +153,30 @@ class FanOut:
         self._slot_names = slots
         return HostShare(host=0, hosts=len(slots), key_groups=g, host_map=hm), live
 
-    def set_host_map(self, qid: str, counts: Dict[str, int],
-                     state_dir: Optional[str]) -> HostShare:
+    def set_host_map(self, qid: str, counts: Optional[Dict[str, int]],
+                     state_dir: Optional[str], moves: Optional[Dict[int, str]] = None
+                     ) -> HostShare:
         """Give each running host ``counts[host]`` key groups (moving as few as can be; a host
-        new to the query gets a slot), kept in its ``query.json``: the share its next ``open``
-        runs with. Returns it."""
+        new to the query gets a slot), or move the groups ``moves`` names to its host (``{group:
+        host}``), kept in its ``query.json``: the share its next ``open`` runs with. Returns it."""
         q = self._queries[qid]
         slots = list(q.slots_names)
         slots += [h for h in self.hosts if h not in slots]
-        unknown = sorted(set(counts) - set(self.hosts))
+        unknown = sorted((set(counts or {}) | set((moves or {}).values())) - set(self.hosts))
         if unknown:
             raise ValueError(f"key_groups names hosts {unknown}; the query's hosts (with an "
                              f"executor) are {self.hosts}")
-        by_slot = [int(counts.get(h, 0)) if h is not None else 0 for h in slots]
-        hm = host_map_of_counts(by_slot, q.share.key_groups,
-                                before=q.share.host_map).tolist()
+        if moves is not None:
+            hm = list(q.share.host_map)
+            for g, h in moves.items():
+                if not 0 <= int(g) < len(hm):
+                    raise ValueError(f"key group {g} moved: the query has {len(hm)} (0..."
+                                     f"{len(hm) - 1})")
+                hm[int(g)] = slots.index(h)
+        else:
+            by_slot = [int(counts.get(h, 0)) if h is not None else 0 for h in slots]
+            hm = host_map_of_counts(by_slot, q.share.key_groups,
+                                    before=q.share.host_map).tolist()
         q.share = replace(q.share, hosts=len(slots), host_map=hm)
         q.slots_names = slots
         if state_dir is not None:
@@ -177,17 +186,31 @@ class FanOut:
             write_json(f, meta)
         return q.share
 
+    def host_map_of(self, qid: str) -> List[str]:
+        """Each key group's host (by name)."""
+        q = self._queries[qid]
+        return [q.slots_names[s] for s in q.share.host_map]
+
     def groups_of(self, qid: str) -> Dict[str, int]:
         """How many key groups each running host owns (by host name)."""
         q = self._queries[qid]
         return {h: q.share.host_map.count(q.slots_names.index(h)) for h in self.hosts
                 if h in q.slots_names}
 
+    def _on_reconfigure(self, msg: M.Reconfigure, timeout: float) -> M.Reconfigured:
+        """Every host's instances switch; or, with ``msg.host``, that host's only."""
+        if msg.host is None:
+            return self._merge(msg, self._all(msg, timeout))
+        if msg.host not in self.hosts:
+            raise ValueError(f"reconfigure: host={msg.host!r} is not one of the query's hosts "
+                             f"{self.hosts}")
+        return self._one(self.hosts.index(msg.host), msg, timeout)
+
     def _on_step(self, msg: M.Step, timeout: float) -> M.StepResult:
         q = self._queries[msg.query]
         hosts = [i for i, r in enumerate(q.replay) if msg.batch in r]
         got = self._all(msg, timeout, hosts=hosts or None)
-        return self._steps(q, got)
+        return self._steps(q, got, hosts or None)
 
     def _on_submit(self, msg: M.Submit, timeout: float) -> M.Submitted:
         q = self._queries[msg.query]
@@ -196,7 +219,10 @@ class FanOut:
     def _on_result(self, msg: M.Result, timeout: float) -> M.StepResult:
         return self._steps(self._queries[msg.query], self._all(msg, timeout))
 
-    def _steps(self, q: _Query, got: list) -> M.StepResult:
+    def _steps(self, q: _Query, got: list, hosts=None) -> M.StepResult:
+        """The hosts' step replies (of ``hosts``, indices; None: every host) as one; each
+        host's figures (``elastic``) in a list, with its name and key groups."""
+        hosts = list(range(len(got))) if hosts is None else hosts
         for r in got:
             q.saw(r.metrics.get("stream_max_ms"))
         m = dict(got[0].metrics)
@@ -205,6 +231,12 @@ class FanOut:
         m["stream_max_ms"] = q.stream_max_ms
         m["hosts"] = [{"rows": r.rows, **{k: r.metrics.get(k) for k in ("engine_ms",)}}
                       for r in got]
+        if all("elastic" in r.metrics for r in got):
+            hm = q.share.host_map
+            m["elastic"] = {"key_groups": q.share.key_groups, "hosts": [
+                dict(r.metrics["elastic"], host=self.engines[i].host,
+                     key_groups=[g for g, s in enumerate(hm) if s == q.slots[i]])
+                for i, r in zip(hosts, got)]}
         return M.StepResult(rows=sum(r.rows for r in got), stream=got[0].stream, metrics=m,
                             replayed=all(r.replayed for r in got))
 

@@ -31,6 +31,7 @@ from ..protocol.layout import QueryLayout
 from ..protocol.specs import AggregateSpec
 from . import jvm, recovery
 from .elastic import ElasticRun
+from .policy import Policy
 from .ingest import Ingest
 from .metrics import QueryMetrics
 from .pipeline import Pipeline
@@ -83,14 +84,16 @@ def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
     (written with output mode ``mode``; to the Delta table ``delta``, ``{"path", "schema"}``,
     by the engine itself) starts, beside Spark's planning of its first micro-batch, which would
     open it otherwise."""
-    spec = handler_for(spark).spec(agg_id)
+    handler = handler_for(spark)
+    spec = handler.spec(agg_id)
     run_id = str(query.runId)
     schema = jvm.ShimPlans(spark).input_schema(agg_id)
     with _LOCK:
         if run_id in _RUNS:  # (its first batch came first)
             return
         run = _RUNS[run_id] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
-                                      jvm.checkpoint_root(query), schema, delta)
+                                      jvm.checkpoint_root(query), schema, delta,
+                                      handler.policy(agg_id))
     if not query.isActive:  # ended before the run was known: nothing else releases it
         run.release()
 
@@ -137,13 +140,19 @@ class BatchHandler:
     def __init__(self, spark: SparkSession):
         self._spark = spark
         self._specs: Dict[str, AggregateSpec] = {}
+        self._policies: Dict[str, Optional[Policy]] = {}
 
-    def add(self, agg_id: str, spec: AggregateSpec) -> None:
+    def add(self, agg_id: str, spec: AggregateSpec, policy: Optional[Policy] = None) -> None:
         self._specs[agg_id] = spec
+        self._policies[agg_id] = policy
         jvm.ShimPlans(self._spark).register(agg_id, self)
 
     def spec(self, agg_id: str) -> AggregateSpec:
         return self._specs[agg_id]
+
+    def policy(self, agg_id: str) -> Optional[Policy]:
+        """The aggregation's elastic policy (``stretch(df, elastic=)``), or None."""
+        return self._policies.get(agg_id)
 
     def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
                 sink) -> str:
@@ -156,7 +165,8 @@ class BatchHandler:
                 run = _RUNS[run_id] = PlanRun(self._spark, agg_id, spec,
                                               str(Path(state_dir).parent),
                                               jvm.dataframe(jdf, self._spark).schema,
-                                              json.loads(sink) if sink else None)
+                                              json.loads(sink) if sink else None,
+                                              self.policy(agg_id))
         if run.agg_id != agg_id:
             raise ValueError("stretch: one stretch aggregation per streaming query so far; this "
                              "query has two")
@@ -190,8 +200,9 @@ class _Kind:
 
     pipelined = True
 
-    def __init__(self, spark: SparkSession, schema=None):
+    def __init__(self, spark: SparkSession, max_parallelism: int, schema=None):
         self.session = spark
+        self.max_parallelism = max_parallelism  # (an elastic policy's decisions are checked)
         self.schema = schema   # the aggregation's rows (a Spark StructType), for a new table
 
     def flush_time(self, query, at_ms=None):
@@ -203,10 +214,11 @@ class _Kind:
 
 class PlanRun:
     """One run of a streaming query with a stretch aggregation in its plan (``schema``: its
-    engine input's, a Spark StructType)."""
+    engine input's, a Spark StructType; ``policy``: its elastic policy, or None)."""
 
     def __init__(self, spark: SparkSession, agg_id: str, spec: AggregateSpec, checkpoint: str,
-                 schema: StructType, delta: Optional[dict] = None):
+                 schema: StructType, delta: Optional[dict] = None,
+                 policy: Optional[Policy] = None):
         self.agg_id = agg_id
         self._spark = spark
         settings = read_settings(spark.conf)
@@ -220,15 +232,16 @@ class PlanRun:
                        checkpoint=recovery.checkpointing(self.layout, settings))
         self.spec = spec
         self.metrics = QueryMetrics()
-        self.elastic = ElasticRun(None, spec.max_parallelism, self.metrics)  # (figures only)
+        self.elastic = ElasticRun(policy, spec.max_parallelism, self.metrics)
         self._plan = None
         engine = lambda: self.recovery.engine  # noqa: E731
         if delta is not None:
-            kind = _Kind(spark, StructType.fromJson(json.loads(delta["schema"])))
+            kind = _Kind(spark, spec.max_parallelism,
+                         StructType.fromJson(json.loads(delta["schema"])))
             self._sink = Sink(kind, "delta", {}, delta["path"], None, qid, app_id, True, engine,
                               self.metrics)
         else:
-            kind, self._sink = _Kind(spark), _NoSink()
+            kind, self._sink = _Kind(spark, spec.max_parallelism), _NoSink()
         self.recovery = Recovery(qid, spec, self.layout, settings, self._sink, kind,
                                  self.metrics, recovery.last_committed(checkpoint))
         self._ingest = Ingest(spark, qid, engine, self.recovery.opened,
@@ -264,6 +277,9 @@ class PlanRun:
                 return self._last[1]
             self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
             self.elastic.started(batch_id)
+            # (the policy's decisions after the last batch, which is done: before this one's
+            # input reaches the engine)
+            self.recovery.with_engine("a reconfiguration", self._decided)
             t0 = time.perf_counter()
             reply = self.recovery.with_engine(f"batch {batch_id}",
                                               lambda: self._step(df, batch_id), opened=False)
@@ -282,6 +298,19 @@ class PlanRun:
             self._last = (batch_id, answer)
             return answer
 
+    def _decided(self) -> None:
+        """Apply the elastic policy's decisions after the last batch: key groups moved
+        between hosts, then epoch switches (as a pipelined query's, :mod:`.pipeline`)."""
+        for d in self.elastic.pending(moves=True):
+            self.elastic.switched(self.recovery.move_groups(moves=d.key_groups, cause=d.cause))
+        for d in self.elastic.pending():
+            msg = recovery.reconfiguration(self.qid, d.parallelism, d.owner_map,
+                                           self.spec.max_parallelism, d.host)
+            recovery.check_host(self.recovery.engine, d.host)
+            t0 = time.perf_counter()
+            reply = self.recovery.engine.call(replace(msg, persist=False))
+            self.elastic.switched(self.recovery.reconfigured(msg, reply, t0, d.cause))
+
     def _step(self, df, batch_id: int) -> M.StepResult:
         self._ingest(df, batch_id)
         eng = self.recovery.engine
@@ -289,15 +318,20 @@ class PlanRun:
         return eng.call(M.Result(query=self.qid, batch=batch_id))
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
+                    key_groups=None, host: Optional[str] = None) -> dict:
         """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
-        max_parallelism``), or move key groups between hosts (``key_groups``)."""
+        max_parallelism``; on several hosts, of ``host``'s instances or every host's), or move
+        key groups between hosts (``key_groups``)."""
+        recovery.check_host(self.recovery.engine, host)
         if key_groups is not None:
             if self._pipeline is not None:
                 return self._pipeline.between(lambda: self.recovery.move_groups(key_groups))
             with self._lock:
-                return self.recovery.move_groups(key_groups)
-        msg = recovery.reconfiguration(self.qid, parallelism, owner_map, self.spec.max_parallelism)
+                rec = self.recovery.move_groups(key_groups)
+                self.elastic.switched(rec)
+                return rec
+        msg = recovery.reconfiguration(self.qid, parallelism, owner_map,
+                                       self.spec.max_parallelism, host)
         if self._pipeline is not None:
             return self._pipeline.reconfigure(msg)
         t0 = time.perf_counter()

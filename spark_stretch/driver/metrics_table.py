@@ -3,7 +3,8 @@
 One row per micro-batch of every query that has the setting when it starts, with the query's
 ids; written in the background (a commit holds every row waiting when it starts, so a slow
 store never holds a batch up). A path (``/tmp/m``, ``s3://b/m``) is appended to with
-``deltalake`` from the driver (no Spark job); a table name through Spark's Delta writer.
+``deltalake`` from the driver (no Spark job); a table name through Spark's Delta writer. A
+table written by an earlier version gains the columns it lacks (schema merge).
 
 Examples
 --------
@@ -35,7 +36,12 @@ SCHEMA = pa.schema([
     ("busy_ms", pa.list_(_F)), ("instances", pa.list_(_I)), ("load", pa.list_(_I)),
     ("imbalance", _F), ("demand", _F), ("step_ms", _F), ("budget_ms", _F), ("tuples", _I),
     ("live_windows", _I), ("state_bytes", _I), ("batches_since_switch", _I),
-    ("switched", _S), ("switch_ms", _F)])
+    ("switched", _S), ("switch_ms", _F), ("host_imbalance", _F), ("batches_since_move", _I),
+    ("hosts", pa.list_(pa.struct([  # (on several hosts: BatchMetrics.host_row of each)
+        ("host", _S), ("parallelism", _I), ("key_groups", _I), ("load", _I),
+        ("utilization_mean", _F), ("utilization_max", _F), ("demand", _F), ("imbalance", _F),
+        ("input_rows", _I), ("tuples", _I), ("batches_since_switch", _I),
+        ("switched", _S)])))])
 
 
 def table_of(rows: List[dict], ids: dict) -> pa.Table:
@@ -95,7 +101,8 @@ class MetricsTable:
         if self._path:
             from deltalake import write_deltalake
 
-            write_deltalake(self.target, table, mode="append")
+            write_deltalake(self.target, table, mode="append", schema_mode="merge")
         else:
             df = self._spark.createDataFrame(table)
-            df.write.format("delta").mode("append").saveAsTable(self.target)
+            df.write.format("delta").mode("append").option("mergeSchema", "true") \
+                .saveAsTable(self.target)

@@ -13,7 +13,9 @@ batch before ``foreachBatch`` returns.
 
 An elastic query's policy decides after each batch (:mod:`.elastic`); its decision is applied
 before the next batch's step, with nothing in flight, as :meth:`Pipeline.reconfigure` applies
-the user's.
+the user's. A decision moving key groups between hosts is applied before the next batch's
+input reaches the hosts (which keep, and route to, the keys of their groups): that batch waits
+for the one in flight before its ingest, not after.
 
 Spark's no-data batch (a *flush*) is played where a stateful query would run one: after a
 trigger of Spark's query found no data (:func:`.jvm.trigger_state` tells), before the next
@@ -89,6 +91,7 @@ class Pipeline:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
+        self._move_groups(trigger)
         ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         self._drain()
@@ -143,6 +146,7 @@ class Pipeline:
     def _step(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
         """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint."""
         t0 = time.perf_counter()
+        self._move_groups(trigger)
         ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         self._play_before(trigger)
@@ -176,14 +180,36 @@ class Pipeline:
             self.elastic.batch_done(times["batch"], figures, written)
 
     def _apply_decision(self) -> None:
-        """The policy's decision after the last batch, applied now (nothing in flight)."""
-        d = self.elastic.pending() if self.elastic is not None else None
-        if d is not None:  # (checked as a user's would be: 1 <= parallelism <= max)
+        """The policy's decisions after the last batch, applied now (nothing in flight)."""
+        for d in self.elastic.pending() if self.elastic is not None else ():
+            if self._gone(d.host):
+                continue
+            # (checked as a user's would be: 1 <= parallelism <= max)
             msg = recovery.reconfiguration(self._qid, d.parallelism, d.owner_map,
-                                           self._kind.max_parallelism)
+                                           self._kind.max_parallelism, d.host)
             self._switch(replace(msg, persist=False), d.cause)
 
+    def _gone(self, host: Optional[str]) -> bool:
+        """Whether ``host``, named by a decision, was one of the query's hosts in the figures
+        it was taken on and is no longer (lost since): the decision is dropped."""
+        latest = self.elastic.latest
+        known = {h.host for h in latest.hosts or ()} if latest is not None else set()
+        return host in known and host not in getattr(self._rec.engine, "hosts", ())
+
+    def _move_groups(self, trigger) -> None:
+        """Before a batch's input reaches the hosts: the policy's decision moving key groups,
+        if one waits (decided after a batch before the one in flight, which is waited for
+        first), applied after the no-data batch that comes before this batch."""
+        if self.elastic is None or not self.elastic.move_pending():
+            return
+        self._drain()
+        self._play_before(trigger)
+        for d in self.elastic.pending(moves=True):
+            if not any(self._gone(h) for h in d.key_groups.values()):
+                self.elastic.switched(self._rec.move_groups(moves=d.key_groups, cause=d.cause))
+
     def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
+        recovery.check_host(self._rec.engine, msg.host)
         t0 = time.perf_counter()
         reply = self._rec.engine.call(msg)
         rec = self._rec.reconfigured(msg, reply, t0, cause)
@@ -292,10 +318,14 @@ class Pipeline:
             t.join(timeout)
 
     def between(self, fn):
-        """Run ``fn()`` between two micro-batches, none in flight (its result)."""
+        """Run ``fn()`` between two micro-batches, none in flight (its result; a record of a
+        reconfiguration, which the elastic figures take in)."""
         with self._step_lock:
             self._rec.with_engine("the last batch", self._drain)
-            return fn()
+            rec = fn()
+            if self.elastic is not None:
+                self.elastic.switched(rec)
+            return rec
 
     def reconfigure(self, msg: M.Reconfigure) -> dict:
         """Switch the engine's epoch between two micro-batches, none in flight (the user's:

@@ -8,9 +8,13 @@ above 90% utilization, in below 45%, to the parallelism that brings the mean uti
 70%) with Elasticutor's rebalancing (theta = 1.2: buckets move from the busiest instance to the
 least loaded one until the busiest carries at most theta times the mean).
 
-The interface is per host engine: a decision changes the parallelism and the owner map of the
-instances of one host. A decision for queries on several hosts (key groups moved between hosts,
-through the same ``decide``) would add a field to :class:`Decision`; it is not built.
+A decision changes the parallelism and the owner map of a host engine's instances. On several
+hosts the figures are the query's with each host's own in :attr:`BatchMetrics.hosts` (its
+instances, its key groups and their loads); a decision then names its host (``host=``; none:
+every host's instances), and a decision with ``key_groups=`` moves key groups between hosts
+(their state moves with them: ``host/reshard.py``). ``decide`` may return several decisions
+(a list): :class:`ElasticPolicy` scales each host's instances on its own figures, and when one
+host runs hot moves key groups from it by their measured loads (:mod:`.balance`).
 
 Examples
 --------
@@ -19,10 +23,10 @@ Examples
 >>> busy = BatchMetrics(batch=7, parallelism=1, max_parallelism=4, utilization=[1.2],
 ...                     tuples=5000)
 >>> p.decide(busy)
-Decision(cause='scale_out', parallelism=2, owner_map=None)
+Decision(cause='scale_out', parallelism=2)
 >>> p.decide(BatchMetrics(batch=8, parallelism=2, max_parallelism=4, utilization=[0.2, 0.2],
 ...                       tuples=5000, batches_since_switch=3))
-Decision(cause='scale_in', parallelism=1, owner_map=None)
+Decision(cause='scale_in', parallelism=1)
 >>> ElasticPolicy(scale_in_below=0.8, target=0.7)
 Traceback (most recent call last):
 ...
@@ -33,104 +37,22 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from dataclasses import replace
+from typing import Optional, Sequence, Union
 
 import numpy as np
+
+from .balance import rebalanced, spread
+from .figures import CAUSES, BatchMetrics, Decision
 
 __all__ = ["BatchMetrics", "Decision", "Policy", "ElasticPolicy", "CAUSES", "rebalanced",
            "as_policy"]
 
-#: The causes of a reconfiguration: the user's ``reconfigure``, or a policy's decision.
-CAUSES = ("manual", "scale_out", "scale_in", "rebalance")
-
-
-@dataclass
-class BatchMetrics:
-    """One micro-batch's figures, as a policy sees them (and as ``q.metrics()["per_batch"]``
-    keeps them, without ``bucket_load`` and ``owner_map``).
-
-    Rates are per second; times in milliseconds; ``utilization``, ``busy_ms`` and ``load`` are
-    per active instance (``instances``). An instance's utilization is its busy time in the
-    batch's step over the time the batch had: the trigger interval of a processing-time trigger,
-    else the wall time since the previous step ended (it exceeds 1 when the engine falls
-    behind). ``demand`` is the mean utilization the batch's *input* takes at the instances'
-    cost per processed tuple (their busy time per tuple in the last few steps at this
-    parallelism, times the input rows, over the batch's time; None until known): in
-    append mode the watermark releases a batch's rows to the instances one batch later, so the
-    input is what the next step processes, and ``demand`` sees a rate step one batch before
-    ``utilization`` does. ``imbalance`` is the busiest instance's load over the mean (keys
-    processed, the drop-in: rows). ``batches_since_switch``: batches stepped since the last
-    epoch switch, this one included (None: none yet). ``live_windows`` (the drop-in: keys in
-    state), ``rows_updated``, ``rows_removed`` and ``late_rows`` are the state operator's rows
-    after the step, written and removed by it, and the input rows it dropped as late.
-    """
-
-    batch: int
-    parallelism: int
-    max_parallelism: int
-    utilization: List[float] = field(default_factory=list)
-    instances: List[int] = field(default_factory=list)
-    busy_ms: List[float] = field(default_factory=list)
-    load: Optional[List[int]] = None
-    imbalance: Optional[float] = None
-    demand: Optional[float] = None
-    input_rows: int = 0
-    input_rate: Optional[float] = None
-    processed_rate: Optional[float] = None
-    latency_p50_ms: Optional[float] = None
-    latency_p99_ms: Optional[float] = None
-    step_ms: float = 0.0
-    budget_ms: float = 0.0
-    tuples: int = 0
-    epoch: int = 0
-    live_windows: int = 0
-    state_bytes: int = 0
-    rows_updated: int = 0
-    rows_removed: int = 0
-    late_rows: int = 0
-    time_ms: int = 0
-    batches_since_switch: Optional[int] = None
-    switched: Optional[str] = None
-    switch_ms: Optional[float] = None
-    bucket_load: Optional[np.ndarray] = field(default=None, repr=False)
-    owner_map: Optional[np.ndarray] = field(default=None, repr=False)
-
-    @property
-    def mean_utilization(self) -> float:
-        return float(np.mean(self.utilization)) if self.utilization else 0.0
-
-    @property
-    def max_utilization(self) -> float:
-        return float(np.max(self.utilization)) if self.utilization else 0.0
-
-    def row(self) -> dict:
-        """The batch's row of ``q.metrics()["per_batch"]`` (plain values, no bucket arrays)."""
-        out = {k: v for k, v in self.__dict__.items() if k not in ("bucket_load", "owner_map")}
-        out.update(utilization_mean=self.mean_utilization, utilization_max=self.max_utilization)
-        return out
-
-
-@dataclass(frozen=True)
-class Decision:
-    """A reconfiguration: a new ``parallelism`` (1..max_parallelism) and/or ``owner_map`` (the
-    owner instance of each bucket, every one active), and why (``cause``: ``"scale_out"``,
-    ``"scale_in"`` or ``"rebalance"``)."""
-
-    cause: str
-    parallelism: Optional[int] = None
-    owner_map: Optional[Sequence[int]] = None
-
-    def __post_init__(self):
-        if self.cause not in CAUSES[1:]:
-            raise ValueError(f"Decision: cause={self.cause!r}; use one of {CAUSES[1:]}")
-        if self.parallelism is None and self.owner_map is None:
-            raise ValueError("Decision: give parallelism= or owner_map=")
-
 
 class Policy(ABC):
     """A policy of an elastic query: ``decide`` gets each batch's :class:`BatchMetrics` (on the
-    driver, between two batches) and returns a :class:`Decision` or None.
+    driver, between two batches) and returns a :class:`Decision`, a list of them (on several
+    hosts: one per host, say) or None.
 
     Examples
     --------
@@ -139,12 +61,12 @@ class Policy(ABC):
     ...         if m.batch % 10 == 9 and m.parallelism < m.max_parallelism:
     ...             return Decision("scale_out", parallelism=m.parallelism + 1)
     >>> EveryTenth().decide(BatchMetrics(batch=9, parallelism=1, max_parallelism=2))
-    Decision(cause='scale_out', parallelism=2, owner_map=None)
+    Decision(cause='scale_out', parallelism=2)
     """
 
     @abstractmethod
-    def decide(self, metrics: BatchMetrics) -> Optional[Decision]:
-        """The reconfiguration after this batch, or None."""
+    def decide(self, metrics: BatchMetrics) -> Union[Decision, Sequence[Decision], None]:
+        """The reconfiguration(s) after this batch, or None."""
 
     def bind(self, max_parallelism: int) -> "Policy":
         """Check the policy against a query of ``max_parallelism`` instances (before it
@@ -185,6 +107,19 @@ class ElasticPolicy(Policy):
     rebalance_above : float or None
         Rebalance when the busiest instance's load is above this many times the mean (1.2);
         None: never. Only ownership moves (no state).
+    rebalance_hosts_above : float or None
+        On several hosts: move key groups (with their state) from the host that takes the most
+        keys to the least loaded ones when it takes more than this many times the mean (1.2),
+        until it takes at most that; also when a host's instances all run (``max_parallelism``)
+        above ``scale_out_above`` while another host's would be below ``target``: then by
+        their work (each host's busy time per key). Groups are chosen by their measured keys,
+        greedily (:func:`~.balance.spread`). None: never. No move within ``cooldown_batches``
+        of the last one, nor after a batch with fewer keys than key groups.
+
+    Notes
+    -----
+    On several hosts each host's instances are scaled and rebalanced on that host's own
+    figures (a decision per host), unless key groups move after the batch.
 
     Examples
     --------
@@ -201,7 +136,8 @@ class ElasticPolicy(Policy):
     def __init__(self, scale_out_above: float = 0.9, scale_in_below: float = 0.45,
                  target: float = 0.7, min_parallelism: int = 1,
                  max_parallelism: Optional[int] = None, cooldown_batches: int = 2,
-                 rebalance_above: Optional[float] = 1.2):
+                 rebalance_above: Optional[float] = 1.2,
+                 rebalance_hosts_above: Optional[float] = 1.2):
         self.scale_out_above = _unit("scale_out_above", scale_out_above)
         self.scale_in_below = _unit("scale_in_below", scale_in_below)
         self.target = _unit("target", target)
@@ -216,10 +152,13 @@ class ElasticPolicy(Policy):
             raise ValueError(f"ElasticPolicy: max_parallelism={max_parallelism} is below "
                              f"min_parallelism={min_parallelism}")
         self.cooldown_batches = _count("cooldown_batches", cooldown_batches, 0)
-        if rebalance_above is not None and (_unit("rebalance_above", rebalance_above) <= 1):
-            raise ValueError(f"ElasticPolicy: rebalance_above={rebalance_above} must be above 1 "
-                             "(the busiest instance's load over the mean), or None")
+        for name, v, what in (("rebalance_above", rebalance_above, "instance"),
+                              ("rebalance_hosts_above", rebalance_hosts_above, "host")):
+            if v is not None and _unit(name, v) <= 1:
+                raise ValueError(f"ElasticPolicy: {name}={v} must be above 1 (the busiest "
+                                 f"{what}'s load over the mean), or None")
         self.rebalance_above = rebalance_above
+        self.rebalance_hosts_above = rebalance_hosts_above
 
     def __repr__(self) -> str:
         return (f"ElasticPolicy(scale_out_above={self.scale_out_above}, "
@@ -227,7 +166,8 @@ class ElasticPolicy(Policy):
                 f"min_parallelism={self.min_parallelism}, "
                 f"max_parallelism={self.max_parallelism}, "
                 f"cooldown_batches={self.cooldown_batches}, "
-                f"rebalance_above={self.rebalance_above})")
+                f"rebalance_above={self.rebalance_above}, "
+                f"rebalance_hosts_above={self.rebalance_hosts_above})")
 
     def bind(self, max_parallelism: int) -> "ElasticPolicy":
         """This policy for a query of ``max_parallelism`` instances (its own max, if given, is
@@ -241,15 +181,26 @@ class ElasticPolicy(Policy):
                              f"the query's max_parallelism={max_parallelism}")
         return self
 
-    def decide(self, m: BatchMetrics) -> Optional[Decision]:
+    def decide(self, m: BatchMetrics):
+        if m.hosts is None:
+            return self._decide_host(m)
+        move = self._move_groups(m)
+        if move is not None:
+            return move
+        out = [replace(d, host=h.host) for h in m.hosts
+               if (d := self._decide_host(h)) is not None]
+        return out or None
+
+    def _decide_host(self, m: BatchMetrics) -> Optional[Decision]:
+        """The decision for one host's instances (a query on one host: its instances)."""
         since = m.batches_since_switch
         if since is not None and since <= self.cooldown_batches:
             return None
         if not m.utilization or (m.demand is None and not m.tuples):
             return None  # (nothing measured: the step processed no tuple)
-        top = min(m.max_parallelism, self.max_parallelism or m.max_parallelism)
+        top = self._top(m)
         cur = m.parallelism
-        u = m.demand if m.demand is not None else m.mean_utilization
+        u = _used(m)
         want = math.ceil(cur * u / self.target - 1e-9)
         if u > self.scale_out_above and cur < top:
             return Decision("scale_out", parallelism=min(top, max(cur + 1, want)))
@@ -264,41 +215,46 @@ class ElasticPolicy(Policy):
                 return Decision("rebalance", owner_map=om.tolist())
         return None
 
+    def _top(self, m: BatchMetrics) -> int:
+        return min(m.max_parallelism, self.max_parallelism or m.max_parallelism)
 
-def rebalanced(bucket_load, owner_map, instances, theta: float) -> Optional[np.ndarray]:
-    """A new owner map: buckets moved one at a time from the busiest instance to the least
-    loaded one, each time the bucket that lowers the busier of the two the most (Elasticutor's
-    heuristic), until the busiest instance carries at most ``theta`` times the mean or no move
-    helps. None if nothing moved.
+    def _move_groups(self, m: BatchMetrics) -> Optional[Decision]:
+        """Key groups to move between hosts after the batch, or None (see the class doc)."""
+        theta = self.rebalance_hosts_above
+        since = m.batches_since_move
+        if (theta is None or len(m.hosts) < 2 or m.group_load is None or m.host_map is None
+                or (since is not None and since <= self.cooldown_batches)):
+            return None
+        keys = np.asarray(m.host_load, np.float64)
+        if keys.sum() < max(1, len(m.group_load)):
+            return None  # (fewer keys than groups: their loads are mostly chance)
+        mean, parts = float(keys.mean()), range(len(m.hosts))
+        if keys.max() > theta * mean:  # one host takes too many keys
+            om = spread(m.group_load, m.host_map, parts, lambda w, h: w[h] <= theta * mean)
+        else:  # one host out of instances while another has room: even out their work
+            om = self._relieve(m, keys)
+        if om is None:
+            return None
+        moved = np.flatnonzero(om != np.asarray(m.host_map))
+        return Decision("rebalance_hosts", key_groups={int(g): m.hosts[int(om[g])].host
+                                                       for g in moved})
 
-    Examples
-    --------
-    >>> rebalanced([5, 1, 1, 1], [0, 0, 1, 1], [0, 1], 1.2).tolist()
-    [0, 1, 1, 1]
-    """
-    w = np.asarray(bucket_load, np.float64)
-    om = np.array(owner_map, np.int64)
-    inst = np.asarray(sorted(instances), np.int64)
-    if len(inst) < 2 or w.sum() <= 0:
-        return None
-    loads = {int(j): float(w[om == j].sum()) for j in inst}
-    mean = sum(loads.values()) / len(inst)
-    moved = False
-    for _ in range(len(w)):
-        h = max(loads, key=loads.get)
-        lo = min(loads, key=loads.get)
-        gap = loads[h] - loads[lo]
-        if loads[h] <= theta * mean or gap <= 0:
-            break
-        cand = np.flatnonzero((om == h) & (w > 0) & (w < gap))
-        if not len(cand):
-            break
-        b = int(cand[np.argmin(np.abs(w[cand] - gap / 2))])
-        om[b] = lo
-        loads[h] -= w[b]
-        loads[lo] += w[b]
-        moved = True
-    return om if moved else None
+    def _relieve(self, m: BatchMetrics, keys: np.ndarray) -> Optional[np.ndarray]:
+        top = self._top(m)
+        work = [_used(h) * h.parallelism for h in m.hosts]  # (instances' worth of work)
+        hot = any(h.parallelism >= top and _used(h) > self.scale_out_above
+                  and (h.batches_since_switch is None
+                       or h.batches_since_switch > self.cooldown_batches) for h in m.hosts)
+        if not hot or min(work) >= top * self.target or not all(keys > 0):
+            return None
+        cost = {i: work[i] / keys[i] for i in range(len(m.hosts))}  # (work per key)
+        return spread(m.group_load, m.host_map, range(len(m.hosts)),
+                      lambda w, h: w[h] <= top * self.target, cost)
+
+
+def _used(m: BatchMetrics) -> float:
+    """The utilization a decision goes by: the input's demand, or else the measured mean."""
+    return m.demand if m.demand is not None else m.mean_utilization
 
 
 def as_policy(elastic, max_parallelism: int) -> Optional[Policy]:

@@ -31,8 +31,8 @@ from .metrics import QueryMetrics
 from .settings import QuerySettings
 from .sink import Sink
 
-__all__ = ["Recovery", "checkpointing", "last_committed", "query_ids", "reconfiguration",
-           "remove_shm"]
+__all__ = ["Recovery", "check_host", "checkpointing", "last_committed", "query_ids",
+           "reconfiguration", "remove_shm"]
 
 
 def last_committed(checkpoint) -> Optional[int]:
@@ -52,16 +52,25 @@ def checkpointing(layout: QueryLayout, settings: QuerySettings) -> Checkpointing
 
 
 def reconfiguration(qid: str, parallelism: Optional[int], owner_map,
-                    max_parallelism: int) -> M.Reconfigure:
+                    max_parallelism: int, host: Optional[str] = None) -> M.Reconfigure:
     """The request a user's ``reconfigure(parallelism=, owner_map=)`` makes (checked here:
-    ``1 <= parallelism <= max_parallelism``, one of the two given)."""
+    ``1 <= parallelism <= max_parallelism``, one of the two given); ``host``: on several
+    hosts, the one whose instances switch (None: every host's)."""
     if parallelism is not None and not (1 <= parallelism <= max_parallelism):
         raise ValueError(f"parallelism={parallelism}: must be between 1 and "
                          f"max_parallelism={max_parallelism}")
     if parallelism is None and owner_map is None:
         raise ValueError("reconfigure() needs parallelism= or owner_map=")
     return M.Reconfigure(query=qid, parallelism=parallelism,
-                         owner_map=None if owner_map is None else [int(x) for x in owner_map])
+                         owner_map=None if owner_map is None else [int(x) for x in owner_map],
+                         host=host)
+
+
+def check_host(engine, host: Optional[str]) -> None:
+    """A ValueError if ``host`` (of a reconfiguration) is given for a query on one host."""
+    if host is not None and not engine.routed:
+        raise ValueError(f"host={host!r}: the query runs on one host engine; host= names one "
+                         "of the hosts of a query on several")
 
 
 def query_ids(layout: QueryLayout) -> Tuple[str, str]:
@@ -168,10 +177,12 @@ class Recovery:
         ``last_done``, with the reconfigurations made since its checkpoint applied again (they
         are not in it). Returns the batch of the checkpoint it continued from."""
         start = self._open(self.last_done)
-        for r in self._reconfigs:
-            if start is None or r["after_batch"] >= start:
+        hosts = getattr(self.engine, "hosts", ())
+        for r in self._reconfigs:  # (a host's own: while it runs)
+            if (start is None or r["after_batch"] >= start) and r["host"] in (None, *hosts):
                 self.engine.call(M.Reconfigure(query=self.qid, parallelism=r["parallelism"],
-                                               owner_map=r["owner_map"], persist=r["persist"]))
+                                               owner_map=r["owner_map"], persist=r["persist"],
+                                               host=r["host"]))
         return start
 
     def realign(self, committed: Optional[int]) -> None:
@@ -210,22 +221,31 @@ class Recovery:
         record."""
         rec = dict(reply.to_dict(), cause=cause, request_ms=(time.perf_counter() - t0) * 1e3,
                    at_ms=int(time.time() * 1e3))
+        if msg.host is not None:
+            rec["host"] = msg.host
         self._metrics.append("reconfigurations", rec)
         self._reconfigs.append({"parallelism": msg.parallelism, "owner_map": msg.owner_map,
-                                "after_batch": reply.after_batch, "persist": msg.persist})
+                                "after_batch": reply.after_batch, "persist": msg.persist,
+                                "host": msg.host})
         return rec
 
-    def move_groups(self, key_groups) -> dict:
+    def move_groups(self, key_groups=None, moves: Optional[dict] = None,
+                    cause: str = "manual") -> dict:
         """Move key groups between the query's hosts after the last batch: ``key_groups``, the
-        number of groups each host owns next (a list in host order, or ``{host: count}``).
-        Every host checkpoints its state in full, the new host map goes into the query's
-        checkpoint, and every host opens the query again with the state of its groups now,
-        from all those checkpoints (``host/reshard.py``). Call between two batches."""
+        number of groups each host owns next (a list in host order, or ``{host: count}``), or
+        ``moves``, the groups to move and their host (``{group: host}``, a policy's). Every
+        host checkpoints its state in full, the new host map goes into the query's checkpoint,
+        and every host opens the query again with the state of its groups now, from all those
+        checkpoints (``host/reshard.py``). Call between two batches, none ingested. Its record
+        (also in ``metrics()["reconfigurations"]``): ``cause``, ``key_groups`` (each host's
+        count), ``host_map`` (each group's host), ``moved_groups``, ``switch_ms``."""
         eng = self.engine
+        if (key_groups is None) == (moves is None):
+            raise ValueError("move_groups: give key_groups= or moves=")
         if not eng.routed:
             raise ValueError("key_groups=: the query runs on one host (its executors' host); "
                              "key groups move between the hosts of a query on several")
-        if not isinstance(key_groups, dict):
+        if key_groups is not None and not isinstance(key_groups, dict):
             if len(key_groups) != len(eng.hosts):
                 raise ValueError(f"key_groups={list(key_groups)}: the query runs on "
                                  f"{len(eng.hosts)} hosts ({', '.join(eng.hosts)}); give a "
@@ -237,12 +257,13 @@ class Recovery:
         if self.last_done is not None:  # every host's full state of the last batch
             eng.call(M.Flushed(query=self.qid))
         eng.add_hosts()  # (a host that has executors now gets an engine and can get groups)
-        share = eng.set_host_map(self.qid, key_groups, self._spec.checkpoint.state_dir)
+        share = eng.set_host_map(self.qid, key_groups, self._spec.checkpoint.state_dir, moves)
         start = self._reopen()
-        rec = {"key_groups": eng.groups_of(self.qid),
+        rec = {"cause": cause, "key_groups": eng.groups_of(self.qid),
+               "host_map": eng.host_map_of(self.qid),
                "moved_groups": sum(a != b for a, b in zip(before, share.host_map[:len(before)])),
                "after_batch": self.last_done, "resumed_from": start,
-               "switch_ms": (time.perf_counter() - t0) * 1e3}
+               "switch_ms": (time.perf_counter() - t0) * 1e3, "at_ms": int(time.time() * 1e3)}
         self._metrics.append("reconfigurations", rec)
         return rec
 

@@ -231,16 +231,17 @@ class QueryRun:
             self.pipeline.play_idle(settle_s=1.0)
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
+                    key_groups=None, host: Optional[str] = None) -> dict:
         """Change the parallelism and/or the owner map between two micro-batches (checked
-        here: ``1 <= parallelism <= max_parallelism``), or move key groups between hosts."""
+        here: ``1 <= parallelism <= max_parallelism``; on several hosts, of ``host``'s
+        instances or every host's), or move key groups between hosts."""
         if key_groups is not None:
-            if parallelism is not None or owner_map is not None:
+            if (parallelism, owner_map, host) != (None, None, None):
                 raise ValueError("reconfigure(key_groups=) moves key groups between hosts; "
-                                 "change parallelism or owner_map in a call of its own")
+                                 "change parallelism, owner_map or host in a call of its own")
             return self.pipeline.between(lambda: self.recovery.move_groups(key_groups))
         return self.pipeline.reconfigure(recovery.reconfiguration(
-            self.stretch_id, parallelism, owner_map, self.kind.max_parallelism))
+            self.stretch_id, parallelism, owner_map, self.kind.max_parallelism, host))
 
     def figures(self) -> dict:
         """The query's figures, with the engine's own (the last ones, also after the end)."""
@@ -258,14 +259,9 @@ def _quietly(fn) -> None:
 
 
 def _check_hosts(kind) -> None:
-    """Built-in aggregations run on several hosts; an engine operator, the drop-in and an
-    elastic query on one."""
+    """Built-in aggregations run on several hosts (elastic ones too); an engine operator and
+    the drop-in on one."""
     hosts = engine_hosts(kind.session)
-    if hosts and kind.elastic is not None:
-        raise NotImplementedError(
-            f"executors on hosts {hosts}: an elastic query runs on one host so far (its policy "
-            "rescales one host engine's instances; moving key groups between hosts is not "
-            "built); start it without elastic=")
     spec_kind = kind.engine_spec().kind
     if hosts and spec_kind != "aggregate":
         raise NotImplementedError(

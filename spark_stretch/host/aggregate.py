@@ -39,7 +39,7 @@ from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
 from .reshard import Resharding
-from .share import EventTimes, KeyShare, tops_of
+from .share import EventTimes, KeyShare, group_loads, tops_of
 
 __all__ = ["AggregateRuntime"]
 
@@ -133,6 +133,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         # (on several hosts: this host's share, kept as it arrived, or after key groups changed
         # hosts each source host's logged share of it, with what this host keeps of it)
         parts = table if isinstance(table, list) else [(table, self.share)]
+        self.group_load = group_loads(parts, self.share)  # (several hosts: for moves)
         for table, share in parts:
             if table is None or not table.num_rows:
                 continue
@@ -277,16 +278,6 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         """The batch's rows as engine columns, one dict (or None: no rows) per input stream
         (pair keys flagged by ``share``, this host's share of them)."""
         return [engine_columns(self.spec, self.codec, share, table)]
-
-    def _next_watermark(self) -> int:
-        """Spark's global watermark after this batch (``WatermarkTracker``): each stream's is
-        its largest event time minus its delay (0 before it has seen data), the global one the
-        min of them (``spark.sql.streaming.multipleWatermarkPolicy=max``: the max), never moving
-        back."""
-        per = [0 if top is None else top - delay
-               for top, delay in zip(self.stream_max_ms, self._delays())]
-        pick = max if getattr(self.spec, "watermark_policy", "min") == "max" else min
-        return max(self.watermark_ms, self.next_watermark_ms, pick(per))
 
     def _advance(self, watermark_ms: int, read: bool = True) -> Optional[pa.Table]:
         self.watermark_ms = watermark_ms

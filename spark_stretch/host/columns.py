@@ -215,8 +215,10 @@ def _evaluate(e: dict, table: pa.Table):
             return table.column(e["col"])
         if "keyfield" in e:
             return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
-        if "lit" in e:  # (Jackson writes a NaN as the string "NaN")
-            v = float(e["lit"]) if e["lit"] == "NaN" and e["type"] in ("double", "float") else e["lit"]
+        if "lit" in e:  # (Jackson writes NaN and +-Infinity as strings: a min/max's sentinel)
+            v = e["lit"]
+            if isinstance(v, str) and e["type"] in ("double", "float"):
+                v = float(v)
             return pa.scalar(v, _FINISH_TYPES[e["type"]])
         if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
             #               taken may hold a min/max sentinel out of the target's range)

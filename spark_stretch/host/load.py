@@ -12,6 +12,9 @@ Every step's reply carries them under ``metrics["elastic"]`` (:meth:`Runtime.ste
 - ``input_rows`` (the batch's), ``tuples`` (processed in the step: in append mode the
   watermark releases them, so some are earlier batches'), ``parallelism``, ``epoch``,
   ``live_windows``, ``state_bytes``;
+- on several hosts, ``group_load``: the keys the batch brought each key group this host owns
+  (``[[group, keys], ...]``, :func:`~.share.group_loads`), by which key groups move between
+  hosts;
 - ``end_ms_q``: the median and the 1st percentile of the output rows' window ends (ms), so the
   driver, which knows when the rows reached the sink, has the event-time latency's p50 and
   p99 (None: no rows, or no window column).
@@ -124,6 +127,9 @@ def engine_figures(rt, t0: float, since_ms: Optional[float]) -> dict:
                state_bytes=int(sum(state_bytes(eng) for eng in engines)))
     if builtin:
         fig.update(bucket_load=bucket_load.tolist(), owner_map=om.tolist())
+    gl = getattr(rt, "group_load", None)
+    if gl is not None:
+        fig["group_load"] = [[int(g), int(gl[g])] for g in np.flatnonzero(gl)]
     return fig
 
 

@@ -29,6 +29,7 @@ Examples
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -39,15 +40,30 @@ from ..protocol.placement import key_group
 from ..protocol.specs import HostShare
 from .columns import list_parts
 
-__all__ = ["EventTimes", "KeyShare", "TOP_KEY", "top_ms", "tops_of"]
+__all__ = ["EventTimes", "KeyShare", "LOAD_KEY", "TOP_KEY", "group_loads", "top_ms", "tops_of"]
 
 TOP_KEY = b"stretch.top_ms"  # (a kept batch's largest event times, before it was kept)
+LOAD_KEY = b"stretch.group_load"  # (a kept batch's keys per key group: {group: keys})
 
 
 def tops_of(table: pa.Table):
     """The largest event times a kept batch carries (:meth:`KeyShare.kept`), or None."""
     raw = (table.schema.metadata or {}).get(TOP_KEY)
     return None if raw is None else json.loads(raw)
+
+
+def group_loads(parts, share: Optional["KeyShare"]) -> Optional[np.ndarray]:
+    """The keys per key group (one count per group) of a batch's kept parts (``(table,
+    share)``, :meth:`KeyShare.kept`'s tables) that each part's share keeps (a source host's
+    logged batch: the groups this host took from it); None on one host (no ``share``)."""
+    if share is None:
+        return None
+    out = np.zeros(share.share.key_groups, np.int64)
+    for table, mine in parts:
+        raw = None if table is None else (table.schema.metadata or {}).get(LOAD_KEY)
+        for g, n in (json.loads(raw) if raw is not None else {}).items():
+            out[int(g)] += n if mine.mine[int(g)] else 0
+    return out
 
 
 def top_ms(table: pa.Table, ts_column: str):
@@ -81,32 +97,46 @@ class KeyShare:
 
     def kept(self, table: pa.Table) -> pa.Table:
         """:meth:`keep`, with the batch's largest event time before it in the table's schema
-        metadata (``stretch.top_ms``): every row's event time counts for the one watermark."""
+        metadata (``stretch.top_ms``): every row's event time counts for the one watermark;
+        and the keys it keeps per key group (``stretch.group_load``; a pair: its first word),
+        the groups' loads a controller moves groups between hosts by."""
         top = top_ms(table, self.ts_column)
-        table = self.keep(table)
+        table, load = self._keep(table)
         meta = dict(table.schema.metadata or {})
         meta[TOP_KEY] = json.dumps([top]).encode()
+        meta[LOAD_KEY] = json.dumps({int(g): int(load[g]) for g in np.flatnonzero(load)}).encode()
         return table.replace_schema_metadata(meta)
 
     def is_mine(self, keys: pa.Array) -> np.ndarray:
         """Whether each key of ``keys`` (content, not ids) is in a group this host owns."""
-        return self.mine[key_group(xxhash64(keys), self.share.key_groups)]
+        return self._mine(keys)[0]
+
+    def _mine(self, keys: pa.Array):
+        """``(is_mine, keys of each group it owns)`` of ``keys``."""
+        groups = key_group(xxhash64(keys), self.share.key_groups)
+        mine = self.mine[groups]
+        return mine, np.bincount(groups[mine], minlength=self.share.key_groups)
 
     def keep(self, table: pa.Table) -> pa.Table:
         """``table`` with only what this host keeps of it (pairs: all their rows, see
         :meth:`flag_firsts`)."""
-        if self.key_kind == "pairs":
-            return table
+        return self._keep(table)[0]
+
+    def _keep(self, table: pa.Table):
+        """:meth:`keep`'s table, and the keys it keeps per key group."""
         i = table.schema.get_field_index(self.key_column)
         col = table.column(i).combine_chunks()
         if self.key_kind == "scalar":
-            return table.filter(pa.array(self.is_mine(col)))
+            mine, load = self._mine(col)
+            return table.filter(pa.array(mine)), load
         offsets, values = list_parts(col)
-        mine = self.is_mine(values)
+        mine, load = self._mine(values)
+        if self.key_kind == "pairs":
+            return table, load
         kept = np.concatenate([[0], np.cumsum(mine)])[offsets]
         lists = pa.ListArray.from_arrays(pa.array(kept.astype(np.int32)), values.filter(mine))
         return table.set_column(i, table.field(i).with_type(lists.type), lists) \
-            .filter(pa.array(kept[1:] > kept[:-1]))
+            .filter(pa.array(kept[1:] > kept[:-1])), load
 
     def flag_firsts(self, ids: np.ndarray, words: pa.Array) -> np.ndarray:
         """Pair keys: the interned ``ids`` of a batch's ``words``, those this host does not own
@@ -125,6 +155,16 @@ class EventTimes:
         seen = self.stream_max_ms[s]
         if top is not None:
             self.stream_max_ms[s] = top if seen is None else max(seen, top)
+
+    def _next_watermark(self) -> int:
+        """Spark's global watermark after this batch (``WatermarkTracker``): each stream's is
+        its largest event time minus its delay (0 before it has seen data), the global one the
+        min of them (``spark.sql.streaming.multipleWatermarkPolicy=max``: the max), never moving
+        back."""
+        per = [0 if top is None else top - delay
+               for top, delay in zip(self.stream_max_ms, self._delays())]
+        pick = max if getattr(self.spec, "watermark_policy", "min") == "max" else min
+        return max(self.watermark_ms, self.next_watermark_ms, pick(per))
 
     def fold_event_times(self, stream_max_ms) -> None:
         """A query on several hosts: every host's largest event times up to the last batch

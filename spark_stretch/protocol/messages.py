@@ -422,7 +422,8 @@ class CreateDelta(Request):
 class Reconfigure(Request):
     """Switch epoch between two batches: a new parallelism and/or owner map. ``persist``:
     checkpoint the state after the switch (an elastic controller's switches are not: a restart
-    re-applies or re-decides them)."""
+    re-applies or re-decides them). ``host``: on several hosts, the host whose instances switch
+    (the driver sends it there only; None: every host's)."""
 
     op: ClassVar[str] = "reconfigure"
     reply: ClassVar[type] = Reconfigured
@@ -430,6 +431,7 @@ class Reconfigure(Request):
     parallelism: Optional[int] = None
     owner_map: Optional[List[int]] = None
     persist: bool = True
+    host: Optional[str] = None
 
 
 @dataclass(frozen=True)

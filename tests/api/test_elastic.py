@@ -186,6 +186,8 @@ def test_the_drop_in_runs_a_users_policy_beside_manual_reconfigure(spark, tmp_pa
         *args, parallelism=1, max_parallelism=2, buckets=64, elastic=policy)
     q = start_stretch(g, tmp_path / "o", processingTime="100 milliseconds")
     _wait_batches(q, 5)  # (the policy's switches are after batches 1 and 3)
+    with pytest.raises(ValueError, match="host='h1': the query runs on one host engine"):
+        q.reconfigure(parallelism=2, host="h1")  # (a host of a query on several)
     manual = q.reconfigure(parallelism=1)  # beside the policy
     _wait_batches(q, 6)
     _idle_then_stop(q)
@@ -209,6 +211,8 @@ def test_the_drop_in_runs_a_users_policy_beside_manual_reconfigure(spark, tmp_pa
     (dict(min_parallelism=3, max_parallelism=2), "max_parallelism=2 is below min_parallelism=3"),
     (dict(cooldown_batches=-1), "cooldown_batches=-1 must be an integer >= 0"),
     (dict(rebalance_above=0.9), "rebalance_above=0.9 must be above 1"),
+    (dict(rebalance_hosts_above=1), "rebalance_hosts_above=1 must be above 1 (the busiest "
+                                    "host's load over the mean), or None"),
 ])
 def test_bad_policies_are_errors_naming_the_argument(kwargs, needle):
     with pytest.raises(ValueError) as e:
@@ -230,15 +234,24 @@ def test_a_policy_that_does_not_fit_the_query_fails_before_it_starts(spark, tmp_
     assert spark_stretch.ElasticPolicy is ElasticPolicy
 
 
-def test_stretch_df_appending_to_delta_reports_its_figures_in_sparks_progress(spark, tmp_path):
+def test_stretch_df_runs_a_users_policy_and_reports_its_figures_in_sparks_progress(
+        spark, tmp_path):
     from pyspark.sql import functions as F
 
-    src = write_steps(tmp_path / "src", [2000] * 4, keys=500, seed=2)
-    agg = event_source(spark, src).groupBy(F.window("ts", "10 seconds"), "k").count()
+    src = write_steps(tmp_path / "src", [2000] * 5, keys=500, seed=2)
+    agg = (event_source(spark, src).groupBy(F.window("ts", "10 seconds"), "k")
+           .agg(F.count("*").alias("n"), F.max("v").alias("top")))
+    with pytest.raises(ValueError, match=r"ElasticPolicy: max_parallelism=8 is above the "
+                                         r"query's max_parallelism=2"):
+        spark_stretch.stretch(agg, max_parallelism=2, elastic=ElasticPolicy(max_parallelism=8))
+    with pytest.raises(TypeError, match="elastic='yes': use True"):
+        spark_stretch.stretch(agg, elastic="yes")
     listener = _Progress()
     spark.streams.addListener(listener)
-    try:
-        q = (spark_stretch.stretch(agg).writeStream.format("delta")
+    policy = _ScaleOutThenRebalance()  # (two instances after batch 1, rebalanced after 3)
+    try:  # appended to Delta by the engine: the pipelined path
+        q = (spark_stretch.stretch(agg, max_parallelism=2, elastic=policy).writeStream
+             .format("delta")
              .option("checkpointLocation", str(tmp_path / "c")).trigger(availableNow=True)
              .start(str(tmp_path / "o")))
         q.awaitTermination()
@@ -247,8 +260,32 @@ def test_stretch_df_appending_to_delta_reports_its_figures_in_sparks_progress(sp
         spark.streams.removeListener(listener)
     mine = [s for qid, _, s in listener.events if qid == str(q.id)]
     assert any("stretch.batch" in s for s in mine), mine
-    rows = spark_stretch.control(q).metrics()["per_batch"]
-    # (Spark's own no-data batch at the end of the run is a batch of the engine's too)
-    assert [r["batch"] for r in rows][:4] == list(range(4))
-    assert all(r["parallelism"] == 1 for r in rows)
-    assert spark_stretch.control(q).metrics_frame()["input_rows"].sum() == 8000
+    # into a memory sink: each batch stepped in Spark's plan, a decision applied before the next
+    mq = (spark_stretch.stretch(agg, max_parallelism=2, elastic=_ScaleOutThenRebalance())
+          .writeStream.format("memory").queryName("stretch_elastic")
+          .option("checkpointLocation", str(tmp_path / "mc")).trigger(availableNow=True).start())
+    mq.awaitTermination()
+    for query in (q, mq):
+        m = spark_stretch.control(query).metrics()
+        # (Spark's own no-data batch at the end of the run is a batch of the engine's too)
+        assert [r["batch"] for r in m["per_batch"]][:5] == list(range(5))
+        assert [r["parallelism"] for r in m["per_batch"]][:5] == [1, 1, 2, 2, 2]
+        assert [(r["cause"], r["parallelism"], r["after_batch"])
+                for r in m["reconfigurations"]] == [("scale_out", 2, 1), ("rebalance", 2, 3)]
+    assert spark_stretch.control(q).metrics_frame()["input_rows"].sum() == 10_000
+    assert policy.seen[:5] == list(range(5))
+    want = run_native(spark, _Native(agg), tmp_path / "n")
+    for got in (spark.read.format("delta").load(str(tmp_path / "o")),
+                spark.table("stretch_elastic")):
+        assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True,
+                           ignore_metadata=True)
+
+
+class _Native:
+    """A query as written, where :func:`run_native` wants a stretch result (``.native()``)."""
+
+    def __init__(self, df):
+        self.df = df
+
+    def native(self):
+        return self.df

@@ -10,7 +10,10 @@ Parts (each prints ``RESULT <json>``):
   after ``stop()``, no engine left;
 - ``faults``: kill -9 of one host's engine mid-batch, then of one executor JVM, each against
   native Spark;
-- ``hold``: a query that keeps running (the test kills this driver with -9).
+- ``hold``: a query that keeps running (the test kills this driver with -9);
+- ``elastic``: an elastic query whose hot key groups start on one host: the controller moves
+  groups to the other (routed rows), against native Spark, with the input's keys per group
+  (Spark's own ``pmod(xxhash64(k), 16)``) for an independent look at the host loads.
 """
 
 import json
@@ -25,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 from chispa import assert_df_equality
 from pyspark.sql import functions as F
 
@@ -263,6 +267,42 @@ try:
         got = spark.read.format("delta").load(str(tmp / "grow"))
         # (stopped, not ended: the windows the last watermark did not close are not out yet)
         equal(got, want.where(F.col("window.end") <= F.lit(got.agg(F.max("window.end")).first()[0])))
+    elif part == "elastic":
+        import numpy as np
+        import pyarrow.parquet as pq
+
+        from spark_stretch import ElasticPolicy
+        from spark_stretch.protocol.placement import balanced_host_map
+        from spark_stretch.testing.stepped import event_source, events_table
+
+        G = 16
+        # Zipf-ranked keys (s = 1.3), the 8 heaviest one in each of groups 0..7, which start on
+        # the first host: it takes about 78% of the keys
+        cand = spark.range(4000).select(F.col("id").alias("k"),
+                                        F.expr(f"pmod(xxhash64(k), {G})").alias("g")).collect()
+        first = balanced_host_map(G, 2).tolist()
+        hot = [next(r.k for r in cand if r.g == g) for g in range(G) if first[g] == 0]
+        rank = np.array(hot + [r.k for r in cand if r.k not in hot][:1000 - len(hot)])
+        ev = tmp / "ev"
+        ev.mkdir()
+        for f in range(8):
+            t = events_table(8000, start_s=10.0 * f, rate=800.0, keys=1000, zipf=1.3, seed=f)
+            t = t.set_column(1, "k", pa.array(rank[t.column("k").to_numpy()]))
+            pq.write_table(t, ev / f"events-{f:06d}.parquet")
+            os.utime(ev / f"events-{f:06d}.parquet", (1e9 + f, 1e9 + f))
+        el = event_source(spark, ev).stretchAggregate(
+            keys="k", window="10 seconds", max_parallelism=2, elastic=ElasticPolicy())
+        q, got, want = run(el, "el", rows_path=True)
+        equal(got, want)
+        m = q.metrics()
+        result["reconfigurations"] = m["reconfigurations"]
+        result["per_batch"] = [{k: r[k] for k in ("batch", "host_imbalance", "host_load",
+                                                  "batches_since_move", "parallelism")}
+                               for r in m["per_batch"]]
+        loads = (spark.read.parquet(str(ev)).groupBy(F.expr(f"pmod(xxhash64(k), {G})")
+                                                     .alias("g")).count().collect())
+        result["group_load"] = {r.g: r["count"] for r in loads}
+        result["first_host_map"] = [result["hosts"][h] for h in first]
     elif part == "hold":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

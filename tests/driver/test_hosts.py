@@ -2,7 +2,8 @@
 this machine): one engine per executor host, each keeping its key groups, against native Spark.
 The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's.
 The default run holds equality (five queries, a key-group move, intruders, stop()) and a killed
-driver; the engine and executor kills, a new host and a lost host are ``slow``."""
+driver; the engine and executor kills, a new host, a lost host and an elastic query moving key
+groups by itself are ``slow``."""
 
 from __future__ import annotations
 
@@ -134,6 +135,39 @@ def test_a_new_host_given_key_groups(tmp_path):
     assert all(h[2] > 0 for h in r["hosts_after"])  # (both took rows after the move)
 
 
+def _imbalance(loads: dict, host_map: list) -> float:
+    per = {}
+    for g, n in loads.items():
+        per[host_map[int(g)]] = per.get(host_map[int(g)], 0) + n
+    got = [per.get(h, 0) for h in set(host_map)]
+    return max(got) / (sum(got) / len(got))
+
+
+@pytest.mark.slow  # (about 3 minutes here; the policy's host moves: tests/driver/test_policy.py)
+def test_elastic_moves_hot_key_groups_to_the_other_host(cluster, tmp_path):
+    r = run_script(JOB, cluster.url, "elastic", tmp_path, timeout=900)
+    assert r["ok"]  # (the table equal to native Spark's, in the job)
+    moves = [c for c in r["reconfigurations"] if c["cause"] == "rebalance_hosts"]
+    assert moves, r["reconfigurations"]
+    last = moves[-1]
+    assert len(last["host_map"]) == 16 and last["switch_ms"] > 0 and last["moved_groups"] > 0
+    assert sum(last["key_groups"].values()) == 16
+    # Independently of the engine's figures, from the input's keys per group (Spark's own
+    # pmod(xxhash64(k), 16)): the first host map puts most keys on one host, the final one
+    # within theta = 1.2, or the best that whole groups allow (every split of the 16 groups)
+    loads = r["group_load"]
+    assert _imbalance(loads, r["first_host_map"]) > 1.4
+    best = min(_imbalance(loads, ["a" if s >> g & 1 else "b" for g in range(16)])
+               for s in range(1, 1 << 15))  # (group 15 on "b": each split once)
+    assert _imbalance(loads, last["host_map"]) <= max(1.2, best)
+    # the engine's own figures agree: above theta before the first move, within it after
+    rows = r["per_batch"]
+    before = [b["host_imbalance"] for b in rows if b["batch"] <= moves[0]["after_batch"]]
+    after = [b["host_imbalance"] for b in rows if b["batch"] > last["after_batch"]]
+    assert before and min(before) > 1.4, rows
+    assert after and max(after) <= max(1.2, best) + 0.05, rows
+
+
 @pytest.mark.slow  # (a few minutes: make test-slow)
 def test_a_lost_host_s_key_groups_go_to_the_others(cluster, tmp_path):
     # (last in this module: it ends the cluster's worker on 127.0.0.3)
@@ -147,3 +181,4 @@ def test_a_lost_host_s_key_groups_go_to_the_others(cluster, tmp_path):
     for d in _engine_dirs():
         assert d.endswith("-127.0.0.3"), d
         shutil.rmtree(d)
+

@@ -194,3 +194,25 @@ def test_a_new_host_given_key_groups_takes_their_state(kind, tmp_path):
     for rt in hosts:
         rt.close()
     assert got == want
+
+
+@pytest.mark.parametrize("kind", ["array", "pairs", "scalar"])
+def test_each_host_reports_the_keys_of_its_key_groups(kind, tmp_path):
+    # what an elastic controller moves groups by: each host's step figures carry the keys of
+    # each of its groups (a pair: its first word), together the batch's keys per group
+    from spark_stretch.engine.hashing import xxhash64
+    from spark_stretch.protocol.placement import key_group
+
+    t = _batches(1)[0]
+    col = t.column("user" if kind == "scalar" else "words")
+    keys = col if kind == "scalar" else pa.compute.list_flatten(col)
+    want = np.bincount(key_group(xxhash64(keys), G), minlength=G)
+    hm = [0, 1, 1, 0, 0, 1, 0, 1]
+    got = np.zeros(G, np.int64)
+    for h, rt in enumerate(_hosts(kind, tmp_path, hm)):
+        rt.ingest("in:0", "j", t)
+        for g, n in rt.step(0).metrics["elastic"]["group_load"]:
+            assert hm[g] == h
+            got[g] += n
+        rt.close()
+    assert got.tolist() == want.tolist() and want.min() > 0
