@@ -9,6 +9,11 @@ offers its output, and the answer tells the exec where to read it. The engine's 
 Spark's commit log exactly as for ``stretchAggregate`` (:mod:`.recovery`: checkpoints and the
 input log under ``<checkpointLocation>/stretch/``); the output goes through Spark's sink, so
 its exactly-once guarantee is the sink's own.
+
+A query may have several stretch aggregations (a union of two, one over another's windows):
+each is its own engine query, a :class:`PlanRun` per (Spark run id, aggregation id), with its
+files under ``<checkpointLocation>/stretch/operators/<Spark state operator id>/`` (a query with
+one keeps them in ``stretch/`` itself), and Spark's own watermark for each batch.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.listener import StreamingQueryListener
@@ -38,8 +43,13 @@ from .recovery import Recovery
 from .settings import read_settings
 from .sink import Sink, arrow_schema
 
-__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
-           "handler_for", "open_at_start", "run_of"]
+__all__ = ["DISTINCT_UPDATE", "FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
+           "handler_for", "open_at_start", "run_of", "aggregations_of"]
+
+
+#: Why an aggregation with a distinct aggregate does not run in update mode on the engine.
+DISTINCT_UPDATE = ("a distinct aggregate in update mode (each batch would need every sub-row "
+                   "of each window it changed, one per distinct value)")
 
 
 class FallbackWarning(UserWarning):
@@ -58,7 +68,7 @@ def fall_back(spark: SparkSession, reason: str, stacklevel: int = 1) -> None:
 
 _LOCK = threading.Lock()
 _HANDLERS: Dict[int, "BatchHandler"] = {}   # per JVM session
-_RUNS: Dict[str, "PlanRun"] = {}             # per Spark run id
+_RUNS: Dict[Tuple[str, str], "PlanRun"] = {}  # per (Spark run id, aggregation id)
 
 
 def handler_for(spark: SparkSession) -> "BatchHandler":
@@ -84,13 +94,16 @@ def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
     by the engine itself) starts, beside Spark's planning of its first micro-batch, which would
     open it otherwise."""
     spec = handler_for(spark).spec(agg_id)
-    run_id = str(query.runId)
-    schema = jvm.ShimPlans(spark).input_schema(agg_id)
+    key = (str(query.runId), agg_id)
+    plans = jvm.ShimPlans(spark)
+    if len(plans.marker_ids(query)) != 1:  # (each one's files by its Spark operator id, which
+        return                              # its first batch tells)
+    schema = plans.input_schema(agg_id)
     with _LOCK:
-        if run_id in _RUNS:  # (its first batch came first)
+        if key in _RUNS:  # (its first batch came first)
             return
-        run = _RUNS[run_id] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
-                                      jvm.checkpoint_root(query), schema, delta)
+        run = _RUNS[key] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
+                                   jvm.checkpoint_root(query), schema, delta)
     if not query.isActive:  # ended before the run was known: nothing else releases it
         run.release()
 
@@ -102,14 +115,21 @@ def _quietly(fn) -> None:
         pass
 
 
-def run_of(run_id: str, wait: float = 0.0) -> Optional["PlanRun"]:
-    """The stretch run of a Spark query run (it exists from its first micro-batch)."""
+def run_of(run_id: str, agg_id: str, wait: float = 0.0) -> Optional["PlanRun"]:
+    """The run of the stretch aggregation ``agg_id`` in a Spark query run (it exists from its
+    first micro-batch)."""
     deadline = time.monotonic() + wait
     while True:
-        run = _RUNS.get(run_id)
+        run = _RUNS.get((run_id, agg_id))
         if run is not None or time.monotonic() >= deadline:
             return run
         time.sleep(0.05)
+
+
+def aggregations_of(spark: SparkSession, query) -> List[str]:
+    """The stretch aggregations of a running ``StreamingQuery``'s plan, in the plan's order (the
+    outer one of two chained first)."""
+    return jvm.ShimPlans(spark).marker_ids(query)
 
 
 class _Ends(StreamingQueryListener):
@@ -125,9 +145,9 @@ class _Ends(StreamingQueryListener):
         pass
 
     def onQueryTerminated(self, event) -> None:
-        with _LOCK:  # kept (released) for its figures: control(q).metrics() after the end
-            run = _RUNS.get(str(event.runId))
-        if run is not None:
+        with _LOCK:  # kept (released) for their figures: control(q).metrics() after the end
+            runs = [r for (run_id, _), r in _RUNS.items() if run_id == str(event.runId)]
+        for run in runs:
             run.release()
 
 
@@ -137,30 +157,55 @@ class BatchHandler:
     def __init__(self, spark: SparkSession):
         self._spark = spark
         self._specs: Dict[str, AggregateSpec] = {}
+        self._regrouped = set()  # (with a distinct aggregate: no update mode)
 
-    def add(self, agg_id: str, spec: AggregateSpec) -> None:
+    def add(self, agg_id: str, spec: AggregateSpec, regroup: bool = False) -> None:
         self._specs[agg_id] = spec
+        if regroup:
+            self._regrouped.add(agg_id)
         jvm.ShimPlans(self._spark).register(agg_id, self)
+
+    def check_mode(self, agg_id: str, mode: str) -> None:
+        """Refuse an output mode the engine cannot run ``agg_id`` in: update mode with a
+        distinct aggregate (:data:`DISTINCT_UPDATE`)."""
+        if mode.lower() == "update" and agg_id in self._regrouped:
+            raise ValueError(f"stretch: {DISTINCT_UPDATE}; Spark refuses distinct aggregates "
+                             "on streams in every output mode")
 
     def spec(self, agg_id: str) -> AggregateSpec:
         return self._specs[agg_id]
 
     def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
-                sink) -> str:
+                sink, operator_id, watermark_ms) -> str:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
-        ``sink``: "" (the exec reads the output), or the Delta table the engine appends to."""
+        ``sink``: "" (the exec reads the output), or the Delta table the engine appends to;
+        ``operator_id``: the Spark state operator of the aggregation's chain (its files' place
+        when the query has several), ``watermark_ms``: Spark's watermark for the batch (-1:
+        none)."""
+        key = (run_id, agg_id)
         with _LOCK:
-            run = _RUNS.get(run_id)
-            if run is None:
-                spec = replace(self._specs[agg_id], output_mode=mode.lower())
-                run = _RUNS[run_id] = PlanRun(self._spark, agg_id, spec,
-                                              str(Path(state_dir).parent),
-                                              jvm.dataframe(jdf, self._spark).schema,
-                                              json.loads(sink) if sink else None)
-        if run.agg_id != agg_id:
-            raise ValueError("stretch: one stretch aggregation per streaming query so far; this "
-                             "query has two")
-        return json.dumps(run.batch(int(batch_id), jdf, jplan))
+            run = _RUNS.get(key)
+        if run is None:
+            self.check_mode(agg_id, mode)
+            several = len(self._aggregations(run_id)) > 1
+            with _LOCK:
+                run = _RUNS.get(key)
+                if run is None:
+                    spec = replace(self._specs[agg_id], output_mode=mode.lower())
+                    run = _RUNS[key] = PlanRun(
+                        self._spark, agg_id, spec, str(Path(state_dir).parent),
+                        jvm.dataframe(jdf, self._spark).schema,
+                        json.loads(sink) if sink else None,
+                        int(operator_id) if several else None)
+        wm = int(watermark_ms)
+        return json.dumps(run.batch(int(batch_id), jdf, jplan, wm if wm >= 0 else None))
+
+    def _aggregations(self, run_id: str) -> List[str]:
+        """The stretch aggregations of the active query run ``run_id``."""
+        for q in self._spark.streams.active:
+            if str(q.runId) == run_id:
+                return aggregations_of(self._spark, q)
+        raise RuntimeError(f"stretch: no active streaming query has run id {run_id}")
 
     class Java:
         implements = ["org.apache.spark.sql.stretch.StretchBatchHandler"]
@@ -206,11 +251,12 @@ class PlanRun:
     engine input's, a Spark StructType)."""
 
     def __init__(self, spark: SparkSession, agg_id: str, spec: AggregateSpec, checkpoint: str,
-                 schema: StructType, delta: Optional[dict] = None):
+                 schema: StructType, delta: Optional[dict] = None,
+                 operator: Optional[int] = None):
         self.agg_id = agg_id
         self._spark = spark
         settings = read_settings(spark.conf)
-        self.layout = QueryLayout(checkpoint)
+        self.layout = QueryLayout(checkpoint, operator)
         qid, app_id = recovery.query_ids(self.layout)
         self.qid = qid
         schema = arrow_schema(schema)
@@ -249,15 +295,16 @@ class PlanRun:
             jvm.register_aggregation_figures(spark, agg_id, self.elastic.sink_figures)
         self.recovery.open_in_background()
 
-    def batch(self, batch_id: int, jdf, jplan) -> dict:
-        """Ingest and step micro-batch ``batch_id``; where its output is offered."""
+    def batch(self, batch_id: int, jdf, jplan, watermark_ms: Optional[int] = None) -> dict:
+        """Ingest and step micro-batch ``batch_id`` (``watermark_ms``: Spark's, which the
+        engine takes); where its output is offered."""
         with self._lock:
             if self._last is not None and self._last[0] == batch_id:
                 return self._last[1]  # the sink ran the batch's plan again: the same rows
             df = jvm.dataframe(jdf, self._spark)
             self._plan = jplan
             if self._pipeline is not None:
-                self._pipeline.run_batch(df, batch_id)
+                self._pipeline.run_batch(df, batch_id, watermark_ms)
                 # (the engine's latest finished batch: this one is still in flight)
                 self._last = (batch_id, {"rows": 0, "direct": True,
                                          "state": self.elastic.state_figures()})
@@ -266,7 +313,8 @@ class PlanRun:
             self.elastic.started(batch_id)
             t0 = time.perf_counter()
             reply = self.recovery.with_engine(f"batch {batch_id}",
-                                              lambda: self._step(df, batch_id), opened=False)
+                                              lambda: self._step(df, batch_id, watermark_ms),
+                                              opened=False)
             self.recovery.last_done = batch_id
             eng = self.recovery.engine
             opts = eng.data_options()
@@ -282,10 +330,10 @@ class PlanRun:
             self._last = (batch_id, answer)
             return answer
 
-    def _step(self, df, batch_id: int) -> M.StepResult:
+    def _step(self, df, batch_id: int, watermark_ms: Optional[int]) -> M.StepResult:
         self._ingest(df, batch_id)
         eng = self.recovery.engine
-        eng.call(M.Submit(query=self.qid, batch=batch_id))
+        eng.call(M.Submit(query=self.qid, batch=batch_id, watermark_ms=watermark_ms))
         return eng.call(M.Result(query=self.qid, batch=batch_id))
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
