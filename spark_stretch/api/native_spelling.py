@@ -76,9 +76,15 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     ``first``/``last``, ``max_by``/``min_by`` (ordered by a number, boolean, date,
     timestamp, decimal of up to 18 digits or string, exactly in Spark's order), ``approx_count_distinct``
     (Spark's own estimate, rsd >= 0.0022), and expressions over these aggregates; append,
-    update and complete output modes (sessions: append and complete, as Spark). Anything
-    else (other aggregate functions, ...) runs natively, with a
+    update and complete output modes (sessions: append and complete, as Spark). Exact
+    distinct aggregates (``count_distinct``, ``sum_distinct``, ...; over one column set,
+    beside counts, sums, min, max and what is made of them) in append and complete mode.
+    Anything else (other aggregate functions, ...) runs natively, with a
     :class:`~spark_stretch.FallbackWarning` naming the reason.
+
+    ``df`` may aggregate the windows of another ``stretch`` result
+    (``groupBy(window(window_time("window"), ...), ...)``), and a query may hold several
+    stretch aggregations (a ``union`` of two): each runs as its own engine query.
 
     Written unchanged to a Delta path (``.writeStream.format("delta").start(path)``, append),
     the engine appends each batch's rows to the table itself, exactly once per batch (the
@@ -197,7 +203,7 @@ class StretchControl:
 
 def control(query: StreamingQuery) -> Optional[StretchControl]:
     """The stretch handle of ``query`` (from ``writeStream.start()``), or None if its plan has
-    no stretch aggregation.
+    no stretch aggregation (with several: see :class:`StretchControl`).
 
     Examples
     --------
