@@ -156,3 +156,17 @@ def test_two_stretch_aggregations_recover_from_an_engine_kill(spark, src, tmp_pa
     got, want = (spark.read.format("delta").load(str(tmp_path / n)) for n in ("stretch", "native"))
     assert want.count() >= 10
     assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True)
+
+
+@pytest.mark.slow
+def test_a_join_of_two_stretch_aggregations_of_one_stream_equals_native(spark, src, tmp_path):
+    def query(wrap):
+        df = _read(spark, src)
+        a = wrap(df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.sum("v").alias("s")))
+        b = wrap(df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.count("*").alias("n")))
+        return a.join(b, ["window", "k"])
+
+    want, _ = _per_batch(query(_same), tmp_path, "nat", "append")
+    got, q = _per_batch(query(spark_stretch.stretch), tmp_path, "st", "append")
+    assert got == want and sum(map(len, want.values())) >= 5
+    assert len(spark_stretch.control(q).aggregations) == 2
