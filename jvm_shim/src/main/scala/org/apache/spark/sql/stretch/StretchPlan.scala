@@ -52,6 +52,10 @@ import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
  * windows' expansion of the real chain cost 25-35 ms a batch). Over session windows it is
  * Spark's own chain, so that Spark's checks of session windows run as natively (update mode,
  * which Spark refuses for them, is refused when the query starts, with Spark's own error).
+ * A query may hold several markers (a union of two aggregations, one aggregating another's
+ * windows): each exec steps its own engine query, with Spark's own watermark of the batch.
+ * With a distinct aggregate, the engine aggregates per window, key and distinct value, and
+ * [[Regroup]] aggregates each batch's rows again per window and key.
  */
 case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
                          keep: Seq[Attribute], out: Seq[Attribute]) extends BinaryNode {
