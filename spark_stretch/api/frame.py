@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
-from ..driver.inplan import open_at_start, run_of
+from ..driver.inplan import DISTINCT_UPDATE, fall_back, handler_for, open_at_start, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchFrame"]
@@ -110,6 +110,13 @@ class _Writer(DataStreamWriter):
             self.format(format)
         if queryName is not None:
             self.queryName(queryName)
+        if self._spec is not None and (self._mode or "append") == "update":
+            try:
+                handler_for(self._spark).check_mode(self._agg_id, "update")
+            except ValueError:  # (native Spark runs no distinct aggregate: its own error)
+                fall_back(self._spark, DISTINCT_UPDATE, stacklevel=2)
+                jvm.ShimPlans(self._spark).check_native(self._agg_id, "update")
+                raise
         settings = read_settings(self._spark.conf)
         target = path or self._path
         direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None
@@ -121,7 +128,11 @@ class _Writer(DataStreamWriter):
         if self._spec is not None:  # the engine opens beside Spark's start
             open_at_start(self._spark, self._agg_id, q, self._mode or "append",
                           {"path": target, "schema": self._df.schema.json()} if direct else None)
-        return jvm.requery(q, _EngineWrites) if direct else q
+        if not direct:
+            return q
+        q = jvm.requery(q, _EngineWrites)
+        q._stretch_id = self._agg_id
+        return q
 
 
 class _EngineWrites(StreamingQuery):
@@ -144,6 +155,6 @@ class _EngineWrites(StreamingQuery):
         self._settle()
 
     def _settle(self) -> None:
-        run = run_of(str(self.runId))
+        run = run_of(str(self.runId), self._stretch_id)
         if run is not None:
             run.settle()

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Optional
+from typing import List, Optional
 
 from pyspark.sql import DataFrame, GroupedData, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from ..driver import jvm
 from ..driver.elastic import per_batch_frame
-from ..driver.inplan import FallbackWarning, fall_back, handler_for, run_of
+from ..driver.inplan import FallbackWarning, aggregations_of, fall_back, handler_for, \
+    run_of
 from ..driver.policy import as_policy
 from ..protocol.specs import AggregateSpec
 from .frame import StretchFrame
@@ -81,9 +82,15 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     ``first``/``last``, ``max_by``/``min_by`` (ordered by a number, boolean, date,
     timestamp, decimal of up to 18 digits or string, exactly in Spark's order), ``approx_count_distinct``
     (Spark's own estimate, rsd >= 0.0022), and expressions over these aggregates; append,
-    update and complete output modes (sessions: append and complete, as Spark). Anything
-    else (other aggregate functions, ...) runs natively, with a
+    update and complete output modes (sessions: append and complete, as Spark). Exact
+    distinct aggregates (``count_distinct``, ``sum_distinct``, ...; over one column set,
+    beside counts, sums, min, max and what is made of them) in append and complete mode.
+    Anything else (other aggregate functions, ...) runs natively, with a
     :class:`~spark_stretch.FallbackWarning` naming the reason.
+
+    ``df`` may aggregate the windows of another ``stretch`` result
+    (``groupBy(window(window_time("window"), ...), ...)``), and a query may hold several
+    stretch aggregations (a ``union`` of two): each runs as its own engine query.
 
     Written unchanged to a Delta path (``.writeStream.format("delta").start(path)``, append),
     the engine appends each batch's rows to the table itself, exactly once per batch (the
@@ -106,7 +113,7 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     if reason is not None:
         fall_back(spark, reason, stacklevel=2)
         return df
-    handler_for(spark).add(agg_id, spec, policy)
+    handler_for(spark).add(agg_id, spec, policy, bool(got["spec"].get("regroup")))
     return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec, agg_id)
 
 
@@ -147,38 +154,64 @@ def stretch_agg(self: GroupedData, *exprs, **kwargs) -> DataFrame:
 
 
 class StretchControl:
-    """The stretch side of a running ``StreamingQuery``: rescale it, read its figures."""
+    """The stretch side of a running ``StreamingQuery``: rescale it, read its figures.
 
-    def __init__(self, query: StreamingQuery):
+    A query with several stretch aggregations (a union of two, one over another's windows) runs
+    each as its own engine query: :attr:`aggregations` has a handle for each, in the plan's
+    order (the outer of two chained first); on the query's handle ``reconfigure`` changes every
+    one of them, and ``metrics`` has each one's figures under ``"aggregations"``.
+    """
+
+    def __init__(self, query: StreamingQuery, agg_ids: List[str]):
         self._query = query
+        self._ids = agg_ids
 
-    def _run(self):
-        run = run_of(str(self._query.runId), wait=60.0)
-        if run is None:
+    @property
+    def aggregations(self) -> List["StretchControl"]:
+        """A handle for each stretch aggregation of the query, in the plan's order."""
+        return [StretchControl(self._query, [a]) for a in self._ids]
+
+    def _runs(self) -> list:
+        runs = [run_of(str(self._query.runId), a, wait=60.0) for a in self._ids]
+        if any(r is None for r in runs):
             raise RuntimeError("the query has run no micro-batch on the engine yet")
-        return run
+        return runs
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
                     key_groups=None, host: Optional[str] = None) -> dict:
         """Change the parallelism and/or owner map between two micro-batches (no state moves;
         on several hosts, of ``host``'s instances or every host's), or, for a query on several
         hosts, how many key groups each host owns (``key_groups``: ``{host: count}``; the
-        state of the moved groups moves), as :meth:`spark_stretch.StretchQuery.reconfigure`."""
-        return self._run().reconfigure(parallelism, owner_map, key_groups, host)
+        state of the moved groups moves), as :meth:`spark_stretch.StretchQuery.reconfigure`;
+        of every stretch aggregation of the query (``{"parallelism": ..., "aggregations":
+        [each one's record]}`` for several)."""
+        recs = [r.reconfigure(parallelism, owner_map, key_groups, host) for r in self._runs()]
+        if len(recs) == 1:
+            return recs[0]
+        return {"parallelism": parallelism, "aggregations": recs}
 
     def metrics(self) -> dict:
         """The engine's figures for this run (batches, rows, reconfigurations, per-batch
-        figures, ...), as :meth:`spark_stretch.StretchQuery.metrics`."""
-        return self._run().figures()
+        figures, ...), as :meth:`spark_stretch.StretchQuery.metrics` (for several stretch
+        aggregations: ``{"aggregations": [each one's figures]}``)."""
+        figures = [r.figures() for r in self._runs()]
+        return figures[0] if len(figures) == 1 else {"aggregations": figures}
 
     def metrics_frame(self):
-        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch."""
-        return per_batch_frame(self._run().figures())
+        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch (for several
+        stretch aggregations, one per batch and aggregation, its index in ``aggregation``)."""
+        import pandas as pd
+
+        frames = [per_batch_frame(r.figures()) for r in self._runs()]
+        if len(frames) == 1:
+            return frames[0]
+        return pd.concat([f.assign(aggregation=i) for i, f in enumerate(frames)],
+                         ignore_index=True)
 
 
 def control(query: StreamingQuery) -> Optional[StretchControl]:
     """The stretch handle of ``query`` (from ``writeStream.start()``), or None if its plan has
-    no stretch aggregation.
+    no stretch aggregation (with several: see :class:`StretchControl`).
 
     Examples
     --------
@@ -188,6 +221,5 @@ def control(query: StreamingQuery) -> Optional[StretchControl]:
     """
     if not isinstance(query, StreamingQuery):
         raise TypeError(f"control() takes a StreamingQuery, got {type(query).__name__}")
-    if not jvm.ShimPlans(SparkSession.getActiveSession()).marked(query):
-        return None
-    return StretchControl(query)
+    ids = aggregations_of(SparkSession.getActiveSession(), query)
+    return StretchControl(query, ids) if ids else None

@@ -9,6 +9,11 @@ offers its output, and the answer tells the exec where to read it. The engine's 
 Spark's commit log exactly as for ``stretchAggregate`` (:mod:`.recovery`: checkpoints and the
 input log under ``<checkpointLocation>/stretch/``); the output goes through Spark's sink, so
 its exactly-once guarantee is the sink's own.
+
+A query may have several stretch aggregations (a union of two, one over another's windows):
+each is its own engine query, a :class:`PlanRun` per (Spark run id, aggregation id), with its
+files under ``<checkpointLocation>/stretch/operators/<Spark state operator id>/`` (a query with
+one keeps them in ``stretch/`` itself), and Spark's own watermark for each batch.
 """
 
 from __future__ import annotations
@@ -20,27 +25,24 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.listener import StreamingQueryListener
-from pyspark.sql.types import StructType
 
-from ..protocol import messages as M
-from ..protocol.layout import QueryLayout
 from ..protocol.specs import AggregateSpec
-from . import jvm, recovery
-from .elastic import ElasticRun
+from . import jvm
+from .planrun import PlanRun
 from .policy import Policy
-from .ingest import Ingest
-from .metrics import QueryMetrics
-from .pipeline import Pipeline
-from .recovery import Recovery
 from .settings import read_settings
-from .sink import Sink, arrow_schema
 
-__all__ = ["FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
-           "handler_for", "open_at_start", "run_of"]
+__all__ = ["DISTINCT_UPDATE", "FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
+           "handler_for", "open_at_start", "run_of", "aggregations_of"]
+
+
+#: Why an aggregation with a distinct aggregate does not run in update mode on the engine.
+DISTINCT_UPDATE = ("a distinct aggregate in update mode (each batch would need every sub-row "
+                   "of each window it changed, one per distinct value)")
 
 
 class FallbackWarning(UserWarning):
@@ -59,7 +61,7 @@ def fall_back(spark: SparkSession, reason: str, stacklevel: int = 1) -> None:
 
 _LOCK = threading.Lock()
 _HANDLERS: Dict[int, "BatchHandler"] = {}   # per JVM session
-_RUNS: Dict[str, "PlanRun"] = {}             # per Spark run id
+_RUNS: Dict[Tuple[str, str], "PlanRun"] = {}  # per (Spark run id, aggregation id)
 
 
 def handler_for(spark: SparkSession) -> "BatchHandler":
@@ -86,14 +88,17 @@ def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
     open it otherwise."""
     handler = handler_for(spark)
     spec = handler.spec(agg_id)
-    run_id = str(query.runId)
-    schema = jvm.ShimPlans(spark).input_schema(agg_id)
+    key = (str(query.runId), agg_id)
+    plans = jvm.ShimPlans(spark)
+    if len(plans.marker_ids(query)) != 1:  # (each one's files by its Spark operator id, which
+        return                              # its first batch tells)
+    schema = plans.input_schema(agg_id)
     with _LOCK:
-        if run_id in _RUNS:  # (its first batch came first)
+        if key in _RUNS:  # (its first batch came first)
             return
-        run = _RUNS[run_id] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
-                                      jvm.checkpoint_root(query), schema, delta,
-                                      handler.policy(agg_id))
+        run = _RUNS[key] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
+                                   jvm.checkpoint_root(query), schema, delta,
+                                   handler.policy(agg_id))
     if not query.isActive:  # ended before the run was known: nothing else releases it
         run.release()
 
@@ -105,14 +110,21 @@ def _quietly(fn) -> None:
         pass
 
 
-def run_of(run_id: str, wait: float = 0.0) -> Optional["PlanRun"]:
-    """The stretch run of a Spark query run (it exists from its first micro-batch)."""
+def run_of(run_id: str, agg_id: str, wait: float = 0.0) -> Optional["PlanRun"]:
+    """The run of the stretch aggregation ``agg_id`` in a Spark query run (it exists from its
+    first micro-batch)."""
     deadline = time.monotonic() + wait
     while True:
-        run = _RUNS.get(run_id)
+        run = _RUNS.get((run_id, agg_id))
         if run is not None or time.monotonic() >= deadline:
             return run
         time.sleep(0.05)
+
+
+def aggregations_of(spark: SparkSession, query) -> List[str]:
+    """The stretch aggregations of a running ``StreamingQuery``'s plan, in the plan's order (the
+    outer one of two chained first)."""
+    return jvm.ShimPlans(spark).marker_ids(query)
 
 
 class _Ends(StreamingQueryListener):
@@ -128,9 +140,9 @@ class _Ends(StreamingQueryListener):
         pass
 
     def onQueryTerminated(self, event) -> None:
-        with _LOCK:  # kept (released) for its figures: control(q).metrics() after the end
-            run = _RUNS.get(str(event.runId))
-        if run is not None:
+        with _LOCK:  # kept (released) for their figures: control(q).metrics() after the end
+            runs = [r for (run_id, _), r in _RUNS.items() if run_id == str(event.runId)]
+        for run in runs:
             run.release()
 
 
@@ -141,11 +153,22 @@ class BatchHandler:
         self._spark = spark
         self._specs: Dict[str, AggregateSpec] = {}
         self._policies: Dict[str, Optional[Policy]] = {}
+        self._regrouped = set()  # (with a distinct aggregate: no update mode)
 
-    def add(self, agg_id: str, spec: AggregateSpec, policy: Optional[Policy] = None) -> None:
+    def add(self, agg_id: str, spec: AggregateSpec, policy: Optional[Policy] = None,
+            regroup: bool = False) -> None:
         self._specs[agg_id] = spec
         self._policies[agg_id] = policy
+        if regroup:
+            self._regrouped.add(agg_id)
         jvm.ShimPlans(self._spark).register(agg_id, self)
+
+    def check_mode(self, agg_id: str, mode: str) -> None:
+        """Refuse an output mode the engine cannot run ``agg_id`` in: update mode with a
+        distinct aggregate (:data:`DISTINCT_UPDATE`)."""
+        if mode.lower() == "update" and agg_id in self._regrouped:
+            raise ValueError(f"stretch: {DISTINCT_UPDATE}; Spark refuses distinct aggregates "
+                             "on streams in every output mode")
 
     def spec(self, agg_id: str) -> AggregateSpec:
         return self._specs[agg_id]
@@ -155,208 +178,36 @@ class BatchHandler:
         return self._policies.get(agg_id)
 
     def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
-                sink) -> str:
+                sink, operator_id, watermark_ms) -> str:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
-        ``sink``: "" (the exec reads the output), or the Delta table the engine appends to."""
+        ``sink``: "" (the exec reads the output), or the Delta table the engine appends to;
+        ``operator_id``: the Spark state operator of the aggregation's chain (its files' place
+        when the query has several), ``watermark_ms``: Spark's watermark for the batch (-1:
+        none)."""
+        key = (run_id, agg_id)
         with _LOCK:
-            run = _RUNS.get(run_id)
-            if run is None:
-                spec = replace(self._specs[agg_id], output_mode=mode.lower())
-                run = _RUNS[run_id] = PlanRun(self._spark, agg_id, spec,
-                                              str(Path(state_dir).parent),
-                                              jvm.dataframe(jdf, self._spark).schema,
-                                              json.loads(sink) if sink else None,
-                                              self.policy(agg_id))
-        if run.agg_id != agg_id:
-            raise ValueError("stretch: one stretch aggregation per streaming query so far; this "
-                             "query has two")
-        return json.dumps(run.batch(int(batch_id), jdf, jplan))
+            run = _RUNS.get(key)
+        if run is None:
+            self.check_mode(agg_id, mode)
+            several = len(self._aggregations(run_id)) > 1
+            with _LOCK:
+                run = _RUNS.get(key)
+                if run is None:
+                    spec = replace(self._specs[agg_id], output_mode=mode.lower())
+                    run = _RUNS[key] = PlanRun(
+                        self._spark, agg_id, spec, str(Path(state_dir).parent),
+                        jvm.dataframe(jdf, self._spark).schema,
+                        json.loads(sink) if sink else None, self.policy(agg_id),
+                        int(operator_id) if several else None)
+        wm = int(watermark_ms)
+        return json.dumps(run.batch(int(batch_id), jdf, jplan, wm if wm >= 0 else None))
+
+    def _aggregations(self, run_id: str) -> List[str]:
+        """The stretch aggregations of the active query run ``run_id``."""
+        for q in self._spark.streams.active:
+            if str(q.runId) == run_id:
+                return aggregations_of(self._spark, q)
+        raise RuntimeError(f"stretch: no active streaming query has run id {run_id}")
 
     class Java:
         implements = ["org.apache.spark.sql.stretch.StretchBatchHandler"]
-
-
-class _NoSink:
-    """Spark's sink writes the output: batches the engine redoes after a restart were written."""
-
-    idempotent_path = False
-
-    def start(self) -> None:
-        pass
-
-    def emit(self, *args, **kwargs):
-        return None
-
-    def holds_flush(self, batch: int, seq: int = 0, serial: int = 0) -> bool:
-        return False
-
-    def join(self, timeout=None) -> None:
-        pass
-
-
-class _Kind:
-    """What the recovery, pipeline and sink ask of a query kind (Spark runs the no-data
-    batches here: no flush of the engine's own)."""
-
-    pipelined = True
-
-    def __init__(self, spark: SparkSession, max_parallelism: int, schema=None):
-        self.session = spark
-        self.max_parallelism = max_parallelism  # (an elastic policy's decisions are checked)
-        self.schema = schema   # the aggregation's rows (a Spark StructType), for a new table
-
-    def flush_time(self, query, at_ms=None):
-        return None
-
-    def kept_flush_time(self, query, batch: int, seq: int):
-        return None
-
-
-class PlanRun:
-    """One run of a streaming query with a stretch aggregation in its plan (``schema``: its
-    engine input's, a Spark StructType; ``policy``: its elastic policy, or None)."""
-
-    def __init__(self, spark: SparkSession, agg_id: str, spec: AggregateSpec, checkpoint: str,
-                 schema: StructType, delta: Optional[dict] = None,
-                 policy: Optional[Policy] = None):
-        self.agg_id = agg_id
-        self._spark = spark
-        settings = read_settings(spark.conf)
-        self.layout = QueryLayout(checkpoint)
-        qid, app_id = recovery.query_ids(self.layout)
-        self.qid = qid
-        schema = arrow_schema(schema)
-        # The engine's own rows for the exec to project, or (appending to Delta itself) the
-        # aggregation's rows.
-        spec = replace(spec, input_schema=schema, finish=spec.finish if delta else None,
-                       checkpoint=recovery.checkpointing(self.layout, settings))
-        self.spec = spec
-        self.metrics = QueryMetrics()
-        self.elastic = ElasticRun(policy, spec.max_parallelism, self.metrics)
-        self._plan = None
-        engine = lambda: self.recovery.engine  # noqa: E731
-        if delta is not None:
-            kind = _Kind(spark, spec.max_parallelism,
-                         StructType.fromJson(json.loads(delta["schema"])))
-            self._sink = Sink(kind, "delta", {}, delta["path"], None, qid, app_id, True, engine,
-                              self.metrics)
-        else:
-            kind, self._sink = _Kind(spark, spec.max_parallelism), _NoSink()
-        self.recovery = Recovery(qid, spec, self.layout, settings, self._sink, kind,
-                                 self.metrics, recovery.last_committed(checkpoint))
-        self._ingest = Ingest(spark, qid, engine, self.recovery.opened,
-                              lambda batch_id: self._plan, settings.columnar,
-                              settings.read_files, schema, self.metrics)
-        # Appending to Delta itself, the engine steps and writes a batch while Spark commits it
-        # and plans the next (the pipeline of stretchAggregate; the engine logs the batch's
-        # input before Spark may commit it).
-        # (Spark runs this query's no-data batches itself: no trigger state to watch)
-        self._pipeline = (Pipeline(qid, kind, self.recovery, self._ingest, self._sink,
-                                   self.metrics, lambda: None, self.elastic)
-                          if delta is not None else None)
-        self._lock = threading.Lock()
-        self._last: Optional[tuple] = None  # (batch id, answer): a batch's plan run twice
-        if delta is not None:
-            self._sink.start()
-            # (the engine's appends: the sink is the shim's, its progress carries the figures)
-            jvm.register_aggregation_figures(spark, agg_id, self.elastic.sink_figures)
-        self.recovery.open_in_background()
-
-    def batch(self, batch_id: int, jdf, jplan) -> dict:
-        """Ingest and step micro-batch ``batch_id``; where its output is offered."""
-        with self._lock:
-            if self._last is not None and self._last[0] == batch_id:
-                return self._last[1]  # the sink ran the batch's plan again: the same rows
-            df = jvm.dataframe(jdf, self._spark)
-            self._plan = jplan
-            if self._pipeline is not None:
-                self._pipeline.run_batch(df, batch_id)
-                # (the engine's latest finished batch: this one is still in flight)
-                self._last = (batch_id, {"rows": 0, "direct": True,
-                                         "state": self.elastic.state_figures()})
-                return self._last[1]
-            self.recovery.realign(batch_id - 1 if batch_id > 0 else None)
-            self.elastic.started(batch_id)
-            # (the policy's decisions after the last batch, which is done: before this one's
-            # input reaches the engine)
-            self.recovery.with_engine("a reconfiguration", self._decided)
-            t0 = time.perf_counter()
-            reply = self.recovery.with_engine(f"batch {batch_id}",
-                                              lambda: self._step(df, batch_id), opened=False)
-            self.recovery.last_done = batch_id
-            eng = self.recovery.engine
-            opts = eng.data_options()
-            answer = {"endpoint": opts["endpoints"], "stream": reply.stream, "rows": reply.rows,
-                      "splits": jvm.splits_for(self._spark, reply.rows),
-                      **({"secret": opts["secret"]} if "secret" in opts else {})}
-            figures = {k: v for k, v in reply.metrics.items() if k != "elastic"}
-            self.metrics.record_batch({"batch": batch_id, "step_s": time.perf_counter() - t0,
-                                       "rows_out": reply.rows, **figures}, reply.rows, [])
-            if "elastic" in reply.metrics:  # (its rows go to Spark's sink now)
-                self.elastic.batch_done(batch_id, reply.metrics["elastic"], time.time())
-            answer["state"] = self.elastic.state_figures()  # (Spark's state operator's figures)
-            self._last = (batch_id, answer)
-            return answer
-
-    def _decided(self) -> None:
-        """Apply the elastic policy's decisions after the last batch: key groups moved
-        between hosts, then epoch switches (as a pipelined query's, :mod:`.pipeline`)."""
-        for d in self.elastic.pending(moves=True):
-            self.elastic.switched(self.recovery.move_groups(moves=d.key_groups, cause=d.cause))
-        for d in self.elastic.pending():
-            msg = recovery.reconfiguration(self.qid, d.parallelism, d.owner_map,
-                                           self.spec.max_parallelism, d.host)
-            recovery.check_host(self.recovery.engine, d.host)
-            t0 = time.perf_counter()
-            reply = self.recovery.engine.call(replace(msg, persist=False))
-            self.elastic.switched(self.recovery.reconfigured(msg, reply, t0, d.cause))
-
-    def _step(self, df, batch_id: int) -> M.StepResult:
-        self._ingest(df, batch_id)
-        eng = self.recovery.engine
-        eng.call(M.Submit(query=self.qid, batch=batch_id))
-        return eng.call(M.Result(query=self.qid, batch=batch_id))
-
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None, host: Optional[str] = None) -> dict:
-        """Switch the engine's epoch between two micro-batches (``1 <= parallelism <=
-        max_parallelism``; on several hosts, of ``host``'s instances or every host's), or move
-        key groups between hosts (``key_groups``)."""
-        recovery.check_host(self.recovery.engine, host)
-        if key_groups is not None:
-            if self._pipeline is not None:
-                return self._pipeline.between(lambda: self.recovery.move_groups(key_groups))
-            with self._lock:
-                rec = self.recovery.move_groups(key_groups)
-                self.elastic.switched(rec)
-                return rec
-        msg = recovery.reconfiguration(self.qid, parallelism, owner_map,
-                                       self.spec.max_parallelism, host)
-        if self._pipeline is not None:
-            return self._pipeline.reconfigure(msg)
-        t0 = time.perf_counter()
-        with self._lock:
-            reply = self.recovery.with_engine("a reconfiguration",
-                                              lambda: self.recovery.engine.call(msg))
-            rec = self.recovery.reconfigured(msg, reply, t0)
-            self.elastic.switched(rec)
-            return rec
-
-    def settle(self) -> None:
-        """Wait until the last batch is written (the engine appends to Delta after Spark has
-        committed it); raise what writing it raised."""
-        if self._pipeline is not None:
-            self._pipeline.wait()
-
-    def figures(self) -> dict:
-        """The run's figures, with the engine's own (the last ones, also after the end)."""
-        return {**self.metrics.snapshot(), **self.recovery.figures()}
-
-    def release(self) -> None:
-        """Close the query on the engine and release it (Spark's query ended)."""
-        self.recovery.join(timeout=60)
-        if self._pipeline is not None:
-            self._pipeline.join(timeout=60)
-            self._sink.join(timeout=60)
-        with self._lock:
-            self.recovery.release()

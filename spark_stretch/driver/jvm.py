@@ -319,6 +319,15 @@ class ShimPlans:
         """Whether a running ``StreamingQuery`` has a stretch aggregation in its plan."""
         return bool(self._j.marked(query._jsq.streamingQuery().logicalPlan()))
 
+    def check_native(self, agg_id: str, mode: str) -> None:
+        """Raise Spark's own error if Spark refuses the aggregation ``agg_id`` as a streaming
+        query in output ``mode``."""
+        self._j.checkNative(agg_id, mode)
+
+    def marker_ids(self, query) -> List[str]:
+        """The stretch aggregations of a running ``StreamingQuery``'s plan, in its order."""
+        return list(self._j.markerIds(query._jsq.streamingQuery().logicalPlan()))
+
 
 def requery(query, cls):
     """The running ``StreamingQuery`` ``query`` as a ``cls`` (a StreamingQuery subclass)."""

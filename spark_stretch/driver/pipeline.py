@@ -69,8 +69,10 @@ class Pipeline:
         rec.discard_in_flight = self._discard
 
     # -- one micro-batch (Spark's foreachBatch) -------------------------------------------------
-    def run_batch(self, batch_df: DataFrame, batch_id: int) -> None:
-        """The ``foreachBatch`` function."""
+    def run_batch(self, batch_df: DataFrame, batch_id: int,
+                  watermark_ms: Optional[int] = None) -> None:
+        """The ``foreachBatch`` function (``watermark_ms``: Spark's own for the batch, which
+        the engine takes in place of its own; ``stretch(df)``)."""
         with self._step_lock:
             if self.elastic is not None:
                 self.elastic.started(batch_id)
@@ -80,14 +82,16 @@ class Pipeline:
             self._rec.realign(batch_id - 1 if batch_id > 0 else None)
             trigger = self._trigger()  # this batch's
             fn = self._submit if self.pipelined else self._step
-            self._rec.with_engine(f"batch {batch_id}", lambda: fn(batch_df, batch_id, trigger),
+            self._rec.with_engine(f"batch {batch_id}",
+                                  lambda: fn(batch_df, batch_id, trigger, watermark_ms),
                                   opened=False)
             self._rec.last_done = batch_id
             ok = trigger is not None and trigger[0] == batch_id
             self._batch_trigger = trigger[1] if ok else None
             self._played, self._idle_done = None, False
 
-    def _submit(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
+    def _submit(self, batch_df: DataFrame, batch_id: int, trigger,
+                watermark_ms: Optional[int] = None) -> None:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
@@ -99,7 +103,7 @@ class Pipeline:
         self._apply_decision()
         t2 = time.perf_counter()
         eng = self._rec.engine
-        eng.call(M.Submit(query=self._qid, batch=batch_id))
+        eng.call(M.Submit(query=self._qid, batch=batch_id, watermark_ms=watermark_ms))
         times = {"batch": batch_id, "ingest_s": t1 - t0, "previous_s": t2 - t1,
                  "submit_s": time.perf_counter() - t2}
         self._inflight_batch = batch_id
@@ -143,7 +147,8 @@ class Pipeline:
             t.join(timeout=60)
         self._inflight_error = None
 
-    def _step(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
+    def _step(self, batch_df: DataFrame, batch_id: int, trigger,
+              watermark_ms: Optional[int] = None) -> None:
         """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint."""
         t0 = time.perf_counter()
         self._move_groups(trigger)
@@ -153,7 +158,8 @@ class Pipeline:
         self._apply_decision()
         eng = self._rec.engine
         reply = eng.call(M.Step(query=self._qid, batch=batch_id,
-                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id)))
+                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id),
+                                watermark_ms=watermark_ms))
         t2 = time.perf_counter()
         out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
         t3, written = time.perf_counter(), time.time()

@@ -44,6 +44,17 @@ from .share import EventTimes, KeyShare, group_loads, tops_of
 __all__ = ["AggregateRuntime"]
 
 
+def _add_sources(engines, spec) -> None:
+    """A new query's input sources, source s feeding stream s, at the watermark Spark's starts
+    at: 0, so that a window ending by then is late; but for time windows in complete mode Spark
+    drops no row as late (None: the ESG's minimum)."""
+    complete = getattr(spec, "output_mode", "append") == "complete"
+    start = None if complete and not getattr(spec, "session_end", None) else 0
+    for eng in engines:
+        for s in range(eng.op.I):
+            eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=start)
+
+
 class AggregateRuntime(EventTimes, Resharding, Runtime):
     """The engine side of one query of built-in aggregations (``spec``: an
     :class:`~spark_stretch.protocol.specs.AggregateSpec`); :class:`~.operator.OperatorRuntime`
@@ -81,9 +92,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                     engine_class(op)(op, m=spec.parallelism, n=spec.max_parallelism,
                                      n_buckets=spec.buckets, lateness=self._lateness(op))
                     for op in ops]
-                for eng in self.engines:  # source s feeds stream s
-                    for s in range(eng.op.I):
-                        eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=0)
+                _add_sources(self.engines, spec)
                 # (a host new to the query, owning no group yet: nothing of the past is its)
                 fresh = self.share is not None and not self.share.mine.any()
                 first = resume + 1 if fresh and resume is not None else 0

@@ -53,7 +53,8 @@ class HostDaemon:
         self.receiver.on_request = self._renew
         for message, handler in (
                 (M.Open, self._open), (M.IngestFiles, self._ingest_files), (M.Step, self._step),
-                (M.Submit, lambda m: self._query(m).submit(m.batch, m.stream_max_ms)),
+                (M.Submit, lambda m: self._query(m).submit(m.batch, m.stream_max_ms,
+                                                            m.watermark_ms)),
                 (M.Result, lambda m: self._query(m).result(m.batch)),
                 (M.Saved, lambda m: self._query(m).wait_saved()),
                 (M.Flush, self._flush),
@@ -122,7 +123,8 @@ class HostDaemon:
         return self._query(msg).ingest_files(msg)
 
     def _step(self, msg: M.Step) -> M.StepResult:
-        return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms)
+        return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms,
+                                     msg.watermark_ms)
 
     def _flush(self, msg: M.Flush) -> M.FlushResult:
         rt = self._query(msg)

@@ -120,6 +120,10 @@ class Runtime(ABC):
         """Take every host's largest event times (ms, per input stream) in, before a step or
         flush of a query on several hosts (the runtimes that have a watermark)."""
 
+    def take_watermark(self, watermark_ms: int) -> None:
+        """Take Spark's own watermark for the next step as W_N, in place of the one this
+        runtime computed from its input (the runtimes that have a watermark)."""
+
     def _arrived(self, table: pa.Table) -> pa.Table:
         """A batch's input as the query keeps (and logs) it, from the rows that arrived."""
         return table
@@ -201,11 +205,13 @@ class Runtime(ABC):
 
     # -- micro-batches -------------------------------------------------------------------------
     def step(self, batch: int, batch_ts_ms: Optional[int] = None,
-             stream_max_ms: Optional[list] = None) -> M.StepResult:
+             stream_max_ms: Optional[list] = None,
+             watermark_ms: Optional[int] = None) -> M.StepResult:
         """Step ``batch``: its pending input, or after a restart its logged one. The last batch
         again (Spark re-running it after a failure) gives the same rows without touching the
         state; an older one is an error. ``stream_max_ms``: every host's largest event times
-        up to the batch before (a query on several hosts)."""
+        up to the batch before (a query on several hosts); ``watermark_ms``: Spark's own
+        watermark for the batch (:meth:`take_watermark`)."""
         with self.lock:
             self.store.join()  # the previous checkpoint reads the state: let it finish
             table = self.pending.pop(batch, None)
@@ -221,9 +227,12 @@ class Runtime(ABC):
                 # after a restart: the batch again, from the log (with what the driver decided)
                 table, extra = self._logged(batch)
                 stream_max_ms = stream_max_ms or extra.get("stream_max_ms")
+                watermark_ms = extra.get("watermark_ms", watermark_ms)
             self._check_usable()
             if stream_max_ms:
                 self.fold_event_times(stream_max_ms)
+            if watermark_ms is not None:
+                self.take_watermark(watermark_ms)
             t0 = time.perf_counter()
             reply = self._step(batch, table, batch_ts_ms)
             figures = self._step_figures(t0, self._clock.lap())
@@ -235,15 +244,18 @@ class Runtime(ABC):
             self.last_reply = replace(reply, metrics={**reply.metrics, "elastic": figures})
             return self.last_reply
 
-    def submit(self, batch: int, stream_max_ms: Optional[list] = None) -> M.Submitted:
+    def submit(self, batch: int, stream_max_ms: Optional[list] = None,
+               watermark_ms: Optional[int] = None) -> M.Submitted:
         """Log the input of ``batch`` (after which Spark may commit it) and step it in the
         background; :meth:`result` waits for the step's reply."""
         if self.log is not None:
-            self.log.write(batch, self.pending.get(batch),
-                           {"stream_max_ms": stream_max_ms} if stream_max_ms else None)
+            extra = {**({"stream_max_ms": stream_max_ms} if stream_max_ms else {}),
+                     **({"watermark_ms": watermark_ms} if watermark_ms is not None else {})}
+            self.log.write(batch, self.pending.get(batch), extra or None)
         if self._stepper is None:
             self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"stretch-step-{self.qid}")
-        self._inflight[batch] = self._stepper.submit(self.step, batch, None, stream_max_ms)
+        self._inflight[batch] = self._stepper.submit(self.step, batch, None, stream_max_ms,
+                                                     watermark_ms)
         return M.Submitted(batch)
 
     def result(self, batch: int) -> M.StepResult:

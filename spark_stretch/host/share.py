@@ -172,3 +172,9 @@ class EventTimes:
         for s, top in enumerate(stream_max_ms):
             self._saw(s, top)
         self.next_watermark_ms = self._next_watermark()
+
+    def take_watermark(self, watermark_ms: int) -> None:
+        """Spark's watermark for the next step as W_N: where the input is not all Spark's
+        watermark follows (another aggregation's windows, one of several streams), the two
+        differ, and Spark's decides, as for Spark's own state operator."""
+        self.next_watermark_ms = max(int(watermark_ms), self.watermark_ms)

@@ -8,6 +8,8 @@ Under the query's ``checkpointLocation`` (beside Spark's own ``offsets/``, ``com
     stretch/input/<N>.arrow   the input log: batch N's input, Arrow IPC (host); <N>.empty: no rows
     stretch/state/<N>/        the state after batch N: <meta> last, then its files (host)
     stretch/hosts/<i>/        a query on several hosts: host i's engine.lock, input/, state/
+    stretch/operators/<op>/   a query with several stretch aggregations (``stretch(df)``):
+                              each one's own files as above, by its Spark state operator id
 
 and, in shared memory, the drop-in's bucket files ``stretch-<query>-<pid>-*/b<bucket>.pkl``
 (host and worker). Each JSON file and the input log carry a format version; a reader refuses a
@@ -18,6 +20,8 @@ Examples
 >>> from spark_stretch.protocol.layout import QueryLayout
 >>> QueryLayout("/ckpt").state_dir
 PosixPath('/ckpt/stretch/state')
+>>> QueryLayout("/ckpt", operator=2).state_dir
+PosixPath('/ckpt/stretch/operators/2/state')
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from .errors import StateError
 
@@ -51,14 +56,18 @@ FLUSH_FORMAT = 1
 
 @dataclass(frozen=True)
 class QueryLayout:
-    """The paths of one query's checkpoint (``checkpointLocation``, a local path or ``file:``)."""
+    """The paths of one query's checkpoint (``checkpointLocation``, a local path or ``file:``);
+    ``operator``: of one of its several stretch aggregations, by its Spark state operator id
+    (a query with one keeps its files in ``stretch/`` itself)."""
 
     checkpoint: str
+    operator: Optional[int] = None
 
     @property
     def root(self) -> Path:
         c = str(self.checkpoint)
-        return Path(c[5:] if c.startswith("file:") else c) / "stretch"
+        root = Path(c[5:] if c.startswith("file:") else c) / "stretch"
+        return root if self.operator is None else root / "operators" / str(self.operator)
 
     @property
     def state_dir(self) -> Path:

@@ -13,16 +13,18 @@ import org.apache.spark.{Partition, SparkContext, TaskContext}
 import org.apache.spark.rdd.RDD
 import org.apache.spark.sql.Row
 import org.apache.spark.sql.catalyst.InternalRow
-import org.apache.spark.sql.catalyst.analysis.{UnresolvedAlias, UnresolvedAttribute, UnresolvedFunction}
+import org.apache.spark.sql.catalyst.analysis.{UnresolvedAlias, UnresolvedAttribute, UnresolvedFunction, UnsupportedOperationChecker}
 import org.apache.spark.sql.catalyst.expressions._
 import org.apache.spark.sql.catalyst.expressions.aggregate._
 import org.apache.spark.sql.catalyst.expressions.codegen.CodegenFallback
-import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, BinaryNode, EventTimeWatermark, Generate, LogicalPlan, Project}
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, BinaryNode, EventTimeWatermark, Filter, Generate, LogicalPlan, Project}
 import org.apache.spark.sql.catalyst.optimizer.NormalizeNaNAndZero
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.catalyst.util.HyperLogLogPlusPlusHelper
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
-import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan, SparkStrategy}
+import org.apache.spark.sql.catalyst.plans.physical.SinglePartition
+import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
+import org.apache.spark.sql.execution.{BinaryExecNode, LogicalRDD, SparkPlan, SparkStrategy}
 import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec}
 import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
 import org.apache.spark.sql.types._
@@ -50,6 +52,10 @@ import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
  * windows' expansion of the real chain cost 25-35 ms a batch). Over session windows it is
  * Spark's own chain, so that Spark's checks of session windows run as natively (update mode,
  * which Spark refuses for them, is refused when the query starts, with Spark's own error).
+ * A query may hold several markers (a union of two aggregations, one aggregating another's
+ * windows): each exec steps its own engine query, with Spark's own watermark of the batch.
+ * With a distinct aggregate, the engine aggregates per window, key and distinct value, and
+ * [[Regroup]] aggregates each batch's rows again per window and key.
  */
 case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
                          keep: Seq[Attribute], out: Seq[Attribute]) extends BinaryNode {
@@ -83,7 +89,8 @@ object StretchStrategy extends SparkStrategy {
  * nothing). */
 trait StretchBatchHandler {
   def onBatch(id: String, batchId: Long, outputMode: String, stateDir: String, runId: String,
-              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String): String
+              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String, operatorId: Long,
+              watermarkMs: Long): String
 }
 
 case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: Seq[Attribute])
@@ -98,9 +105,10 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
   /** Hand this micro-batch's input to the driver's handler (with `sink` for the engine's own
    * Delta append, or ""): its answer, with the chain's state stores reported committed. */
   def step(sink: String): JsonNode = {
-    val (save, outputMode) = native.collectFirst {
-      case s: StateStoreSaveExec => (s, s.outputMode)
-      case s: SessionWindowStateStoreSaveExec => (s, s.outputMode)
+    val (save, outputMode, watermark) = native.collectFirst {
+      case s: StateStoreSaveExec => (s, s.outputMode, s.eventTimeWatermarkForEviction)
+      case s: SessionWindowStateStoreSaveExec =>
+        (s, s.outputMode, s.eventTimeWatermarkForEviction)
     }.getOrElse(
       throw new IllegalStateException("stretch: Spark planned no StateStoreSaveExec under " +
         s"the aggregation: ${native.treeString}"))
@@ -112,7 +120,8 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
       aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
-      info.checkpointLocation, info.queryRunId.toString, df, input, sink))
+      info.checkpointLocation, info.queryRunId.toString, df, input, sink, info.operatorId,
+      watermark.getOrElse(-1L)))
     // The chain's state operator is the query's in Spark's progress: the engine's figures
     // (of the latest batch it finished) as its metrics.
     if (answer.has("state")) StretchState.setChainMetrics(save, answer.get("state"))
@@ -139,10 +148,14 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
       "splits" -> answer.get("splits").asText()) ++ secret).asJava))
     val factory = StretchReaderFactory(t.engineSchema, opts)
     val result = t.result
-    new StretchOutputRDD(sparkContext, StretchInputPartition.all(opts), factory).mapPartitionsWithIndexInternal { (i, it) =>
-      val proj = UnsafeProjection.create(result)
-      proj.initialize(i)
-      it.map(proj)
+    val read = new StretchOutputRDD(sparkContext, StretchInputPartition.all(opts), factory)
+    t.regroup match {
+      case Some(g) => g(session.asInstanceOf[ClassicSession], read)
+      case None => read.mapPartitionsWithIndexInternal { (i, it) =>
+        val proj = UnsafeProjection.create(result)
+        proj.initialize(i)
+        it.map(proj)
+      }
     }
   }
 }
@@ -235,6 +248,15 @@ case class StretchHll(child: Expression, relativeSD: Double)
   override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
 }
 
+/** An opaque value of a stretch aggregation `id`'s plan that Spark's optimizer keeps (not
+ * foldable): `true` in the filter that makes a chain the aggregation's own, null in the stub of
+ * an aggregation's columns. Never evaluated where it matters: the chain never runs. */
+case class StretchTag(id: String, dataType: DataType = BooleanType)
+  extends LeafExpression with CodegenFallback {
+  override def nullable: Boolean = dataType != BooleanType
+  override def eval(input: InternalRow): Any = if (dataType == BooleanType) true else null
+}
+
 /** A double's IEEE bits as a long, and back (`StretchBitsDouble`): a floating-point value kept
  * in the engine's int slot (`max_by`/`min_by` of doubles). */
 case class StretchDoubleBits(child: Expression) extends UnaryExpression with CodegenFallback {
@@ -264,9 +286,29 @@ case class StretchBitsDouble(child: Expression) extends UnaryExpression with Cod
   override protected def withNewChildInternal(c: Expression): Expression = copy(child = c)
 }
 
-/** How one aggregation runs on the engine. */
+/** How one aggregation runs on the engine (`regroup`: with a distinct aggregate). */
 case class Translation(native: LogicalPlan, input: LogicalPlan, engineSchema: StructType,
-                       result: Seq[Expression], spec: ObjectNode)
+                       result: Seq[Expression], spec: ObjectNode,
+                       regroup: Option[Regroup] = None)
+
+/** An aggregation with a distinct aggregate: the engine aggregates per window, key and distinct
+ * value; each batch's rows (`sub`, over the engine's row: the sub-rows `subAttrs`) are then
+ * aggregated per window and key (`grouping`) into the aggregation's columns (`named`) by
+ * Spark's own aggregation, in the batch. */
+case class Regroup(sub: Seq[Expression], subAttrs: Seq[Attribute], grouping: Seq[Attribute],
+                   named: Seq[NamedExpression]) {
+  /** The aggregation's rows of one batch, from the engine's (in one partition). */
+  def apply(spark: ClassicSession, engine: RDD[InternalRow]): RDD[InternalRow] = {
+    val exprs = sub
+    val rows = engine.coalesce(1).mapPartitionsWithIndexInternal { (i, it) =>
+      val proj = UnsafeProjection.create(exprs)
+      proj.initialize(i)
+      it.map(proj)
+    }
+    val plan = Aggregate(grouping, named, LogicalRDD(subAttrs, rows, SinglePartition)(spark))
+    ClassicDataset.ofRows(spark, plan).queryExecution.toRdd
+  }
+}
 
 class Unsupported(val reason: String) extends Exception(reason)
 
@@ -297,16 +339,42 @@ object StretchPlans {
   /** The aggregation `df` on the engine, as `df` with the marker over it. */
   def mark(df: ClassicDataset[Row], id: String): ClassicDataset[Row] = {
     val t = translation(id)
-    val chain = if (t.spec.has("session_end")) t.native else {
-      val ts = t.input.output.filter(_.metadata.contains(EventTimeWatermark.delayKey))
-      Aggregate(ts, ts, t.input)
+    // The chain is Spark's to plan, never to run. Under it, another stretch aggregation's marker
+    // (this one aggregates its windows) is a stub of its columns over its input, so that Spark
+    // plans that aggregation once (one state operator, which the exec runs), and the filter
+    // `StretchTag(id)` makes the chain this aggregation's own: two aggregations over the same
+    // input would otherwise share one exchange (Spark's reuse), which leaves the second without
+    // a watermark.
+    def own(p: LogicalPlan): LogicalPlan =
+      Filter(StretchTag(id), p.transformDown { case m: StretchMarker => stub(m) })
+    val chain = t.native match {
+      case a: Aggregate if t.spec.has("session_end") => a.copy(child = own(a.child))
+      case _ =>
+        val ts = t.input.output.filter(_.metadata.contains(EventTimeWatermark.delayKey))
+        Aggregate(ts, ts, own(t.input))
     }
     ClassicDataset.ofRows(df.sparkSession,
       StretchMarker(id, chain, t.input, chain.output ++ t.input.output, t.native.output))
   }
 
+  /** A stretch aggregation's columns (never computed) over its input: what a chain that
+   * aggregates its windows is planned over (the input keeps the watermark). */
+  private def stub(m: StretchMarker): LogicalPlan = Project(m.out.map(at =>
+    Alias(StretchTag(m.id, at.dataType), at.name)(exprId = at.exprId,
+      explicitMetadata = Some(at.metadata))), m.input)
+
   /** Whether a streaming query's plan has a stretch aggregation. */
   def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])
+
+  /** Spark's own check of aggregation `id` as a streaming query in output `mode` (throws
+   * Spark's own error where Spark refuses it). */
+  def checkNative(id: String, mode: String): Unit =
+    UnsupportedOperationChecker.checkForStreaming(translation(id).native,
+      InternalOutputModes(mode))
+
+  /** The stretch aggregations of a streaming query's plan, each once, in the plan's order. */
+  def markerIds(plan: LogicalPlan): Array[String] =
+    plan.collect { case m: StretchMarker => m.id }.distinct.toArray
 
   /** Read `df` as a windowed aggregation the engine runs: `{"ok": true, "spec": ...}` (the
    * translation kept under `id`), or `{"ok": false, "reason": ...}`. */
@@ -331,6 +399,25 @@ object StretchPlans {
     case Alias(c, _) => strip(c)
     case UnresolvedAlias(c, _) => strip(c)
     case o => o
+  }
+
+  /** `window_time(w)` of a window column `w` (a window's event time, as Spark's
+   * `ResolveWindowTime` computes it: its end minus one microsecond), with `w`'s watermark. */
+  private def windowTime(w: Attribute): NamedExpression = {
+    val fields = w.dataType match {
+      case st: StructType => st.fields.map(f => (f.name, f.dataType)).toSeq
+      case _ => Nil
+    }
+    if (fields != Seq("start" -> TimestampType, "end" -> TimestampType) ||
+        !(w.metadata.contains(TimeWindow.marker) || w.metadata.contains(SessionWindow.marker))) {
+      unsupported(s"window over '${w.name}', which is not a window column")
+    }
+    val meta = new MetadataBuilder().withMetadata(w.metadata).remove(TimeWindow.marker)
+      .remove(SessionWindow.marker).build()
+    val end = PreciseTimestampConversion(GetStructField(w, 1, Some("end")), TimestampType,
+      LongType)
+    Alias(PreciseTimestampConversion(Subtract(end, Literal(1L)), LongType, TimestampType),
+      "__stretch_ts")(explicitMetadata = Some(meta))
   }
 
   private val integral = Set[DataType](ByteType, ShortType, IntegerType, LongType)
@@ -364,18 +451,33 @@ object StretchPlans {
     if (u.groupingExpressions.size != a.groupingExpressions.size) {
       unsupported("the grouping columns changed in analysis")
     }
-    val tsName = fn.arguments.head match {
-      case UnresolvedAttribute(parts) => parts.last
-      case at: Attribute => at.name
-      case other => unsupported(s"window over the expression ${other.sql} (use a column)")
-    }
     val durations = if (session) Nil else fn.arguments.drop(1).map {
       case Literal(v: UTF8String, _: StringType) => v.toString
       case other => unsupported(s"window duration ${other.sql} is not a literal interval string")
     }
     val resolver = df.sparkSession.sessionState.conf.resolver
-    val ts = x.output.find(at => resolver(at.name, tsName)).getOrElse(
-      unsupported(s"window column '$tsName' is not a column of the aggregation's input"))
+    def column(e: Expression): Attribute = {
+      val name = e match {
+        case UnresolvedAttribute(parts) => parts.last
+        case at: Attribute => at.name
+        case other => unsupported(s"window over the expression ${other.sql} (use a column)")
+      }
+      x.output.find(at => resolver(at.name, name)).getOrElse(
+        unsupported(s"window column '$name' is not a column of the aggregation's input"))
+    }
+    // The event time: a column of X, or the time of a window column of X (`window_time(w)`, or
+    // `w` itself, as Spark reads a window struct: its end minus one microsecond, the watermark
+    // delay of `w`): an aggregation of the windows another aggregation emitted
+    val ts: NamedExpression = strip(fn.arguments.head) match {
+      case f: UnresolvedFunction if f.nameParts.last.equalsIgnoreCase("window_time") &&
+          f.arguments.size == 1 && !session =>
+        windowTime(column(f.arguments.head))
+      case e => column(e) match {
+        case w if w.dataType.isInstanceOf[StructType] && !session => windowTime(w)
+        case at => at
+      }
+    }
+    val tsName = ts.name
     if (ts.dataType != TimestampType) {
       unsupported(s"window column '$tsName' has type ${ts.dataType.simpleString} (the engine " +
         "takes timestamp)")
@@ -403,11 +505,40 @@ object StretchPlans {
       Some(end)
     }
     val keys = a.groupingExpressions.zipWithIndex.filter(_._2 != windowAt).map(_._1)
-    if (keys.isEmpty) unsupported("no grouping column besides the window")
     keys.foreach { k =>
       if (!k.deterministic) unsupported(s"grouping column ${k.sql} is not deterministic")
       if (!k.references.subsetOf(x.outputSet)) unsupported(s"grouping column ${k.sql}")
     }
+    // Distinct aggregates (count(DISTINCT c...), ...): the engine aggregates by the keys and
+    // their columns, one sub-row per distinct value of a window and key; each batch's output
+    // is aggregated again per window and key (Spark's own aggregation over the sub-rows, see
+    // Regroup), which is exact where a window's sub-rows come out together: append (a window
+    // is emitted when the watermark passes its end) and complete mode, not update mode
+    val distincts = a.aggregateExpressions.flatMap(_.collect {
+      case ae: AggregateExpression if ae.isDistinct => ae })
+    val distinctCols: Seq[Expression] = distincts.headOption.map { d0 =>
+      val cols = d0.aggregateFunction.children
+      distincts.foreach { d =>
+        val cs = d.aggregateFunction.children
+        if (cs.size != cols.size || !cs.zip(cols).forall { case (p, q) => p.semanticEquals(q) }) {
+          unsupported(s"${d0.sql} and ${d.sql}: distinct aggregates over different columns (the " +
+            "engine keeps one sub-row per distinct value of one column set)")
+        }
+        d.aggregateFunction match {
+          case _: Count | _: Sum | _: Average | _: Min | _: Max | _: CentralMomentAgg =>
+          case f => unsupported(s"${d.sql}: ${f.prettyName} of distinct values is not on the " +
+            "engine yet")
+        }
+      }
+      if (session) unsupported(s"${d0.sql} over session windows (the rows of one distinct " +
+        "value are sessions of their own)")
+      cols.foreach { c =>
+        if (!c.deterministic || !c.references.subsetOf(x.outputSet)) {
+          unsupported(s"${d0.sql}: a distinct aggregate over ${c.sql}")
+        }
+      }
+      cols
+    }.getOrElse(Nil)
 
     // aggregates -> the engine's primitives over value columns
     val values = ArrayBuffer[(Expression, String)]()   // (expression, "long" | "double")
@@ -498,10 +629,26 @@ object StretchPlans {
         by(at.exprId) }
     }
 
+    // A distinct aggregate in a result expression: Spark's own function over the sub-rows
+    case class DistinctRef(ae: AggregateExpression) extends LeafExpression with Unevaluable {
+      override def dataType: DataType = ae.dataType
+      override def nullable: Boolean = ae.nullable
+    }
+    val mergeable = Set("count", "sum", "min", "max")
     def aggregate(ae: AggregateExpression): Expression = {
-      if (ae.isDistinct) unsupported(s"${ae.sql}: distinct aggregates are not on the engine yet " +
-        "(an exact distinct count needs a set per window)")
       if (ae.filter.isDefined) unsupported(s"${ae.sql}: aggregate FILTER is not on the engine yet")
+      if (ae.isDistinct) DistinctRef(ae)
+      else if (distinctCols.isEmpty) plain(ae)
+      else {  // beside a distinct aggregate: merged from the sub-rows' partial results
+        val e = plain(ae)
+        e.collect { case PrimRef(i) if !mergeable(prims(i)._1) => prims(i)._1 }.headOption
+          .foreach { f => unsupported(s"${ae.sql} beside the distinct aggregate " +
+            s"${distincts.head.sql} (its $f per distinct value does not merge; counts, sums, " +
+            "min and max do)") }
+        e
+      }
+    }
+    def plain(ae: AggregateExpression): Expression = {
       ae.aggregateFunction match {
         case Count(cs) => nonNull(cs)
         case s @ Sum(c, _) if c.dataType.isInstanceOf[DecimalType] =>
@@ -679,7 +826,11 @@ object StretchPlans {
     }
 
     // the engine's key: an exploded array (multi-key), one plain column, or the encoded tuple
+    if (prims.isEmpty) prim("count", None)  // (the engine keeps one aggregate at least)
+    val normalized = (keys ++ distinctCols).map { c =>  // (grouped as Spark groups floats)
+      if (isFloating(c.dataType)) NormalizeNaNAndZero(c) else c }
     val exploded: Option[(Expression, LogicalPlan)] = keys match {
+      case _ if distinctCols.nonEmpty => None
       case Seq(k: Attribute) =>
         val below = x match {
           case Project(list, child) if list.forall(_.isInstanceOf[Attribute]) => child
@@ -687,7 +838,7 @@ object StretchPlans {
         }
         below match {
           case Generate(Explode(arr), _, false, _, Seq(out), gchild)
-              if out.exprId == k.exprId && gchild.outputSet.contains(ts) &&
+              if out.exprId == k.exprId && ts.references.subsetOf(gchild.outputSet) &&
                 (values.map(_._1) ++ sessionEnd).forall(_.references.subsetOf(gchild.outputSet)) =>
             arr.dataType match {
               case ArrayType(el, _) if el == StringType || isIntegral(el) => Some((arr, gchild))
@@ -701,10 +852,11 @@ object StretchPlans {
       case Some((arr, g)) =>
         val el = arr.dataType.asInstanceOf[ArrayType].elementType
         ("array", arr, if (el == StringType) "string" else "long", g)
-      case None => keys match {
+      case None => normalized match {
+        case Seq() => ("scalar", Literal(0L), "long", x)  // (the window alone: one key)
         case Seq(k) if !k.nullable && (k.dataType == StringType || isIntegral(k.dataType)) =>
           ("scalar", k, if (k.dataType == StringType) "string" else "long", x)
-        case _ => ("scalar", StretchKeyEncode(keys), "binary", x)
+        case _ => ("scalar", StretchKeyEncode(normalized), "binary", x)
       }
     }
     val keyNamed: NamedExpression = keyExpr match {
@@ -754,7 +906,7 @@ object StretchPlans {
     val engineSchema = StructType(Seq(StructField("window", windowType),
       StructField("key", engineKeyType)) ++ prims.indices.map(i =>
       StructField(primNames(i), PrimRef(i).dataType)))
-    val keyStruct = StructType(keys.zipWithIndex.map { case (k, j) =>
+    val keyStruct = StructType(normalized.zipWithIndex.map { case (k, j) =>
       StructField(s"_$j", k.dataType, k.nullable) })
     val keyRef = BoundReference(1, engineKeyType, nullable = true)
     def castTo(e: Expression, t: DataType): Expression = if (e.dataType == t) e else Cast(e, t)
@@ -767,6 +919,36 @@ object StretchPlans {
       case (AggOut(e), _) => e.transform {
         case PrimRef(i) => BoundReference(2 + i, PrimRef(i).dataType, nullable = true)
       }
+    }
+    // With a distinct aggregate: the engine's rows as sub-rows (window, key columns, distinct
+    // columns, primitives), aggregated again per window and key: a primitive by its merge (sums
+    // and counts add up, min and max), a distinct aggregate as Spark's own function over the
+    // sub-rows' distinct columns (one sub-row per distinct value: count skips the null one)
+    val regroup: Option[Regroup] = if (distinctCols.isEmpty) None else {
+      val decoded = StretchKeyDecode(keyRef, keyStruct)
+      val sub = Seq[Expression](BoundReference(0, windowType, nullable = true)) ++
+        normalized.indices.map(j => GetStructField(decoded, j)) ++
+        prims.indices.map(i => BoundReference(2 + i, PrimRef(i).dataType, nullable = true))
+      val w = AttributeReference("window", windowType)()
+      val fields = normalized.zipWithIndex.map { case (c, j) =>
+        AttributeReference(s"_$j", c.dataType)() }
+      val ps = prims.indices.map(i => AttributeReference(s"_p$i", PrimRef(i).dataType)())
+      val (keyAttrs, distinctAttrs) = fields.splitAt(keys.size)
+      def merged(i: Int): Expression = (prims(i)._1 match {
+        case "min" => Min(ps(i))
+        case "max" => Max(ps(i))
+        case _ => Sum(ps(i))  // (count, sum)
+      }).toAggregateExpression()
+      val named = outs.zip(a.output).map {
+        case (WindowOut, at) => Alias(castTo(w, at.dataType), at.name)()
+        case (KeyOut(j), at) => Alias(keyAttrs(j), at.name)()
+        case (AggOut(e), at) => Alias(e.transform {
+          case PrimRef(i) => merged(i)
+          case DistinctRef(ae) => ae.copy(isDistinct = false, aggregateFunction =
+            ae.aggregateFunction.withNewChildren(distinctAttrs).asInstanceOf[AggregateFunction])
+        }, at.name)()
+      }
+      Some(Regroup(sub, w +: (fields ++ ps), w +: keyAttrs, named))
     }
 
     val spec = mapper.createObjectNode()
@@ -789,13 +971,14 @@ object StretchPlans {
     values.zipWithIndex.foreach { case ((_, k), i) => vt.put(valueName(i), k) }
     val outNames = spec.putArray("output_names")
     primNames.foreach(n => outNames.add(n))
-    finish(result, a.output).foreach(f => spec.set[JsonNode]("finish", f))
+    if (regroup.isEmpty) finish(result, a.output).foreach(f => spec.set[JsonNode]("finish", f))
+    else spec.put("regroup", true)
     prepare.foreach { js =>
       val arr = spec.putArray("prepare")
       inputCols.zip(js).foreach { case (c, j) =>
         arr.add(mapper.createObjectNode().put("name", c.name).set[JsonNode]("expr", j)) }
     }
-    Translation(a, input, engineSchema, result, spec)
+    Translation(a, input, engineSchema, result, spec, regroup)
   }
 
   private val keyFieldTypes = Set[DataType](StringType, LongType, IntegerType, ShortType,
