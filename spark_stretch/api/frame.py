@@ -1,58 +1,63 @@
-"""The DataFrame ``stretch(df)`` returns: Spark's own, with the engine's Delta append when it is
-written straight to a Delta path.
+"""The DataFrame a stretch operator inside Spark's plan gives (``stretch(df)``, the
+``applyInPandasWithState`` drop-in): Spark's own, with the engine's Delta append when it is
+written straight to a Delta path, and its query with the stretch handle's methods.
 
 Everything a user does with it is Spark's (``select``, ``filter``, joins, any sink): those go
-through Spark's plan, where the shim's ``StretchExec`` runs the aggregation on the engine and
-Spark's sink writes its rows. Written *unchanged* to a Delta path in append mode
-(``.writeStream.format("delta").start(path)``, with at most a checkpoint location, a trigger and
-a query name), the query gets the shim's ``StretchDeltaSink`` in place of Delta's: the engine
-appends each batch's rows to the table itself, one Delta commit with the batch's ``txn``, while
-Spark commits the batch and plans the next (as ``stretchAggregate`` does), and the rows never
-travel through Spark. ``spark.stretch.delta.directWrite=false`` turns that off.
+through Spark's plan, where the shim's ``StretchExec`` runs the operator on the engine and
+Spark's sink writes its rows. Written *unchanged* to a Delta path
+(``.writeStream.format("delta").start(path)``, with at most a checkpoint location, a trigger
+and a query name; in append mode, and for the drop-in also in update mode), the query gets the
+shim's ``StretchDeltaSink`` in place of Delta's: the engine appends each batch's rows to the
+table itself, one Delta commit with the batch's ``txn``, and the rows never travel through
+Spark. ``spark.stretch.delta.directWrite=false`` turns that off.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 from pyspark.sql.classic.dataframe import DataFrame as ClassicDataFrame
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
+from ..driver.elastic import per_batch_frame
 from ..driver.inplan import open_at_start, run_of
 from ..driver.settings import read_settings
 
-__all__ = ["StretchFrame"]
+__all__ = ["StretchControl", "StretchFrame", "StretchStreamingQuery"]
 
 _DELTA_SINK = "org.apache.spark.sql.stretch.StretchDeltaSinkProvider"
 _PLAIN_OPTIONS = {"checkpointlocation", "path"}
 
 
 class StretchFrame(ClassicDataFrame):
-    """A streaming DataFrame whose aggregation runs on the engine (``stretch(df)``); a
-    ``pyspark.sql.DataFrame`` in every respect, see the module doc."""
+    """A streaming DataFrame with a stretch operator in its plan (``stretch(df)``, the drop-in);
+    a ``pyspark.sql.DataFrame`` in every respect, see the module doc."""
 
-    def _stretch_init(self, spec, agg_id: str) -> "StretchFrame":
+    def _stretch_init(self, spec, agg_id: str, direct_modes: Sequence[str] = ()):
+        """``direct_modes``: the output modes in which the engine may append the rows to a
+        Delta path itself."""
         self._stretch_spec = spec
         self._stretch_id = agg_id
+        self._stretch_direct = tuple(direct_modes)
         return self
 
     @property
     def writeStream(self) -> DataStreamWriter:
         return _Writer(self, getattr(self, "_stretch_spec", None),
-                       getattr(self, "_stretch_id", None))
+                       getattr(self, "_stretch_id", None), getattr(self, "_stretch_direct", ()))
 
 
 class _Writer(DataStreamWriter):
-    """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in append mode
-    starts with the shim's Delta sink (the engine appends)."""
+    """Spark's ``DataStreamWriter``, noting what it is given: a plain Delta path in one of
+    the frame's direct modes starts with the shim's Delta sink (the engine appends)."""
 
-    def __init__(self, df: StretchFrame, spec, agg_id: Optional[str]):
+    def __init__(self, df: StretchFrame, spec, agg_id: Optional[str], direct_modes):
         super().__init__(df)
         self._spec = spec
         self._agg_id = agg_id
-        self._finishable = spec is not None and spec.finish is not None
+        self._direct_modes = direct_modes
         self._fmt: Optional[str] = None
         self._mode: Optional[str] = None
         self._path: Optional[str] = None
@@ -112,27 +117,96 @@ class _Writer(DataStreamWriter):
             self.queryName(queryName)
         settings = read_settings(self._spark.conf)
         target = path or self._path
-        direct = (self._finishable and self._fmt == "delta" and self._plain and target is not None
-                  and self._mode in (None, "append")
-                  and settings.direct_write)
+        direct = (self._fmt == "delta" and self._plain and target is not None
+                  and (self._mode or "append") in self._direct_modes and settings.direct_write)
         if direct:
             super().format(_DELTA_SINK)
-        q = super().start(path)
-        if self._spec is not None:  # the engine opens beside Spark's start
-            open_at_start(self._spark, self._agg_id, q, self._mode or "append",
-                          {"path": target, "schema": self._df.schema.json()} if direct else None)
-        return jvm.requery(q, _EngineWrites) if direct else q
+        return self._started(super().start(path),
+                             {"path": target, "schema": self._df.schema.json()} if direct
+                             else None)
+
+    def toTable(self, tableName: str, format: Optional[str] = None,  # noqa: N802
+                outputMode: Optional[str] = None,
+                partitionBy: Optional[Union[str, List[str]]] = None,
+                queryName: Optional[str] = None, **options) -> StreamingQuery:
+        return self._started(super().toTable(tableName, format, outputMode, partitionBy,
+                                             queryName, **options), None)
+
+    def _started(self, q: StreamingQuery, delta: Optional[dict]) -> StreamingQuery:
+        """Spark's started query, the engine opening beside it; with the stretch methods."""
+        if self._spec is None:
+            return q
+        open_at_start(self._spark, self._agg_id, q, self._mode or "append", delta)
+        return jvm.requery(q, _EngineWrites if delta else StretchStreamingQuery)
 
 
-class _EngineWrites(StreamingQuery):
-    """Spark's ``StreamingQuery`` of an aggregation the engine appends to Delta itself: Spark
-    commits a batch while the engine writes it, so waiting for the query (its end, or all
-    available input) also waits for the engine's last append, and raises its error."""
+class StretchControl:
+    """The stretch side of a running ``StreamingQuery``: rescale it, read its figures."""
+
+    def __init__(self, query: StreamingQuery):
+        self._query = query
+
+    def _run(self):
+        run = run_of(str(self._query.runId), wait=60.0)
+        if run is None:
+            raise RuntimeError("the query has run no micro-batch on the engine yet")
+        return run
+
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
+                    key_groups=None) -> dict:
+        """Change the parallelism and/or owner map between two micro-batches (no state moves),
+        or, for a query on several hosts, how many key groups each host owns (``key_groups``:
+        ``{host: count}``; the state of the moved groups moves), as
+        :meth:`spark_stretch.StretchQuery.reconfigure`."""
+        return self._run().reconfigure(parallelism, owner_map, key_groups)
+
+    def metrics(self) -> dict:
+        """The engine's figures for this run (batches, rows, reconfigurations, per-batch
+        figures, ...), as :meth:`spark_stretch.StretchQuery.metrics`."""
+        return self._run().figures()
+
+    def metrics_frame(self):
+        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch."""
+        return per_batch_frame(self._run().figures())
+
+
+class StretchStreamingQuery(StreamingQuery):
+    """Spark's own ``StreamingQuery`` of a query with a stretch operator in its plan, with the
+    methods of its stretch handle (:func:`spark_stretch.control`) too: ``reconfigure``,
+    ``metrics``, ``metrics_frame``. Its end (``stop``, or ``awaitTermination`` returning once
+    the query is over) also releases the query's engine, as Spark's end of the query does a
+    moment later.
+
+    Examples
+    --------
+    >>> q = sessions.writeStream.format("memory").queryName("s").outputMode("update").start()  # doctest: +SKIP
+    >>> q.reconfigure(parallelism=2)["parallelism"]          # doctest: +SKIP
+    2
+    """
+
+    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
+                    key_groups=None) -> dict:
+        """As :meth:`StretchControl.reconfigure`."""
+        return StretchControl(self).reconfigure(parallelism, owner_map, key_groups)
+
+    def metrics(self) -> dict:
+        """As :meth:`StretchControl.metrics`."""
+        return StretchControl(self).metrics()
+
+    def metrics_frame(self):
+        """As :meth:`StretchControl.metrics_frame`."""
+        return StretchControl(self).metrics_frame()
+
+    @property
+    def stretch_id(self) -> Optional[str]:
+        """The query's id on its host engine (kept in its checkpoint)."""
+        run = run_of(str(self.runId), wait=60.0)
+        return None if run is None else run.qid
 
     def awaitTermination(self, timeout: Optional[int] = None) -> Optional[bool]:  # noqa: N802
         done = super().awaitTermination(timeout)
         if done is None or done:
-            self._settle()
+            self._ended()
         return done
 
     def processAllAvailable(self) -> None:  # noqa: N802
@@ -141,9 +215,24 @@ class _EngineWrites(StreamingQuery):
 
     def stop(self) -> None:
         super().stop()
-        self._settle()
+        self._ended()
 
     def _settle(self) -> None:
         run = run_of(str(self.runId))
         if run is not None:
             run.settle()
+
+    def _ended(self) -> None:
+        run = run_of(str(self.runId))
+        if run is not None:
+            try:
+                run.settle()
+            finally:
+                run.release()
+
+
+class _EngineWrites(StretchStreamingQuery):
+    """The query of a stretch operator whose rows the engine appends to Delta itself: Spark
+    commits a batch of ``stretch(df)`` while the engine writes it, so waiting for the query
+    (its end, or all available input) also waits for the engine's last append, and raises its
+    error."""

@@ -17,10 +17,9 @@ from pyspark.sql import DataFrame, GroupedData, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from ..driver import jvm
-from ..driver.elastic import per_batch_frame
-from ..driver.inplan import FallbackWarning, fall_back, handler_for, run_of
+from ..driver.inplan import FallbackWarning, Marked, fall_back, handler_for
 from ..protocol.specs import AggregateSpec
-from .frame import StretchFrame
+from .frame import StretchControl, StretchFrame
 from .specs import check_sizes, parse_interval_us
 
 __all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "stretch_agg"]
@@ -99,8 +98,9 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     if reason is not None:
         fall_back(spark, reason, stacklevel=2)
         return df
-    handler_for(spark).add(agg_id, spec)
-    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec, agg_id)
+    handler_for(spark).add(agg_id, Marked(spec))
+    return plans.mark(df, agg_id, StretchFrame)._stretch_init(
+        spec, agg_id, ("append",) if spec.finish is not None else ())
 
 
 def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):
@@ -137,36 +137,6 @@ def stretch_agg(self: GroupedData, *exprs, **kwargs) -> DataFrame:
     ...           .groupBy(F.window("ts", "1 minute"), "country").stretchAgg(F.count("*")))
     """
     return stretch(self.agg(*exprs), **kwargs)
-
-
-class StretchControl:
-    """The stretch side of a running ``StreamingQuery``: rescale it, read its figures."""
-
-    def __init__(self, query: StreamingQuery):
-        self._query = query
-
-    def _run(self):
-        run = run_of(str(self._query.runId), wait=60.0)
-        if run is None:
-            raise RuntimeError("the query has run no micro-batch on the engine yet")
-        return run
-
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None) -> dict:
-        """Change the parallelism and/or owner map between two micro-batches (no state moves),
-        or, for a query on several hosts, how many key groups each host owns (``key_groups``:
-        ``{host: count}``; the state of the moved groups moves), as
-        :meth:`spark_stretch.StretchQuery.reconfigure`."""
-        return self._run().reconfigure(parallelism, owner_map, key_groups)
-
-    def metrics(self) -> dict:
-        """The engine's figures for this run (batches, rows, reconfigurations, per-batch
-        figures, ...), as :meth:`spark_stretch.StretchQuery.metrics`."""
-        return self._run().figures()
-
-    def metrics_frame(self):
-        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch."""
-        return per_batch_frame(self._run().figures())
 
 
 def control(query: StreamingQuery) -> Optional[StretchControl]:

@@ -17,7 +17,8 @@ from pyspark.sql.types import StructType
 __all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "plan_string",
            "foreach_batch_with_metrics", "forget_batch_function", "processing_interval_ms",
            "register_aggregation_figures",
-           "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "splits_for",
+           "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "active_query",
+           "splits_for",
            "session_key",
            "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
 
@@ -302,6 +303,12 @@ class ShimPlans:
         """``df`` with the stretch marker over its aggregation (a ``cls``, a DataFrame class)."""
         return cls(self._j.mark(df._jdf, agg_id), df.sparkSession)
 
+    def mark_grouped(self, native: DataFrame, df: DataFrame, agg_id: str,
+                     cls=DataFrame) -> DataFrame:
+        """``native`` (``df.groupBy(...).applyInPandasWithState(...)``) with the stretch marker
+        over it, its input ``df`` the engine's (a ``cls``, a DataFrame class)."""
+        return cls(self._j.markGrouped(native._jdf, df._jdf, agg_id), df.sparkSession)
+
     def register(self, agg_id: str, handler) -> None:
         """The py4j callback (``StretchBatchHandler``) that runs ``agg_id``'s micro-batches."""
         from pyspark.java_gateway import ensure_callback_server_started
@@ -318,6 +325,11 @@ class ShimPlans:
     def marked(self, query) -> bool:
         """Whether a running ``StreamingQuery`` has a stretch aggregation in its plan."""
         return bool(self._j.marked(query._jsq.streamingQuery().logicalPlan()))
+
+
+def active_query(spark: SparkSession, query_id: str):
+    """The active ``StreamingQuery`` of id ``query_id``, or None."""
+    return spark.streams.get(query_id)
 
 
 def requery(query, cls):

@@ -70,10 +70,11 @@ class QueryKind(ABC):
     def check_start(self, mode: str) -> None:
         """Checks at ``start()`` (the output mode against the plan, ...)."""
 
-    def batch_time(self, query, batch_id: int) -> Optional[int]:
+    def batch_time(self, query, batch_id: int, info: Optional[dict] = None) -> Optional[int]:
         """Batch ``batch_id``'s processing time (ms) for the engine, or None (it needs none).
         ``query``: the query's :class:`~.recovery.Recovery` (its ``layout``, ``settings`` and
-        ``last_done``)."""
+        ``last_done``); ``info``: what Spark gave the batch's state operator, if anything
+        (``batch_ts_ms``: Spark's own time for it)."""
         return None
 
     def flush_time(self, query, at_ms: Optional[int] = None) -> Optional[int]:

@@ -67,25 +67,57 @@ class Pipeline:
         rec.discard_in_flight = self._discard
 
     # -- one micro-batch (Spark's foreachBatch) -------------------------------------------------
-    def run_batch(self, batch_df: DataFrame, batch_id: int) -> None:
-        """The ``foreachBatch`` function."""
+    def run_batch(self, batch_df: DataFrame, batch_id: int, info: Optional[dict] = None) -> None:
+        """The ``foreachBatch`` function (``info``: what Spark gave the batch's state operator,
+        inside Spark's plan: ``batch_ts_ms``, ``late_watermark_ms``, ``watermark_ms``)."""
         with self._step_lock:
-            if self.elastic is not None:
-                self.elastic.started(batch_id)
-            # After a restart the engine continues from what it held after the previous batch
-            # (its state, or its logged input: on disk before Spark committed that batch) and
-            # this batch runs again whole.
-            self._rec.realign(batch_id - 1 if batch_id > 0 else None)
-            trigger = self._trigger()  # this batch's
+            trigger = self._started(batch_id)
             fn = self._submit if self.pipelined else self._step
-            self._rec.with_engine(f"batch {batch_id}", lambda: fn(batch_df, batch_id, trigger),
-                                  opened=False)
+            self._rec.with_engine(f"batch {batch_id}",
+                                  lambda: fn(batch_df, batch_id, trigger, info), opened=False)
             self._rec.last_done = batch_id
             ok = trigger is not None and trigger[0] == batch_id
             self._batch_trigger = trigger[1] if ok else None
             self._played, self._idle_done = None, False
 
-    def _submit(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
+    def run_now(self, batch_df: DataFrame, batch_id: int,
+                info: Optional[dict] = None) -> M.StepResult:
+        """A micro-batch whose output is read as soon as this returns (the in-plan exec's,
+        which Spark's sink then writes): ingested and stepped (and, not pipelined,
+        checkpointed); the step's reply."""
+        with self._step_lock:
+            self._started(batch_id)
+            fn = self._now if self.pipelined else self._step
+            reply = self._rec.with_engine(f"batch {batch_id}",
+                                          lambda: fn(batch_df, batch_id, None, info),
+                                          opened=False)
+            self._rec.last_done = batch_id
+            return reply
+
+    def _started(self, batch_id: int):
+        """A batch begins: its figures' start, the engine where Spark continues; its trigger."""
+        if self.elastic is not None:
+            self.elastic.started(batch_id)
+        # After a restart the engine continues from what it held after the previous batch
+        # (its state, or its logged input: on disk before Spark committed that batch) and
+        # this batch runs again whole.
+        self._rec.realign(batch_id - 1 if batch_id > 0 else None)
+        return self._trigger()  # this batch's
+
+    def _now(self, batch_df: DataFrame, batch_id: int, trigger, info) -> M.StepResult:
+        """A pipelined kind's batch, stepped at once (its input logged first)."""
+        t0 = time.perf_counter()
+        ran = self._ingest(batch_df, batch_id)
+        self._apply_decision()
+        eng = self._rec.engine
+        eng.call(M.Submit(query=self._qid, batch=batch_id))
+        reply = eng.call(M.Result(query=self._qid, batch=batch_id))
+        self._record({"batch": batch_id, "written_at": time.time(),
+                      "step_s": time.perf_counter() - t0, "rows_out": reply.rows,
+                      **reply.metrics}, reply.rows, [ran])
+        return reply
+
+    def _submit(self, batch_df: DataFrame, batch_id: int, trigger, info=None) -> None:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
@@ -140,16 +172,22 @@ class Pipeline:
             t.join(timeout=60)
         self._inflight_error = None
 
-    def _step(self, batch_df: DataFrame, batch_id: int, trigger) -> None:
-        """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint."""
+    def _step(self, batch_df: DataFrame, batch_id: int, trigger,
+              info: Optional[dict] = None) -> M.StepResult:
+        """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint; the
+        step's reply. Spark's watermarks of the batch (``info``), when given, are the
+        engine's."""
         t0 = time.perf_counter()
         ran = self._ingest(batch_df, batch_id)
         t1 = time.perf_counter()
         self._play_before(trigger)
         self._apply_decision()
         eng = self._rec.engine
+        info = info or {}
+        marks = [info[k] for k in ("late_watermark_ms", "watermark_ms") if k in info]
         reply = eng.call(M.Step(query=self._qid, batch=batch_id,
-                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id)))
+                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id, info),
+                                watermarks=marks if len(marks) == 2 else None))
         t2 = time.perf_counter()
         out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
         t3, written = time.perf_counter(), time.time()
@@ -161,6 +199,7 @@ class Pipeline:
                       "output_s": t3 - t2, "checkpoint_wait_s": time.perf_counter() - t3,
                       "checkpoint": saved.to_dict(), "rows_out": reply.rows, **reply.metrics},
                      reply.rows, [ran, out])
+        return reply
 
     def _record(self, times: dict, rows: int, jobs: list) -> None:
         """Count a finished batch; keep the physical plans of its Spark jobs (``jobs``:

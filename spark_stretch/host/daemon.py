@@ -122,7 +122,8 @@ class HostDaemon:
         return self._query(msg).ingest_files(msg)
 
     def _step(self, msg: M.Step) -> M.StepResult:
-        return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms)
+        return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms,
+                                     msg.watermarks)
 
     def _flush(self, msg: M.Flush) -> M.FlushResult:
         rt = self._query(msg)

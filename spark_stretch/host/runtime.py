@@ -201,11 +201,14 @@ class Runtime(ABC):
 
     # -- micro-batches -------------------------------------------------------------------------
     def step(self, batch: int, batch_ts_ms: Optional[int] = None,
-             stream_max_ms: Optional[list] = None) -> M.StepResult:
+             stream_max_ms: Optional[list] = None,
+             watermarks: Optional[list] = None) -> M.StepResult:
         """Step ``batch``: its pending input, or after a restart its logged one. The last batch
         again (Spark re-running it after a failure) gives the same rows without touching the
         state; an older one is an error. ``stream_max_ms``: every host's largest event times
-        up to the batch before (a query on several hosts)."""
+        up to the batch before (a query on several hosts); ``watermarks``: Spark's own
+        ``[W_{N-1}, W_N]`` for the batch (late events, eviction), taken in place of the
+        engine's."""
         with self.lock:
             self.store.join()  # the previous checkpoint reads the state: let it finish
             table = self.pending.pop(batch, None)
@@ -224,6 +227,8 @@ class Runtime(ABC):
             self._check_usable()
             if stream_max_ms:
                 self.fold_event_times(stream_max_ms)
+            if watermarks:
+                self.watermark_ms, self.next_watermark_ms = (int(w) for w in watermarks)
             t0 = time.perf_counter()
             reply = self._step(batch, table, batch_ts_ms)
             figures = self._step_figures(t0, self._clock.lap())

@@ -314,6 +314,10 @@ class Step(Request):
     # A query on several hosts: each input stream's largest event time (ms) over every host
     # up to the batch before (the engine folds it into its own, so all agree on W_N)
     stream_max_ms: Optional[List[Optional[int]]] = None
+    # Spark's watermarks of the batch (ms), late events' and eviction's (W_{N-1}, W_N), where
+    # Spark's own operator has them (the drop-in inside Spark's plan): used in place of the
+    # engine's own
+    watermarks: Optional[List[int]] = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.catalyst.util.HyperLogLogPlusPlusHelper
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
 import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan, SparkStrategy}
-import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec}
+import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec, StateStoreWriter}
+import org.apache.spark.sql.execution.python.streaming.FlatMapGroupsInPandasWithStateExec
+import org.apache.spark.sql.execution.streaming.runtime.StreamExecution
 import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
 import org.apache.spark.sql.types._
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
@@ -80,10 +82,12 @@ object StretchStrategy extends SparkStrategy {
  * `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`.
  * `sink` is empty, or (from [[StretchDeltaSink]]) the JSON of the Delta table the engine
  * appends the batch's rows to itself (`{"path": ..., "schema": ...}`; the answer then offers
- * nothing). */
+ * nothing). `batch` is what Spark gave the operator for this batch (JSON: `batch_ts_ms`,
+ * `late_watermark_ms`, `watermark_ms`, when its state operator has them). */
 trait StretchBatchHandler {
   def onBatch(id: String, batchId: Long, outputMode: String, stateDir: String, runId: String,
-              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String): String
+              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String,
+              batch: String): String
 }
 
 case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: Seq[Attribute])
@@ -91,28 +95,38 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
   override def left: SparkPlan = native
   override def right: SparkPlan = input
   override def output: Seq[Attribute] = out
-  override def nodeName: String = "StretchAggregate"
+  override def nodeName: String =
+    if (StretchPlans.grouped(aggId)) "StretchGroupsWithState" else "StretchAggregate"
   override protected def withNewChildrenInternal(
       newLeft: SparkPlan, newRight: SparkPlan): StretchExec = copy(native = newLeft, input = newRight)
 
   /** Hand this micro-batch's input to the driver's handler (with `sink` for the engine's own
    * Delta append, or ""): its answer, with the chain's state stores reported committed. */
   def step(sink: String): JsonNode = {
-    val (save, outputMode) = native.collectFirst {
-      case s: StateStoreSaveExec => (s, s.outputMode)
-      case s: SessionWindowStateStoreSaveExec => (s, s.outputMode)
+    val batch = StretchPlans.mapper.createObjectNode()
+    val (save, outputMode) = native.collectFirst[(StateStoreWriter, Option[String])] {
+      case s: StateStoreSaveExec => (s, s.outputMode.map(_.toString))
+      case s: SessionWindowStateStoreSaveExec => (s, s.outputMode.map(_.toString))
+      case s: FlatMapGroupsInPandasWithStateExec =>
+        // (applyInPandasWithState: the batch's time and watermarks, as Spark gives them to it)
+        s.batchTimestampMs.foreach(t => batch.put("batch_ts_ms", t))
+        s.eventTimeWatermarkForLateEvents.foreach(w => batch.put("late_watermark_ms", w))
+        s.eventTimeWatermarkForEviction.foreach(w => batch.put("watermark_ms", w))
+        (s, Some(s.outputMode.toString))
     }.getOrElse(
-      throw new IllegalStateException("stretch: Spark planned no StateStoreSaveExec under " +
-        s"the aggregation: ${native.treeString}"))
+      throw new IllegalStateException("stretch: Spark planned no state operator under " +
+        s"the stretch marker: ${native.treeString}"))
     val info = save.stateInfo.getOrElse(
-      throw new IllegalStateException("stretch: the aggregation has no state info (not run " +
+      throw new IllegalStateException("stretch: the operator has no state info (not run " +
         "by a streaming query?)"))
     val spark = session.asInstanceOf[ClassicSession]
+    Option(sparkContext.getLocalProperty(StreamExecution.QUERY_ID_KEY))
+      .foreach(q => batch.put("query_id", q))
     val rdd = input.execute()
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
-      aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
-      info.checkpointLocation, info.queryRunId.toString, df, input, sink))
+      aggId, info.storeVersion, outputMode.getOrElse("Append"),
+      info.checkpointLocation, info.queryRunId.toString, df, input, sink, batch.toString))
     // The chain's state operator is the query's in Spark's progress: the engine's figures
     // (of the latest batch it finished) as its metrics.
     if (answer.has("state")) StretchState.setChainMetrics(save, answer.get("state"))
@@ -304,6 +318,26 @@ object StretchPlans {
     ClassicDataset.ofRows(df.sparkSession,
       StretchMarker(id, chain, t.input, chain.output ++ t.input.output, t.native.output))
   }
+
+  /** The `applyInPandasWithState` drop-in: `native` (Spark's own
+   * `groupBy(...).applyInPandasWithState(...)` over `input`) with the marker over it, the
+   * drop-in registered as `id`. Spark plans its `FlatMapGroupsInPandasWithStateExec` (state
+   * info, batch time, watermarks, no-data batches, its own checks, as natively) and never runs
+   * it; the exec hands `input`'s rows to the engine and reads the function's rows back. */
+  def markGrouped(native: ClassicDataset[Row], input: ClassicDataset[Row],
+                  id: String): ClassicDataset[Row] = {
+    val n = native.logicalPlan
+    val in = input.logicalPlan
+    val out = n.output
+    val result = out.zipWithIndex.map { case (a, i) => BoundReference(i, a.dataType, a.nullable) }
+    translations.put(id, Translation(n, in, DataTypeUtils.fromAttributes(out), result,
+      mapper.createObjectNode().put("kind", "grouped")))
+    ClassicDataset.ofRows(native.sparkSession, StretchMarker(id, n, in, out ++ in.output, out))
+  }
+
+  /** Whether `id` is the drop-in (else an aggregation). */
+  def grouped(id: String): Boolean =
+    Option(translations.get(id)).exists(t => t.spec.path("kind").asText() == "grouped")
 
   /** Whether a streaming query's plan has a stretch aggregation. */
   def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])
