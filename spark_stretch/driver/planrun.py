@@ -70,9 +70,10 @@ class _Kind:
     """What the recovery, pipeline and sink ask of a query kind (Spark runs the no-data
     batches here: no flush of the engine's own)."""
 
-    def __init__(self, spark: SparkSession, schema=None, pipelined: bool = True,
-                 test_clock: str = ""):
+    def __init__(self, spark: SparkSession, max_parallelism: int, schema=None,
+                 pipelined: bool = True, test_clock: str = ""):
         self.session = spark
+        self.max_parallelism = max_parallelism
         self.schema = schema   # the query's rows (a Spark StructType), for a new Delta table
         self.pipelined = pipelined
         self._clock = test_clock
@@ -129,7 +130,8 @@ class PlanRun:
                                   lambda: self._interval_ms, self.table)
         self._plan = None
         engine = lambda: self.recovery.engine  # noqa: E731
-        kind = _Kind(spark, StructType.fromJson(json.loads(delta["schema"])) if delta else None,
+        kind = _Kind(spark, spec.max_parallelism,
+                     StructType.fromJson(json.loads(delta["schema"])) if delta else None,
                      pipelined, settings.test_clock)
         self._sink = (Sink(kind, "delta", {}, delta["path"], None, qid, app_id, True, engine,
                            self.metrics) if delta is not None else _NoSink())
