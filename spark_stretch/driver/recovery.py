@@ -36,8 +36,9 @@ __all__ = ["Recovery", "checkpointing", "last_committed", "query_ids", "reconfig
 
 
 def last_committed(checkpoint) -> Optional[int]:
-    """The last batch in the query's commit log (``<checkpoint>/commits/<N>``), or None."""
-    commits = Path(checkpoint) / "commits"
+    """The last batch in the query's commit log (``<checkpoint>/commits/<N>``; a local path or
+    a ``file:`` URI, as Spark resolves it), or None."""
+    commits = QueryLayout(str(checkpoint)).root.parent / "commits"
     done = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
     return max(done) if done else None
 

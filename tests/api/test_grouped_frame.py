@@ -120,7 +120,7 @@ def _file_sink(spark, fmt, src, side, out: Path, ckpt: Path):
     at_start = (out / "_spark_metadata").is_dir()
     q.awaitTermination()
     assert q.exception() is None
-    return at_start
+    return q, at_start
 
 
 @pytest.mark.parametrize("fmt", ["parquet", pytest.param("json", marks=pytest.mark.slow),
@@ -138,11 +138,14 @@ def test_file_sinks_keep_sparks_exactly_once_contract(spark, tweets, tmp_path, f
         live.mkdir()
         for f in files:
             publish(f, live)
-        assert _file_sink(spark, fmt, live, side, out, ckpt)  # the sink's log from the start
+        assert _file_sink(spark, fmt, live, side, out, ckpt)[1]  # the sink's log at start
         for f in ("2", ".2.crc"):
             (ckpt / "commits" / f).unlink()
         publish(next(fourth.glob("*.parquet")), live)
-        _file_sink(spark, fmt, live, side, out, ckpt)
+        q, _ = _file_sink(spark, fmt, live, side, out, ckpt)
+        if name == "stretch":  # opened after Spark's last commit, continued after batch 2
+            realigned = q.metrics()["realigned"]
+            assert (realigned["opened_after"], realigned["continued_after"]) == (1, 2)
         logged = sorted(int(p.name) for p in (out / "_spark_metadata").iterdir()
                         if p.name.isdigit())
         assert logged == [0, 1, 2, 3], logged  # (batch 2 once)
