@@ -16,7 +16,7 @@ Examples
 >>> wire["op"], wire["batch"]
 ('step', 3)
 >>> decode_request(wire)
-Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None)
+Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None, watermarks=None)
 >>> decode_request({"v": 1, "op": "step", "query": "q1", "batch": "three"})
 Traceback (most recent call last):
 ...
