@@ -20,6 +20,7 @@ from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import StructType
 
 from ..driver import jvm
+from ..driver.cluster import engine_hosts
 from ..driver.inplan import Marked, handler_for
 from ..driver.policy import as_policy
 from ..protocol.specs import GroupedSpec
@@ -189,6 +190,12 @@ def stretch_apply_in_pandas_with_state(
         outputStructType = spark._parse_ddl(outputStructType)
     if isinstance(stateStructType, str):
         stateStructType = spark._parse_ddl(stateStructType)
+    hosts = engine_hosts(spark)
+    if hosts:
+        raise NotImplementedError(
+            f"executors on hosts {hosts}: the applyInPandasWithState drop-in runs on one host "
+            "so far (local, local-cluster or a one-host cluster); the built-in aggregations of "
+            "stretchAggregate and stretch(df) run on several")
     keys = _grouping_columns(native, df)
     present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
     ts_column, delay = (find_watermark(df) if present else (None, 0))

@@ -8,17 +8,17 @@ Micro-batches of a pipelined kind overlap: ``foreachBatch`` N ingests N, waits f
 (stepped and written meanwhile), has the engine log N's input (after which Spark may commit N)
 and step it in the background, and returns; a finisher thread writes N's output. At most one
 batch is in flight: a flush, ``reconfigure``, ``processAllAvailable``, ``stop`` and the end of an
-``availableNow`` run wait for it. The drop-in (not pipelined) steps, writes and checkpoints each
-batch before ``foreachBatch`` returns.
+``availableNow`` run wait for it. A kind that is not pipelined (the drop-in, inside Spark's
+plan: :mod:`.planrun`) steps, writes and checkpoints each batch before it returns.
 
 An elastic query's policy decides after each batch (:mod:`.elastic`); its decision is applied
 before the next batch's step, with nothing in flight, as :meth:`Pipeline.reconfigure` applies
 the user's.
 
-Spark's no-data batch (a *flush*) is played where a stateful query would run one: after a
-trigger of Spark's query found no data (:func:`.jvm.trigger_state` tells), before the next
-batch's rows, and on every such trigger while the engine says another may have rows
-(processing-time timeouts).
+A ``foreachBatch`` query gets no no-data batch from Spark; the pipeline plays one (a *flush*)
+where a stateful query would run it: after a trigger of Spark's query found no data
+(:func:`.jvm.trigger_state` tells), or before the next batch's rows. A query inside Spark's
+plan gets Spark's own.
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ class Pipeline:
         self._inflight_error: Optional[BaseException] = None
         self._trigger = trigger  # Spark's latest trigger (jvm.trigger_state), or None
         self._batch_trigger: Optional[int] = None  # start (ms) of the last batch's trigger
-        self._played: Optional[int] = None  # start of the idle trigger played last since then
-        self._idle_done = False  # no later no-data batch can have rows before the next batch
+        self._idle_done = False  # the no-data batch since the last batch was played
         rec.in_flight = lambda: self._inflight_batch if self._inflight is not None else None
         rec.discard_in_flight = self._discard
 
@@ -78,7 +77,7 @@ class Pipeline:
             self._rec.last_done = batch_id
             ok = trigger is not None and trigger[0] == batch_id
             self._batch_trigger = trigger[1] if ok else None
-            self._played, self._idle_done = None, False
+            self._idle_done = False
 
     def run_now(self, batch_df: DataFrame, batch_id: int,
                 info: Optional[dict] = None) -> M.StepResult:
@@ -232,8 +231,8 @@ class Pipeline:
 
     # -- Spark's no-data batch -----------------------------------------------------------------
     def flush(self, final: bool = False) -> int:
-        """Spark's no-data batch: emit and write what the next watermark (or the clock) closes;
-        the rows written. ``final``: the flush that ends a one-shot run."""
+        """Spark's no-data batch: emit and write what the next watermark closes; the rows
+        written. ``final``: the flush that ends a one-shot run."""
         with self._step_lock:
             # (no batch ran in this run)
             self._rec.realign(recovery.last_committed(self._rec.layout.checkpoint))
@@ -277,30 +276,26 @@ class Pipeline:
         if batch != last + 1:
             return None
         at = start if idle else before
-        return None if at in (self._batch_trigger, self._played) else at
+        return None if at == self._batch_trigger else at
 
     def _play(self, at: int) -> int:
-        reply = self._flush(False, at)
-        self._played, self._idle_done = at, not reply.again
-        return reply.rows
+        """The no-data batch of the trigger that began at ``at`` (once per gap between
+        batches: a later one would find nothing the watermark has not closed)."""
+        self._idle_done = True
+        return self._flush(False).rows
 
-    def _flush(self, final: bool, at_ms: Optional[int] = None) -> M.FlushResult:
-        """The no-data batch after the last batch, as if run at ``at_ms`` (a trigger's start).
+    def _flush(self, final: bool) -> M.FlushResult:
+        """The no-data batch after the last batch.
 
         Its rows are written under their own Delta app id, so a flush repeated after a restart
         is a no-op in the table like a replayed batch: ``<app>-idle`` with the last batch id as
-        the version, for the first no-data batch with rows after a batch, and ``<app>-timeouts``
-        with the engine's serial for later ones (:meth:`.sink.Sink.emit_flush`).
+        the version (:meth:`.sink.Sink.emit_flush`).
         """
         self._drain()  # the last batch first
         eng = self._rec.engine
-        ts = self._kind.flush_time(self._rec, at_ms)
-        reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=ts))
-        if (reply.metrics or {}).get("instance_retries"):
-            self._metrics.add("instance_retries", reply.metrics["instance_retries"])
+        reply = eng.call(M.Flush(query=self._qid))
         if reply.rows:
-            self._kind.keep_flush_time(self._rec, reply.batch, reply.seq, ts)  # for a replay
-            self._sink.emit_flush(reply.stream, reply.rows, reply.batch, reply.seq, reply.serial)
+            self._sink.emit_flush(reply.stream, reply.rows, reply.batch)
         if reply.rows or reply.changed:
             # Only now is the state after the flush the state of that batch. The run's last
             # flush need not wait for that checkpoint when it wrote rows to a Delta path: the

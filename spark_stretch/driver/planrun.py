@@ -59,7 +59,7 @@ class _NoSink:
     def emit(self, *args, **kwargs):
         return None
 
-    def holds_flush(self, batch: int, seq: int = 0, serial: int = 0) -> bool:
+    def holds_flush(self, batch: int) -> bool:
         return False
 
     def join(self, timeout=None) -> None:
@@ -85,12 +85,6 @@ class _Kind:
             start, _, step = self._clock.partition("+")
             return int(start) + batch_id * int(step or 0)
         return (info or {}).get("batch_ts_ms")
-
-    def flush_time(self, query, at_ms=None):
-        return None
-
-    def kept_flush_time(self, query, batch: int, seq: int):
-        return None
 
 
 class PlanRun:

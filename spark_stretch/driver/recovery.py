@@ -155,12 +155,9 @@ class Recovery:
             if step.rows:
                 self._sink.emit(step.stream, step.rows, b)
         start = opened.checkpoint
-        seq, serial = opened.flush_seq, opened.flush_serial
-        if resume is not None and self._sink.holds_flush(resume, seq, serial):
-            # The last flush reached the table but not the saved state: replay it, unwritten,
-            # at the time it ran.
-            self.engine.call(M.Flush(query=self.qid,
-                                     batch_ts_ms=self._kind.kept_flush_time(self, resume, seq)))
+        if resume is not None and self._sink.holds_flush(resume):
+            # The last flush reached the table but not the saved state: replay it, unwritten.
+            self.engine.call(M.Flush(query=self.qid))
             self.engine.call(M.Flushed(query=self.qid))
         return start
 

@@ -130,7 +130,7 @@ class HostDaemon:
         if msg.stream_max_ms:
             with rt.lock:
                 rt.fold_event_times(msg.stream_max_ms)
-        return rt.flush(msg.batch_ts_ms)
+        return rt.flush()
 
     def _write_delta(self, msg: M.WriteDelta) -> M.DeltaWritten:
         # The output offered on a stream, appended to a Delta table from here.

@@ -94,8 +94,9 @@ class Runtime(ABC):
         """Step ``batch`` (``table``: its input, None if it had no rows), under the lock."""
 
     @abstractmethod
-    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
-        """Spark's no-data batch after the last one."""
+    def flush(self) -> M.FlushResult:
+        """Spark's no-data batch after the last one (a query beside Spark's plan, whose
+        driver plays it)."""
 
     @abstractmethod
     def reconfigure(self, parallelism: Optional[int], owner_map, persist: bool = True
