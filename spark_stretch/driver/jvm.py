@@ -20,7 +20,7 @@ __all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "p
            "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "active_query",
            "splits_for",
            "session_key",
-           "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
+           "column_text", "grouping_columns", "ShimIngest"]
 
 
 def executor_hosts(spark: SparkSession, driver: bool = True) -> Set[str]:
@@ -224,16 +224,6 @@ def grouping_columns(df: DataFrame, operator: str) -> Optional[List[str]]:
             attrs = node.groupingAttributes()
             return [attrs.apply(i).name() for i in range(attrs.size())]
     return None
-
-
-def check_streaming(df: DataFrame, mode: str) -> None:
-    """Spark's own ``UnsupportedOperationChecker`` on ``df``'s plan in output mode ``mode``
-    (raises Spark's ``AnalysisException``)."""
-    jvm = df.sparkSession._jvm
-    modes = jvm.org.apache.spark.sql.streaming.OutputMode
-    jmode = {"append": modes.Append, "update": modes.Update, "complete": modes.Complete}[mode]()
-    jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker.checkForStreaming(
-        df._jdf.queryExecution().analyzed(), jmode)
 
 
 class ShimIngest:

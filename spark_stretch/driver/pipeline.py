@@ -106,7 +106,7 @@ class Pipeline:
     def _now(self, batch_df: DataFrame, batch_id: int, trigger, info) -> M.StepResult:
         """A pipelined kind's batch, stepped at once (its input logged first)."""
         t0 = time.perf_counter()
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id, bool((info or {}).get("empty")))
         self._apply_decision()
         eng = self._rec.engine
         eng.call(M.Submit(query=self._qid, batch=batch_id))
@@ -120,7 +120,7 @@ class Pipeline:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id, bool((info or {}).get("empty")))
         t1 = time.perf_counter()
         self._drain()
         self._play_before(trigger)
@@ -177,7 +177,7 @@ class Pipeline:
         step's reply. Spark's watermarks of the batch (``info``), when given, are the
         engine's."""
         t0 = time.perf_counter()
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id, bool((info or {}).get("empty")))
         t1 = time.perf_counter()
         self._play_before(trigger)
         self._apply_decision()

@@ -22,7 +22,7 @@ import org.apache.spark.sql.catalyst.optimizer.NormalizeNaNAndZero
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.catalyst.util.HyperLogLogPlusPlusHelper
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
-import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan, SparkStrategy}
+import org.apache.spark.sql.execution.{BinaryExecNode, LocalTableScanExec, SparkPlan, SparkStrategy}
 import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec, StateStoreWriter}
 import org.apache.spark.sql.execution.python.streaming.FlatMapGroupsInPandasWithStateExec
 import org.apache.spark.sql.execution.streaming.runtime.StreamExecution
@@ -122,6 +122,12 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     val spark = session.asInstanceOf[ClassicSession]
     Option(sparkContext.getLocalProperty(StreamExecution.QUERY_ID_KEY))
       .foreach(q => batch.put("query_id", q))
+    // Spark's no-data batch: its sources are empty relations (nothing to hand over)
+    val leaves = input.collectLeaves()
+    if (leaves.nonEmpty && leaves.forall {
+      case l: LocalTableScanExec => l.rows.isEmpty
+      case _ => false
+    }) batch.put("empty", true)
     val rdd = input.execute()
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
