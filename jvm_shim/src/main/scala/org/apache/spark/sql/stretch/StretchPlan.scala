@@ -52,6 +52,11 @@ import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
  * windows' expansion of the real chain cost 25-35 ms a batch). Over session windows it is
  * Spark's own chain, so that Spark's checks of session windows run as natively (update mode,
  * which Spark refuses for them, is refused when the query starts, with Spark's own error).
+ *
+ * The `applyInPandasWithState` drop-in ([[StretchPlans.markGrouped]]) is the same marker over
+ * Spark's own `FlatMapGroupsInPandasWithState` and its input: the batch's time and watermarks
+ * are those Spark gives that operator, the engine runs the user's function on the input's rows,
+ * and the exec reads the function's rows back as they are.
  */
 case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
                          keep: Seq[Attribute], out: Seq[Attribute]) extends BinaryNode {
