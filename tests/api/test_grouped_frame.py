@@ -156,3 +156,24 @@ def test_file_sinks_keep_sparks_exactly_once_contract(spark, tweets, tmp_path, f
     users = [set(pd.read_parquet(f, columns=["user"])["user"]) for f in files[2:3] + [
         next(fourth.glob("*.parquet"))]]
     assert users[0] & users[1]
+
+
+def test_a_stateful_operator_before_it_equals_native_in_foreach_batch(spark, tweets, tmp_path):
+    # A deduplication before the drop-in: the marker's input runs it, the chain's copy of it
+    # never runs (its stores reported committed, as Spark's commit check of foreachBatch needs).
+    got = {}
+
+    def collect(name):
+        def each(batch_df, batch_id):
+            got.setdefault(name, {})[batch_id] = sorted(batch_df.collect())
+        return each
+
+    for name, side in SIDES:
+        deduped = source(spark, tweets).dropDuplicates(["user", "len"]).groupBy("user")
+        q = (side(deduped, running_count, COUNT_OUT, COUNT_STATE, "Update",
+                  GroupStateTimeout.NoTimeout).writeStream.outputMode("update")
+             .foreachBatch(collect(name)).option("checkpointLocation", str(tmp_path / name))
+             .trigger(availableNow=True).start())
+        q.awaitTermination()
+        assert q.exception() is None
+    assert got["stretch"] == got["native"] and len(got["native"]) >= 3

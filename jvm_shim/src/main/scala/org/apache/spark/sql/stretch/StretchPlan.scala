@@ -141,13 +141,20 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     // The chain's state operator is the query's in Spark's progress: the engine's figures
     // (of the latest batch it finished) as its metrics.
     if (answer.has("state")) StretchState.setChainMetrics(save, answer.get("state"))
-    // Spark's state stores of the chain never run: for the commit check a foreachBatch sink
-    // gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
+    // Spark's state stores of the chain never run (the operator's, and those of a stateful
+    // operator of the input, which the chain has a copy of): for the commit check a
+    // foreachBatch sink gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed,
+    // empty.
     val coordinator = spark.streams.stateStoreCoordinator
-    for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
-      coordinator.reportStateStoreCommit(StateStoreProviderId(
-        StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
-        info.storeVersion + 1, name)
+    native.foreach {
+      case w: StateStoreWriter => w.stateInfo.foreach { i =>
+        for (p <- 0 until i.numPartitions; name <- w.stateStoreNames) {
+          coordinator.reportStateStoreCommit(StateStoreProviderId(
+            StateStoreId(i.checkpointLocation, i.operatorId, p, name), i.queryRunId),
+            i.storeVersion + 1, name)
+        }
+      }
+      case _ =>
     }
     answer
   }
