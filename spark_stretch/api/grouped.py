@@ -9,9 +9,8 @@ a shuffle or a state copy (``query.reconfigure(parallelism=k)``).
 from __future__ import annotations
 
 import base64
-import json
 import re
-import time
+import uuid
 from dataclasses import replace
 from typing import List, Optional, Union
 
@@ -21,11 +20,12 @@ from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import StructType
 
 from ..driver import jvm
+from ..driver.cluster import engine_hosts
+from ..driver.inplan import Marked, handler_for
 from ..driver.policy import as_policy
-from ..protocol.layout import FLUSH_FORMAT, check_format, write_json
 from ..protocol.specs import GroupedSpec
+from .frame import StretchFrame
 from .specs import find_watermark
-from .writer import StretchResult
 
 __all__ = ["StretchGroupedAggregation", "stretch_apply_in_pandas_with_state", "GroupState",
            "GroupStateTimeout", "task_attempts"]
@@ -190,6 +190,12 @@ def stretch_apply_in_pandas_with_state(
         outputStructType = spark._parse_ddl(outputStructType)
     if isinstance(stateStructType, str):
         stateStructType = spark._parse_ddl(stateStructType)
+    hosts = engine_hosts(spark)
+    if hosts:
+        raise NotImplementedError(
+            f"executors on hosts {hosts}: the applyInPandasWithState drop-in runs on one host "
+            "so far (local, local-cluster or a one-host cluster); the built-in aggregations of "
+            "stretchAggregate and stretch(df) run on several")
     keys = _grouping_columns(native, df)
     present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
     ts_column, delay = (find_watermark(df) if present else (None, 0))
@@ -207,93 +213,38 @@ def stretch_apply_in_pandas_with_state(
         ts_column=ts_column, delay_ms=int(delay), watermark_present=present,
         runner_conf=_runner_conf(spark), parallelism=m, max_parallelism=n, buckets=buckets,
         func=base64.b64encode(cloudpickle.dumps(func)).decode())
-    kind = StretchGroupedAggregation(df, spec, native, outputStructType)
-    kind.elastic = as_policy(elastic, n)
-    return kind
+    agg_id = uuid.uuid4().hex
+    handler_for(spark).add(agg_id, Marked(spec, as_policy(elastic, n), _settle(spark)))
+    out = jvm.ShimPlans(spark).mark_grouped(native, df, agg_id, StretchGroupedAggregation)
+    out._stretch_native = native
+    return out._stretch_init(spec, agg_id, ("append", "update"))
 
 
-class StretchGroupedAggregation(StretchResult):
-    """The result of ``groupBy(...).stretchAggregate(func, ...)``: write it with ``.writeStream``."""
-
-    operator_name = "stretchGroupsWithState"
-
-    pipelined = False  # the engine steps, writes and checkpoints each batch before Spark commits
-
-    def __init__(self, df: DataFrame, spec: GroupedSpec, native: DataFrame, schema: StructType):
-        super().__init__(df)
-        self.spec = spec
-        self._native = native
-        self._schema = schema
-
-    @property
-    def schema(self) -> StructType:
-        """The output schema (``outputStructType``)."""
-        return self._schema
-
-    def native(self) -> DataFrame:
-        """The native ``applyInPandasWithState`` DataFrame over the same input (for comparison)."""
-        return self._native
-
-    def engine_spec(self) -> GroupedSpec:
-        return self.spec
-
-    def with_settings(self, spec: GroupedSpec, settings) -> GroupedSpec:
-        """An instance that dies is retried ``spark.stretch.instanceMaxFailures`` times; a
-        function that raises as many times as Spark runs a failing task on this master."""
-        sc = self.session.sparkContext
+def _settle(spark):
+    """The spec a run opens with: an instance that dies is retried
+    ``spark.stretch.instanceMaxFailures`` times, a function that raises as many times as Spark
+    runs a failing task on this master."""
+    def settle(spec: GroupedSpec, settings) -> GroupedSpec:
+        sc = spark.sparkContext
         return replace(spec, instance_max_failures=settings.instance_max_failures,
                        function_attempts=task_attempts(
                            sc.master, sc.getConf().get("spark.task.maxFailures", "4")))
+    return settle
 
-    def input_df(self) -> DataFrame:
-        return self._df.select(*self.spec.columns)
 
-    def output_mode(self, mode: str) -> str:
-        if mode.lower() not in ("append", "update", "complete"):
-            raise ValueError(f"Unknown output mode {mode}. Accepted output modes are 'append', "
-                             "'complete', 'update'")
-        return mode.lower()
+class StretchGroupedAggregation(StretchFrame):
+    """The result of ``groupBy(...).stretchAggregate(func, ...)``: a streaming DataFrame with
+    the rows of ``applyInPandasWithState`` (``isStreaming`` is True; select, filter, join and
+    write it with any sink), whose function runs on the host engine."""
 
-    def check_start(self, mode: str) -> None:
-        """Spark's own check of the native plan with the query's output mode (same errors:
-        output mode mismatch, event-time timeout without a watermark, ...)."""
-        jvm.check_streaming(self._native, mode)
+    def native(self) -> DataFrame:
+        """The native ``applyInPandasWithState`` DataFrame over the same input (for comparison)."""
+        return self._stretch_native
 
-    def batch_time(self, query, batch_id: int) -> int:
-        """Batch ``batch_id``'s processing time: Spark's (offset log) or the test clock."""
-        test = _test_time(query, batch_id)
-        if test is not None:
-            return test
-        try:  # offsets/<N>: "v1", then {"batchWatermarkMs":..,"batchTimestampMs":..,...}
-            offsets = query.layout.root.parent / "offsets" / str(batch_id)
-            return int(json.loads(offsets.read_text().splitlines()[1])["batchTimestampMs"])
-        except (OSError, IndexError, KeyError, ValueError):
-            return int(time.time() * 1000)
-
-    def flush_time(self, query, at_ms: Optional[int] = None) -> int:
-        """A no-data batch's timestamp: the start of the trigger it stands for (as Spark's
-        would be), now, or the test clock's for the batch after the last one."""
-        last = query.last_done
-        test = _test_time(query, (last if last is not None else -1) + 1)
-        if test is not None:
-            return test
-        return int(at_ms) if at_ms is not None else int(time.time() * 1000)
-
-    def keep_flush_time(self, query, batch: int, seq: int, ts_ms: Optional[int]) -> None:
-        """Kept in the checkpoint (``flush.json``) before the rows reach the sink, so that a
-        restart that must run this no-data batch again runs it at the same time."""
-        write_json(query.layout.flush_file,
-                   {"format": FLUSH_FORMAT, "batch": batch, "seq": seq, "batch_ts_ms": ts_ms})
-
-    def kept_flush_time(self, query, batch: int, seq: int) -> Optional[int]:
-        f = query.layout.flush_file
-        if not f.exists():
-            return None
-        saved = json.loads(f.read_text())
-        check_format(saved.get("format"), FLUSH_FORMAT, f"the stretch flush file {f}")
-        if saved.get("batch") != batch or saved.get("seq", 0) != seq:
-            return None
-        return saved["batch_ts_ms"]
+    @property
+    def spec(self) -> GroupedSpec:
+        """The engine's spec of the drop-in."""
+        return self._stretch_spec
 
 
 def task_attempts(master: str, max_failures="4") -> int:
@@ -314,13 +265,3 @@ def task_attempts(master: str, max_failures="4") -> int:
     if m:
         return int(m.group(2))
     return int(max_failures)
-
-
-def _test_time(query, batch_id: int) -> Optional[int]:
-    """``spark.stretch.testClockMs=<start>[+<step>]``: batch ``batch_id``'s time is
-    ``start + batch_id * step`` (tests); None without it."""
-    test = query.settings.test_clock
-    if not test:
-        return None
-    start, _, step = test.partition("+")
-    return int(start) + batch_id * int(step or 0)

@@ -17,12 +17,10 @@ from pyspark.sql import DataFrame, GroupedData, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from ..driver import jvm
-from ..driver.elastic import per_batch_frame
-from ..driver.inplan import FallbackWarning, aggregations_of, fall_back, handler_for, \
-    run_of
+from ..driver.inplan import FallbackWarning, Marked, aggregations_of, fall_back, handler_for
 from ..driver.policy import as_policy
 from ..protocol.specs import AggregateSpec
-from .frame import StretchFrame
+from .frame import StretchControl, StretchFrame
 from .specs import check_sizes, parse_interval_us
 
 __all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "stretch_agg"]
@@ -113,8 +111,9 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     if reason is not None:
         fall_back(spark, reason, stacklevel=2)
         return df
-    handler_for(spark).add(agg_id, spec, policy, bool(got["spec"].get("regroup")))
-    return plans.mark(df, agg_id, StretchFrame)._stretch_init(spec, agg_id)
+    handler_for(spark).add(agg_id, Marked(spec, policy), bool(got["spec"].get("regroup")))
+    return plans.mark(df, agg_id, StretchFrame)._stretch_init(
+        spec, agg_id, ("append",) if spec.finish is not None else ())
 
 
 def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int):
@@ -151,62 +150,6 @@ def stretch_agg(self: GroupedData, *exprs, **kwargs) -> DataFrame:
     ...           .groupBy(F.window("ts", "1 minute"), "country").stretchAgg(F.count("*")))
     """
     return stretch(self.agg(*exprs), **kwargs)
-
-
-class StretchControl:
-    """The stretch side of a running ``StreamingQuery``: rescale it, read its figures.
-
-    A query with several stretch aggregations (a union of two, one over another's windows) runs
-    each as its own engine query: :attr:`aggregations` has a handle for each, in the plan's
-    order (the outer of two chained first); on the query's handle ``reconfigure`` changes every
-    one of them, and ``metrics`` has each one's figures under ``"aggregations"``.
-    """
-
-    def __init__(self, query: StreamingQuery, agg_ids: List[str]):
-        self._query = query
-        self._ids = agg_ids
-
-    @property
-    def aggregations(self) -> List["StretchControl"]:
-        """A handle for each stretch aggregation of the query, in the plan's order."""
-        return [StretchControl(self._query, [a]) for a in self._ids]
-
-    def _runs(self) -> list:
-        runs = [run_of(str(self._query.runId), a, wait=60.0) for a in self._ids]
-        if any(r is None for r in runs):
-            raise RuntimeError("the query has run no micro-batch on the engine yet")
-        return runs
-
-    def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
-                    key_groups=None, host: Optional[str] = None) -> dict:
-        """Change the parallelism and/or owner map between two micro-batches (no state moves;
-        on several hosts, of ``host``'s instances or every host's), or, for a query on several
-        hosts, how many key groups each host owns (``key_groups``: ``{host: count}``; the
-        state of the moved groups moves), as :meth:`spark_stretch.StretchQuery.reconfigure`;
-        of every stretch aggregation of the query (``{"parallelism": ..., "aggregations":
-        [each one's record]}`` for several)."""
-        recs = [r.reconfigure(parallelism, owner_map, key_groups, host) for r in self._runs()]
-        if len(recs) == 1:
-            return recs[0]
-        return {"parallelism": parallelism, "aggregations": recs}
-
-    def metrics(self) -> dict:
-        """The engine's figures for this run (batches, rows, reconfigurations, per-batch
-        figures, ...), as :meth:`spark_stretch.StretchQuery.metrics` (for several stretch
-        aggregations: ``{"aggregations": [each one's figures]}``)."""
-        figures = [r.figures() for r in self._runs()]
-        return figures[0] if len(figures) == 1 else {"aggregations": figures}
-
-    def metrics_frame(self):
-        """``metrics()["per_batch"]`` as a pandas DataFrame, one row per batch (for several
-        stretch aggregations, one per batch and aggregation, its index in ``aggregation``)."""
-        import pandas as pd
-
-        frames = [per_batch_frame(r.figures()) for r in self._runs()]
-        if len(frames) == 1:
-            return frames[0]
-        return pd.concat([f.assign(aggregation=i) for i, f in enumerate(frames)],
-                         ignore_index=True)
 
 
 def control(query: StreamingQuery) -> Optional[StretchControl]:

@@ -42,7 +42,6 @@ class StretchStreamWriter:
         self._kind = kind
         self._format = "delta"
         self._options: Dict[str, str] = {}
-        self._mode = "append"
         self._trigger: Optional[dict] = None
         self._name: Optional[str] = None
 
@@ -60,7 +59,7 @@ class StretchStreamWriter:
         return self
 
     def outputMode(self, outputMode: str) -> "StretchStreamWriter":
-        self._mode = self._kind.output_mode(outputMode)
+        self._kind.output_mode(outputMode)  # (checked: a ValueError if not supported)
         return self
 
     def trigger(self, **kwargs) -> "StretchStreamWriter":
@@ -84,6 +83,5 @@ class StretchStreamWriter:
                                               table=None)
 
     def _start(self, path: Optional[str], table: Optional[str]) -> StretchQuery:
-        return StretchQuery(QueryRun.start(self._kind, self._format, self._mode,
-                                           dict(self._options), path, table, self._trigger,
-                                           self._name))
+        return StretchQuery(QueryRun.start(self._kind, self._format, dict(self._options), path,
+                                           table, self._trigger, self._name))

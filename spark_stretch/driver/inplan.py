@@ -1,19 +1,21 @@
-"""A stretch aggregation inside Spark's plan: the driver's side of the shim's ``StretchExec``.
+"""A stretch operator inside Spark's plan: the driver's side of the shim's ``StretchExec``.
 
-``spark_stretch.stretch(df)`` marks a native aggregation in Spark's plan (the shim's
+``spark_stretch.stretch(df)`` marks a native aggregation in Spark's plan, and the
+``applyInPandasWithState`` drop-in marks Spark's own ``applyInPandasWithState`` (the shim's
 ``StretchPlans``); Spark then runs the query as usual, with its own sink, trigger, checkpoint,
 watermark and no-data batches. In each micro-batch the shim's ``StretchExec`` calls
-:class:`BatchHandler` (a py4j callback, as ``foreachBatch`` is) with the batch's input: it is
-ingested on the host engine (:mod:`.ingest`: files, columnar or rows), the engine steps it and
-offers its output, and the answer tells the exec where to read it. The engine's state follows
-Spark's commit log exactly as for ``stretchAggregate`` (:mod:`.recovery`: checkpoints and the
-input log under ``<checkpointLocation>/stretch/``); the output goes through Spark's sink, so
-its exactly-once guarantee is the sink's own.
+:class:`BatchHandler` (a py4j callback, as ``foreachBatch`` is) with the batch's input, which
+the run of its query (:class:`~.planrun.PlanRun`) ingests on the host engine (:mod:`.ingest`:
+files, columnar or rows); the engine steps it and offers its output, and the answer tells the
+exec where to read it. The engine's state follows Spark's commit log as for
+``stretchAggregate`` (:mod:`.recovery`: checkpoints and the input log under
+``<checkpointLocation>/stretch/``); the output goes through Spark's sink, so its exactly-once
+guarantee is the sink's own.
 
 A query may have several stretch aggregations (a union of two, one over another's windows):
-each is its own engine query, a :class:`PlanRun` per (Spark run id, aggregation id), with its
-files under ``<checkpointLocation>/stretch/operators/<Spark state operator id>/`` (a query with
-one keeps them in ``stretch/`` itself), and Spark's own watermark for each batch.
+each is its own engine query, a :class:`~.planrun.PlanRun` per (Spark run id, aggregation id),
+with its files under ``<checkpointLocation>/stretch/operators/<Spark state operator id>/`` (a
+query with one keeps them in ``stretch/`` itself), and Spark's own watermark for each batch.
 """
 
 from __future__ import annotations
@@ -23,21 +25,20 @@ import json
 import threading
 import time
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.listener import StreamingQueryListener
 
-from ..protocol.specs import AggregateSpec
+from ..protocol.layout import QueryLayout
 from . import jvm
-from .planrun import PlanRun
+from .planrun import Marked, PlanRun
 from .policy import Policy
 from .settings import read_settings
 
-__all__ = ["DISTINCT_UPDATE", "FallbackWarning", "BatchHandler", "PlanRun", "fall_back",
-           "handler_for", "open_at_start", "run_of", "aggregations_of"]
+__all__ = ["DISTINCT_UPDATE", "FallbackWarning", "BatchHandler", "Marked", "PlanRun",
+           "fall_back", "handler_for", "open_at_start", "run_of", "aggregations_of"]
 
 
 #: Why an aggregation with a distinct aggregate does not run in update mode on the engine.
@@ -82,12 +83,11 @@ def handler_for(spark: SparkSession) -> "BatchHandler":
 
 def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
                   delta: Optional[dict] = None) -> None:
-    """Open the engine's query of the stretch aggregation ``agg_id`` as Spark's ``query``
+    """Open the engine's query of the stretch operator ``agg_id`` as Spark's ``query``
     (written with output mode ``mode``; to the Delta table ``delta``, ``{"path", "schema"}``,
     by the engine itself) starts, beside Spark's planning of its first micro-batch, which would
     open it otherwise."""
-    handler = handler_for(spark)
-    spec = handler.spec(agg_id)
+    marked = handler_for(spark).marked(agg_id)
     key = (str(query.runId), agg_id)
     plans = jvm.ShimPlans(spark)
     if len(plans.marker_ids(query)) != 1:  # (each one's files by its Spark operator id, which
@@ -96,11 +96,24 @@ def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
     with _LOCK:
         if key in _RUNS:  # (its first batch came first)
             return
-        run = _RUNS[key] = PlanRun(spark, agg_id, replace(spec, output_mode=mode),
-                                   jvm.checkpoint_root(query), schema, delta,
-                                   handler.policy(agg_id))
+        run = _RUNS[key] = _new_run(spark, agg_id, marked, mode, jvm.checkpoint_root(query),
+                                    schema, delta, query)
     if not query.isActive:  # ended before the run was known: nothing else releases it
         run.release()
+
+
+def _new_run(spark, agg_id, marked, mode, checkpoint: str, schema, delta, query=None,
+             operator: Optional[int] = None) -> PlanRun:
+    """A new run of the operator at ``checkpoint`` (its files by ``operator``'s, when given:
+    under ``_LOCK``). Spark runs one run of a query at a time, so an earlier run of it has
+    ended: it is released first if Spark's end of it has not been heard of yet (a query
+    restarted at once after it failed), for the new run to open the query on the engine
+    afresh."""
+    root = QueryLayout(checkpoint, operator).root
+    for old in list(_RUNS.values()):
+        if old.layout.root == root:
+            old.release()
+    return PlanRun(spark, agg_id, marked, mode, checkpoint, schema, delta, query, operator)
 
 
 def _quietly(fn) -> None:
@@ -147,18 +160,15 @@ class _Ends(StreamingQueryListener):
 
 
 class BatchHandler:
-    """The shim's ``StretchBatchHandler``: one per session, for every stretch aggregation in it."""
+    """The shim's ``StretchBatchHandler``: one per session, for every stretch operator in it."""
 
     def __init__(self, spark: SparkSession):
         self._spark = spark
-        self._specs: Dict[str, AggregateSpec] = {}
-        self._policies: Dict[str, Optional[Policy]] = {}
+        self._marked: Dict[str, Marked] = {}
         self._regrouped = set()  # (with a distinct aggregate: no update mode)
 
-    def add(self, agg_id: str, spec: AggregateSpec, policy: Optional[Policy] = None,
-            regroup: bool = False) -> None:
-        self._specs[agg_id] = spec
-        self._policies[agg_id] = policy
+    def add(self, agg_id: str, marked: Marked, regroup: bool = False) -> None:
+        self._marked[agg_id] = marked
         if regroup:
             self._regrouped.add(agg_id)
         jvm.ShimPlans(self._spark).register(agg_id, self)
@@ -170,21 +180,21 @@ class BatchHandler:
             raise ValueError(f"stretch: {DISTINCT_UPDATE}; Spark refuses distinct aggregates "
                              "on streams in every output mode")
 
-    def spec(self, agg_id: str) -> AggregateSpec:
-        return self._specs[agg_id]
+    def marked(self, agg_id: str) -> Marked:
+        return self._marked[agg_id]
 
     def policy(self, agg_id: str) -> Optional[Policy]:
-        """The aggregation's elastic policy (``stretch(df, elastic=)``), or None."""
-        return self._policies.get(agg_id)
+        """The operator's elastic policy (``stretch(df, elastic=)``), or None."""
+        return self._marked[agg_id].policy
 
     def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
-                sink, operator_id, watermark_ms) -> str:
+                sink, batch) -> str:
         """Micro-batch ``batch_id`` of run ``run_id``: the answer the exec reads (JSON).
         ``sink``: "" (the exec reads the output), or the Delta table the engine appends to;
-        ``operator_id``: the Spark state operator of the aggregation's chain (its files' place
-        when the query has several), ``watermark_ms``: Spark's watermark for the batch (-1:
-        none)."""
+        ``batch``: what Spark gave the batch's state operator (JSON: its ``operator_id``, the
+        place of the operator's files when the query has several; its watermarks)."""
         key = (run_id, agg_id)
+        info = json.loads(batch) if batch else {}
         with _LOCK:
             run = _RUNS.get(key)
         if run is None:
@@ -193,17 +203,15 @@ class BatchHandler:
             with _LOCK:
                 run = _RUNS.get(key)
                 if run is None:
-                    spec = replace(self._specs[agg_id], output_mode=mode.lower())
-                    run = _RUNS[key] = PlanRun(
-                        self._spark, agg_id, spec, str(Path(state_dir).parent),
-                        jvm.dataframe(jdf, self._spark).schema,
-                        json.loads(sink) if sink else None, self.policy(agg_id),
-                        int(operator_id) if several else None)
-        wm = int(watermark_ms)
-        return json.dumps(run.batch(int(batch_id), jdf, jplan, wm if wm >= 0 else None))
+                    run = _RUNS[key] = _new_run(
+                        self._spark, agg_id, self._marked[agg_id], mode,
+                        str(Path(state_dir).parent), jvm.dataframe(jdf, self._spark).schema,
+                        json.loads(sink) if sink else None, None,
+                        int(info["operator_id"]) if several else None)
+        return json.dumps(run.batch(int(batch_id), jdf, jplan, info))
 
     def _aggregations(self, run_id: str) -> List[str]:
-        """The stretch aggregations of the active query run ``run_id``."""
+        """The stretch operators of the active query run ``run_id``."""
         for q in self._spark.streams.active:
             if str(q.runId) == run_id:
                 return aggregations_of(self._spark, q)

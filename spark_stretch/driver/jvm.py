@@ -17,9 +17,10 @@ from pyspark.sql.types import StructType
 __all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "plan_string",
            "foreach_batch_with_metrics", "forget_batch_function", "processing_interval_ms",
            "register_aggregation_figures",
-           "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "splits_for",
+           "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "active_query",
+           "splits_for",
            "session_key",
-           "column_text", "grouping_columns", "check_streaming", "ShimIngest"]
+           "column_text", "grouping_columns", "ShimIngest"]
 
 
 def executor_hosts(spark: SparkSession, driver: bool = True) -> Set[str]:
@@ -225,16 +226,6 @@ def grouping_columns(df: DataFrame, operator: str) -> Optional[List[str]]:
     return None
 
 
-def check_streaming(df: DataFrame, mode: str) -> None:
-    """Spark's own ``UnsupportedOperationChecker`` on ``df``'s plan in output mode ``mode``
-    (raises Spark's ``AnalysisException``)."""
-    jvm = df.sparkSession._jvm
-    modes = jvm.org.apache.spark.sql.streaming.OutputMode
-    jmode = {"append": modes.Append, "update": modes.Update, "complete": modes.Complete}[mode]()
-    jvm.org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker.checkForStreaming(
-        df._jdf.queryExecution().analyzed(), jmode)
-
-
 class ShimIngest:
     """The shim's ``org.apache.spark.sql.stretch.StretchIngest`` (jvm_shim/), one method each.
 
@@ -302,6 +293,12 @@ class ShimPlans:
         """``df`` with the stretch marker over its aggregation (a ``cls``, a DataFrame class)."""
         return cls(self._j.mark(df._jdf, agg_id), df.sparkSession)
 
+    def mark_grouped(self, native: DataFrame, df: DataFrame, agg_id: str,
+                     cls=DataFrame) -> DataFrame:
+        """``native`` (``df.groupBy(...).applyInPandasWithState(...)``) with the stretch marker
+        over it, its input ``df`` the engine's (a ``cls``, a DataFrame class)."""
+        return cls(self._j.markGrouped(native._jdf, df._jdf, agg_id), df.sparkSession)
+
     def register(self, agg_id: str, handler) -> None:
         """The py4j callback (``StretchBatchHandler``) that runs ``agg_id``'s micro-batches."""
         from pyspark.java_gateway import ensure_callback_server_started
@@ -327,6 +324,11 @@ class ShimPlans:
     def marker_ids(self, query) -> List[str]:
         """The stretch aggregations of a running ``StreamingQuery``'s plan, in its order."""
         return list(self._j.markerIds(query._jsq.streamingQuery().logicalPlan()))
+
+
+def active_query(spark: SparkSession, query_id: str):
+    """The active ``StreamingQuery`` of id ``query_id``, or None."""
+    return spark.streams.get(query_id)
 
 
 def requery(query, cls):

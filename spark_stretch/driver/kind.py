@@ -1,8 +1,9 @@
 """What a query kind tells the driver's machinery: the contract between the API and the driver.
 
-A *query kind* is what the user's call returns (:mod:`spark_stretch.api`: built-in
-aggregations, an engine operator, the ``applyInPandasWithState`` drop-in); the driver runs any
-of them the same way (:mod:`.run`), asking only what is declared here.
+A *query kind* is what ``stretchAggregate`` returns (:mod:`spark_stretch.api`: built-in
+aggregations, an engine operator); the driver runs any of them the same way (:mod:`.run`),
+asking only what is declared here. (The ``applyInPandasWithState`` drop-in and ``stretch(df)``
+are DataFrames whose operator is inside Spark's plan: :mod:`.inplan`.)
 """
 
 from __future__ import annotations
@@ -51,11 +52,6 @@ class QueryKind(ABC):
     def engine_spec(self) -> QuerySpec:
         """The spec the host engine opens (the driver adds checkpointing and resume point)."""
 
-    def with_settings(self, spec: QuerySpec, settings) -> QuerySpec:
-        """``spec`` with what the session's settings (a :class:`~.settings.QuerySettings`,
-        read when the query starts) add for this kind."""
-        return spec
-
     @abstractmethod
     def input_df(self) -> DataFrame:
         """The streaming DataFrame whose micro-batches go to the engine."""
@@ -66,25 +62,3 @@ class QueryKind(ABC):
             raise ValueError(f"outputMode '{mode}' is not supported by stretchAggregate: a "
                              "window is emitted once, when the watermark passes its end ('append')")
         return "append"
-
-    def check_start(self, mode: str) -> None:
-        """Checks at ``start()`` (the output mode against the plan, ...)."""
-
-    def batch_time(self, query, batch_id: int) -> Optional[int]:
-        """Batch ``batch_id``'s processing time (ms) for the engine, or None (it needs none).
-        ``query``: the query's :class:`~.recovery.Recovery` (its ``layout``, ``settings`` and
-        ``last_done``)."""
-        return None
-
-    def flush_time(self, query, at_ms: Optional[int] = None) -> Optional[int]:
-        """The processing time (ms) of a no-data batch after the last batch, run at ``at_ms``
-        (the start of the trigger it stands for; None: now), or None (it needs none)."""
-        return None
-
-    def keep_flush_time(self, query, batch: int, seq: int, ts_ms: Optional[int]) -> None:
-        """Keep the time of the no-data batch ``seq`` after ``batch`` before its rows reach
-        the sink (a restart may have to run it again: :meth:`kept_flush_time`)."""
-
-    def kept_flush_time(self, query, batch: int, seq: int) -> Optional[int]:
-        """The time kept for the no-data batch ``seq`` after ``batch``, or None."""
-        return None

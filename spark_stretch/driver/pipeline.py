@@ -8,8 +8,8 @@ Micro-batches of a pipelined kind overlap: ``foreachBatch`` N ingests N, waits f
 (stepped and written meanwhile), has the engine log N's input (after which Spark may commit N)
 and step it in the background, and returns; a finisher thread writes N's output. At most one
 batch is in flight: a flush, ``reconfigure``, ``processAllAvailable``, ``stop`` and the end of an
-``availableNow`` run wait for it. The drop-in (not pipelined) steps, writes and checkpoints each
-batch before ``foreachBatch`` returns.
+``availableNow`` run wait for it. A kind that is not pipelined (the drop-in, inside Spark's
+plan: :mod:`.planrun`) steps, writes and checkpoints each batch before it returns.
 
 An elastic query's policy decides after each batch (:mod:`.elastic`); its decision is applied
 before the next batch's step, with nothing in flight, as :meth:`Pipeline.reconfigure` applies
@@ -17,10 +17,10 @@ the user's. A decision moving key groups between hosts is applied before the nex
 input reaches the hosts (which keep, and route to, the keys of their groups): that batch waits
 for the one in flight before its ingest, not after.
 
-Spark's no-data batch (a *flush*) is played where a stateful query would run one: after a
-trigger of Spark's query found no data (:func:`.jvm.trigger_state` tells), before the next
-batch's rows, and on every such trigger while the engine says another may have rows
-(processing-time timeouts).
+A ``foreachBatch`` query gets no no-data batch from Spark; the pipeline plays one (a *flush*)
+where a stateful query would run it: after a trigger of Spark's query found no data
+(:func:`.jvm.trigger_state` tells), or before the next batch's rows. A query inside Spark's
+plan gets Spark's own.
 """
 
 from __future__ import annotations
@@ -63,47 +63,77 @@ class Pipeline:
         self._inflight_error: Optional[BaseException] = None
         self._trigger = trigger  # Spark's latest trigger (jvm.trigger_state), or None
         self._batch_trigger: Optional[int] = None  # start (ms) of the last batch's trigger
-        self._played: Optional[int] = None  # start of the idle trigger played last since then
-        self._idle_done = False  # no later no-data batch can have rows before the next batch
+        self._idle_done = False  # the no-data batch since the last batch was played
         rec.in_flight = lambda: self._inflight_batch if self._inflight is not None else None
         rec.discard_in_flight = self._discard
 
     # -- one micro-batch (Spark's foreachBatch) -------------------------------------------------
-    def run_batch(self, batch_df: DataFrame, batch_id: int,
-                  watermark_ms: Optional[int] = None) -> None:
-        """The ``foreachBatch`` function (``watermark_ms``: Spark's own for the batch, which
-        the engine takes in place of its own; ``stretch(df)``)."""
+    def run_batch(self, batch_df: DataFrame, batch_id: int, info: Optional[dict] = None) -> None:
+        """The ``foreachBatch`` function (``info``: what Spark gave the batch's state operator,
+        inside Spark's plan: ``batch_ts_ms``, ``late_watermark_ms``, ``watermark_ms``)."""
         with self._step_lock:
-            if self.elastic is not None:
-                self.elastic.started(batch_id)
-            # After a restart the engine continues from what it held after the previous batch
-            # (its state, or its logged input: on disk before Spark committed that batch) and
-            # this batch runs again whole.
-            self._rec.realign(batch_id - 1 if batch_id > 0 else None)
-            trigger = self._trigger()  # this batch's
+            trigger = self._started(batch_id)
             fn = self._submit if self.pipelined else self._step
             self._rec.with_engine(f"batch {batch_id}",
-                                  lambda: fn(batch_df, batch_id, trigger, watermark_ms),
-                                  opened=False)
+                                  lambda: fn(batch_df, batch_id, trigger, info), opened=False)
             self._rec.last_done = batch_id
             ok = trigger is not None and trigger[0] == batch_id
             self._batch_trigger = trigger[1] if ok else None
-            self._played, self._idle_done = None, False
+            self._idle_done = False
 
-    def _submit(self, batch_df: DataFrame, batch_id: int, trigger,
-                watermark_ms: Optional[int] = None) -> None:
+    def run_now(self, batch_df: DataFrame, batch_id: int,
+                info: Optional[dict] = None) -> M.StepResult:
+        """A micro-batch whose output is read as soon as this returns (the in-plan exec's,
+        which Spark's sink then writes): ingested and stepped (and, not pipelined,
+        checkpointed); the step's reply."""
+        with self._step_lock:
+            self._started(batch_id)
+            fn = self._now if self.pipelined else self._step
+            reply = self._rec.with_engine(f"batch {batch_id}",
+                                          lambda: fn(batch_df, batch_id, None, info),
+                                          opened=False)
+            self._rec.last_done = batch_id
+            return reply
+
+    def _started(self, batch_id: int):
+        """A batch begins: its figures' start, the engine where Spark continues; its trigger."""
+        if self.elastic is not None:
+            self.elastic.started(batch_id)
+        # After a restart the engine continues from what it held after the previous batch
+        # (its state, or its logged input: on disk before Spark committed that batch) and
+        # this batch runs again whole.
+        self._rec.realign(batch_id - 1 if batch_id > 0 else None)
+        return self._trigger()  # this batch's
+
+    def _now(self, batch_df: DataFrame, batch_id: int, trigger, info) -> M.StepResult:
+        """A pipelined kind's batch, stepped at once (its input logged first)."""
+        t0 = time.perf_counter()
+        self._move_groups(trigger)
+        ran = self._ingest(batch_df, batch_id, bool((info or {}).get("empty")))
+        self._apply_decision()
+        eng = self._rec.engine
+        eng.call(M.Submit(query=self._qid, batch=batch_id,
+                          watermark_ms=(info or {}).get("watermark_ms")))
+        reply = eng.call(M.Result(query=self._qid, batch=batch_id))
+        self._record({"batch": batch_id, "written_at": time.time(),
+                      "step_s": time.perf_counter() - t0, "rows_out": reply.rows,
+                      **reply.metrics}, reply.rows, [ran])
+        return reply
+
+    def _submit(self, batch_df: DataFrame, batch_id: int, trigger, info=None) -> None:
         """A pipelined micro-batch: ingest it, wait for the previous one (stepped and written
         meanwhile), log it and start its step, and let Spark commit it."""
         t0 = time.perf_counter()
         self._move_groups(trigger)
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id, bool((info or {}).get("empty")))
         t1 = time.perf_counter()
         self._drain()
         self._play_before(trigger)
         self._apply_decision()
         t2 = time.perf_counter()
         eng = self._rec.engine
-        eng.call(M.Submit(query=self._qid, batch=batch_id, watermark_ms=watermark_ms))
+        eng.call(M.Submit(query=self._qid, batch=batch_id,
+                          watermark_ms=(info or {}).get("watermark_ms")))
         times = {"batch": batch_id, "ingest_s": t1 - t0, "previous_s": t2 - t1,
                  "submit_s": time.perf_counter() - t2}
         self._inflight_batch = batch_id
@@ -148,18 +178,23 @@ class Pipeline:
         self._inflight_error = None
 
     def _step(self, batch_df: DataFrame, batch_id: int, trigger,
-              watermark_ms: Optional[int] = None) -> None:
-        """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint."""
+              info: Optional[dict] = None) -> M.StepResult:
+        """A micro-batch of a kind that is not pipelined: ingest, step, write, checkpoint; the
+        step's reply. Spark's watermarks of the batch (``info``), when given, are the
+        engine's."""
         t0 = time.perf_counter()
         self._move_groups(trigger)
-        ran = self._ingest(batch_df, batch_id)
+        ran = self._ingest(batch_df, batch_id, bool((info or {}).get("empty")))
         t1 = time.perf_counter()
         self._play_before(trigger)
         self._apply_decision()
         eng = self._rec.engine
+        info = info or {}
+        marks = [info[k] for k in ("late_watermark_ms", "watermark_ms") if k in info]
         reply = eng.call(M.Step(query=self._qid, batch=batch_id,
-                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id),
-                                watermark_ms=watermark_ms))
+                                batch_ts_ms=self._kind.batch_time(self._rec, batch_id, info),
+                                watermark_ms=None if len(marks) == 2 else info.get("watermark_ms"),
+                                watermarks=marks if len(marks) == 2 else None))
         t2 = time.perf_counter()
         out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
         t3, written = time.perf_counter(), time.time()
@@ -171,6 +206,7 @@ class Pipeline:
                       "output_s": t3 - t2, "checkpoint_wait_s": time.perf_counter() - t3,
                       "checkpoint": saved.to_dict(), "rows_out": reply.rows, **reply.metrics},
                      reply.rows, [ran, out])
+        return reply
 
     def _record(self, times: dict, rows: int, jobs: list) -> None:
         """Count a finished batch; keep the physical plans of its Spark jobs (``jobs``:
@@ -225,8 +261,8 @@ class Pipeline:
 
     # -- Spark's no-data batch -----------------------------------------------------------------
     def flush(self, final: bool = False) -> int:
-        """Spark's no-data batch: emit and write what the next watermark (or the clock) closes;
-        the rows written. ``final``: the flush that ends a one-shot run."""
+        """Spark's no-data batch: emit and write what the next watermark closes; the rows
+        written. ``final``: the flush that ends a one-shot run."""
         with self._step_lock:
             # (no batch ran in this run)
             self._rec.realign(recovery.last_committed(self._rec.layout.checkpoint))
@@ -270,30 +306,26 @@ class Pipeline:
         if batch != last + 1:
             return None
         at = start if idle else before
-        return None if at in (self._batch_trigger, self._played) else at
+        return None if at == self._batch_trigger else at
 
     def _play(self, at: int) -> int:
-        reply = self._flush(False, at)
-        self._played, self._idle_done = at, not reply.again
-        return reply.rows
+        """The no-data batch of the trigger that began at ``at`` (once per gap between
+        batches: a later one would find nothing the watermark has not closed)."""
+        self._idle_done = True
+        return self._flush(False).rows
 
-    def _flush(self, final: bool, at_ms: Optional[int] = None) -> M.FlushResult:
-        """The no-data batch after the last batch, as if run at ``at_ms`` (a trigger's start).
+    def _flush(self, final: bool) -> M.FlushResult:
+        """The no-data batch after the last batch.
 
         Its rows are written under their own Delta app id, so a flush repeated after a restart
         is a no-op in the table like a replayed batch: ``<app>-idle`` with the last batch id as
-        the version, for the first no-data batch with rows after a batch, and ``<app>-timeouts``
-        with the engine's serial for later ones (:meth:`.sink.Sink.emit_flush`).
+        the version (:meth:`.sink.Sink.emit_flush`).
         """
         self._drain()  # the last batch first
         eng = self._rec.engine
-        ts = self._kind.flush_time(self._rec, at_ms)
-        reply = eng.call(M.Flush(query=self._qid, batch_ts_ms=ts))
-        if (reply.metrics or {}).get("instance_retries"):
-            self._metrics.add("instance_retries", reply.metrics["instance_retries"])
+        reply = eng.call(M.Flush(query=self._qid))
         if reply.rows:
-            self._kind.keep_flush_time(self._rec, reply.batch, reply.seq, ts)  # for a replay
-            self._sink.emit_flush(reply.stream, reply.rows, reply.batch, reply.seq, reply.serial)
+            self._sink.emit_flush(reply.stream, reply.rows, reply.batch)
         if reply.rows or reply.changed:
             # Only now is the state after the flush the state of that batch. The run's last
             # flush need not wait for that checkpoint when it wrote rows to a Delta path: the

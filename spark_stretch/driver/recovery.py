@@ -36,8 +36,9 @@ __all__ = ["Recovery", "check_host", "checkpointing", "last_committed", "query_i
 
 
 def last_committed(checkpoint) -> Optional[int]:
-    """The last batch in the query's commit log (``<checkpoint>/commits/<N>``), or None."""
-    commits = Path(checkpoint) / "commits"
+    """The last batch in the query's commit log (``<checkpoint>/commits/<N>``; a local path or
+    a ``file:`` URI, as Spark resolves it), or None."""
+    commits = QueryLayout(str(checkpoint)).root.parent / "commits"
     done = [int(p.name) for p in commits.iterdir() if p.name.isdigit()] if commits.is_dir() else []
     return max(done) if done else None
 
@@ -163,12 +164,9 @@ class Recovery:
             if step.rows:
                 self._sink.emit(step.stream, step.rows, b)
         start = opened.checkpoint
-        seq, serial = opened.flush_seq, opened.flush_serial
-        if resume is not None and self._sink.holds_flush(resume, seq, serial):
-            # The last flush reached the table but not the saved state: replay it, unwritten,
-            # at the time it ran.
-            self.engine.call(M.Flush(query=self.qid,
-                                     batch_ts_ms=self._kind.kept_flush_time(self, resume, seq)))
+        if resume is not None and self._sink.holds_flush(resume):
+            # The last flush reached the table but not the saved state: replay it, unwritten.
+            self.engine.call(M.Flush(query=self.qid))
             self.engine.call(M.Flushed(query=self.qid))
         return start
 

@@ -69,10 +69,9 @@ class QueryRun:
         self.finish_error: Optional[BaseException] = None
         self.one_shot = False              # availableNow / once: flush when the run ends
         self.stopped = False
-        schema = arrow_schema(kind.input_df().schema) if kind.pipelined else None
-        spec = kind.with_settings(
-            replace(kind.engine_spec(), input_schema=schema,
-                    checkpoint=recovery.checkpointing(self.layout, settings)), settings)
+        schema = arrow_schema(kind.input_df().schema)
+        spec = replace(kind.engine_spec(), input_schema=schema,
+                       checkpoint=recovery.checkpointing(self.layout, settings))
         sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
         self.sink = Sink(kind, fmt, sink_options, path, table, self.stretch_id, app_id,
                          settings.direct_write, lambda: self.recovery.engine, self.metrics)
@@ -92,16 +91,16 @@ class QueryRun:
         self.recovery.open_in_background()
 
     @classmethod
-    def start(cls, kind, fmt: str, mode: str, options: Dict[str, str], path: Optional[str],
+    def start(cls, kind, fmt: str, options: Dict[str, str], path: Optional[str],
               table: Optional[str], trigger: Optional[dict], name: Optional[str]) -> "QueryRun":
-        """Start ``kind`` as a streaming query writing to the sink in output ``mode``
-        (``writeStream``'s arguments); the run, whose ``query`` is Spark's ``StreamingQuery``."""
+        """Start ``kind`` as a streaming query writing to the sink (``writeStream``'s
+        arguments; its output mode, append, is checked by the writer); the run, whose
+        ``query`` is Spark's ``StreamingQuery``."""
         if fmt not in SINK_FORMATS:
             raise ValueError(f"format '{fmt}' is not supported as a stretchAggregate sink; use "
                              "delta (exactly once), parquet/json/csv/orc, console or noop")
         if path is None and table is None and fmt not in ("console", "noop"):
             raise ValueError(f"start() needs a path (or use toTable) for format '{fmt}'")
-        kind.check_start(mode)
         run = cls(kind, fmt, options, path, table)
         # foreachBatch, with the batch's figures in Spark's progress (the sink's metrics)
         writer = (jvm.foreach_batch_with_metrics(kind.input_df(), run.pipeline.run_batch,
@@ -165,11 +164,10 @@ class QueryRun:
                 except Exception as e:  # surfaced by awaitTermination / metrics
                     if q.isActive:
                         self.finish_error = e
-            if self.kind.pipelined:
-                try:
-                    self.pipeline.settle()
-                except Exception as e:
-                    self.finish_error = e
+            try:
+                self.pipeline.settle()
+            except Exception as e:
+                self.finish_error = e
             if (self.one_shot and self.finish_error is None and q.exception() is None
                     and not self.stopped):
                 try:
@@ -225,8 +223,7 @@ class QueryRun:
         if self.one_shot:  # its last trigger found no data: the run ends (see _watch)
             self.await_termination()
             return
-        if self.kind.pipelined:
-            self.pipeline.settle()
+        self.pipeline.settle()
         if self.query.isActive:
             self.pipeline.play_idle(settle_s=1.0)
 

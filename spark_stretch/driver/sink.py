@@ -32,14 +32,7 @@ _DELTA_TABLE_DEFAULTS = ("spark.databricks.delta.properties.defaults.",
 
 
 _WINDOW_MARKERS = ("spark.timeWindow", "spark.sessionWindow")
-
-
-def _flush_txn(batch: int, seq: int, serial: int) -> Tuple[str, int]:
-    """The Delta ``txn`` (app id suffix, version) of a no-data batch's rows: the first one with
-    rows after ``batch`` (``seq`` 0) is ``("-idle", batch)``; a later one after the same batch
-    (processing-time timeouts, ``seq`` >= 1) is ``("-timeouts", serial)``, the query's count of
-    those before it. Each app's versions grow, so a replayed one is a no-op in the table."""
-    return ("-idle", batch) if seq == 0 else ("-timeouts", serial)
+_IDLE = "-idle"  # the app id suffix of a no-data batch's rows
 
 
 def arrow_schema(schema, metadata: bool = False) -> Optional[str]:
@@ -132,21 +125,19 @@ class Sink:
         self._write(out, batch_id, app_suffix)
         return out
 
-    def emit_flush(self, stream: str, rows: int, batch: int, seq: int = 0,
-                   serial: int = 0) -> Optional[DataFrame]:
-        """Write the rows of a no-data batch after ``batch`` (``seq``, ``serial``: their
-        identity, :class:`~spark_stretch.protocol.messages.FlushResult`), as :meth:`emit`."""
-        suffix, version = _flush_txn(batch, seq, serial)
-        return self.emit(stream, rows, version, app_suffix=suffix)
+    def emit_flush(self, stream: str, rows: int, batch: int) -> Optional[DataFrame]:
+        """Write the rows of the no-data batch after ``batch``, as :meth:`emit`, under the app
+        id ``<app>-idle`` with ``batch`` as its version (a replayed one is a no-op in the
+        table)."""
+        return self.emit(stream, rows, batch, app_suffix=_IDLE)
 
-    def holds_flush(self, batch: int, seq: int = 0, serial: int = 0) -> bool:
-        """Whether the Delta table has the no-data batch after ``batch`` with this ``seq`` and
-        ``serial`` (its ``txn`` action): the app's last version is that one itself (a later
-        one is that of a later flush, which this state has not had)."""
+    def holds_flush(self, batch: int) -> bool:
+        """Whether the Delta table has the no-data batch after ``batch`` (its ``txn``
+        action): the app's last version is that batch itself (a later one is that of a later
+        flush, which this state has not had)."""
         if not self.idempotent_path:
             return False
-        suffix, version = _flush_txn(batch, seq, serial)
-        app = self._app_id + suffix
+        app, version = self._app_id + _IDLE, batch
         try:  # the table's snapshot: its checkpoints too, where old commit files may be gone
             from deltalake import DeltaTable
             from deltalake.exceptions import TableNotFoundError

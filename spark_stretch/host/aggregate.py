@@ -195,7 +195,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
             self.watermark_ms = self.next_watermark_ms
         return out
 
-    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
+    def flush(self) -> M.FlushResult:
         """Spark's no-data batch: emit the windows the next watermark closes, if it is ahead."""
         with self.lock:
             self.store.join()

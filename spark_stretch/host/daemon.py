@@ -124,14 +124,14 @@ class HostDaemon:
 
     def _step(self, msg: M.Step) -> M.StepResult:
         return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms,
-                                     msg.watermark_ms)
+                                     msg.watermark_ms, msg.watermarks)
 
     def _flush(self, msg: M.Flush) -> M.FlushResult:
         rt = self._query(msg)
         if msg.stream_max_ms:
             with rt.lock:
                 rt.fold_event_times(msg.stream_max_ms)
-        return rt.flush(msg.batch_ts_ms)
+        return rt.flush()
 
     def _write_delta(self, msg: M.WriteDelta) -> M.DeltaWritten:
         # The output offered on a stream, appended to a Delta table from here.

@@ -72,8 +72,6 @@ class GroupedRuntime(Runtime):
         self.counters.update(calls=0, timeout_calls=0, instance_retries=0)
         self.max_event_ms: Optional[int] = None
         self.state_keys = 0
-        self.flush_seq = 0             # no-data batches with rows since the last batch
-        self.flush_serial = 0          # those after the first one, over the query's life
         self._broken: Optional[str] = None
         self._seq = 0
         self.last_metrics: dict = {}
@@ -93,8 +91,7 @@ class GroupedRuntime(Runtime):
     def describe(self) -> M.Opened:
         return M.Opened(query=self.qid, parallelism=self.parallelism, max_parallelism=self.n,
                         checkpoint=self.checkpoint,
-                        instance_pids=self.pool.pids if self.pool else [],
-                        flush_seq=self.flush_seq, flush_serial=self.flush_serial)
+                        instance_pids=self.pool.pids if self.pool else [])
 
     # -- data --------------------------------------------------------------------------------
     def _step(self, batch: int, table: Optional[pa.Table], batch_ts_ms: Optional[int]
@@ -129,48 +126,22 @@ class GroupedRuntime(Runtime):
         self.counters["late_rows"] += late
         self.counters["batches"] += 1
         self.last_batch = batch
-        self.flush_seq = 0
         self._save(batch, changed=dirty)
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late, "batch_ts_ms": ts_ms,
             "engine_ms": self._ms_since(t0), **metrics})
 
-    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
-        """Spark's no-data batch: call the keys whose timeout passed (the next watermark, or the
-        batch timestamp). With ``EventTimeTimeout`` it is due once the watermark moved, with
-        ``ProcessingTimeTimeout`` every time (native runs one on every trigger)."""
-        with self.lock:
-            self._check_usable()
-            conf = self.spec.timeout_conf
-            again = conf == "ProcessingTimeTimeout"
-            if conf == "EventTimeTimeout":
-                due = self.next_watermark_ms > self.watermark_ms
-            else:
-                due = again and self.last_batch >= 0
-            if not due:
-                return M.FlushResult(rows=0, batch=self.last_batch, again=again)
-            ts_ms = int(batch_ts_ms if batch_ts_ms is not None else time.time() * 1000)
-            evict_wm = self.next_watermark_ms
-            out, dirty, metrics = self._run(self.last_batch, None, ts_ms, evict_wm, flush=True)
-            moved = evict_wm != self.watermark_ms
-            self.watermark_ms = evict_wm
-            seq, serial = self.flush_seq, self.flush_serial
-            if out.num_rows:  # the rows' identity in the sink (FlushResult), checkpointed
-                self.flush_seq += 1
-                self.flush_serial += 1 if seq else 0
-            r = self._offer(f"{self.qid}:flush:{self.last_batch}", out,
-                            {"watermark_ms": self.watermark_ms, "batch_ts_ms": ts_ms, **metrics})
-            return M.FlushResult(rows=r.rows, batch=self.last_batch, stream=r.stream,
-                                 changed=moved or bool(dirty) or r.rows > 0, metrics=r.metrics,
-                                 seq=seq, serial=serial, again=again)
+    def flush(self) -> M.FlushResult:
+        """Spark runs the drop-in's no-data batches itself (it is inside Spark's plan): each is
+        a step of its own, without rows."""
+        return M.FlushResult(rows=0, batch=self.last_batch)
 
     def _check_usable(self) -> None:
         if self._broken:
             raise StateError(f"this query's state is unusable after an earlier failure "
                              f"({self._broken}); restart the query from its checkpoint")
 
-    def _run(self, batch: int, table: Optional[pa.Table], ts_ms: int, evict_wm: int,
-             flush: bool = False):
+    def _run(self, batch: int, table: Optional[pa.Table], ts_ms: int, evict_wm: int):
         """One step on the instances: the keys with data, then the timed-out keys."""
         self.store.join()  # the previous checkpoint read its bucket files already; be sure
         t0 = time.perf_counter()
@@ -188,11 +159,11 @@ class GroupedRuntime(Runtime):
                 sub, starts, gb = parts[i]
                 with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, sub.schema) as w:
                     w.write_table(sub)
-            msgs[i] = I.Batch(batch=batch, seq=self._seq, flush=flush, owned=owned,
+            msgs[i] = I.Batch(batch=batch, seq=self._seq, owned=owned,
                               reload=owned[self._prev_owner[owned] != i], batch_ts_ms=ts_ms,
                               watermark_ms=evict_wm, input=None if path is None else str(path),
                               starts=starts, group_buckets=gb)
-        what = f"the no-data batch after batch {batch}" if flush else f"batch {batch}"
+        what = f"batch {batch}"
         try:
             replies, retries = self.pool.run(msgs, what, self.spec.instance_max_failures,
                                              self.spec.function_attempts)
@@ -246,9 +217,7 @@ class GroupedRuntime(Runtime):
         names = [bucket_file(self.shm, b) for b in (changed if delta else range(self.B))]
         meta = {**self._common_meta(batch), "max_event_ms": self.max_event_ms,
                 "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
-                "buckets": self.B, "flush_seq": self.flush_seq,
-                "flush_serial": self.flush_serial,
-                "state_keys": self.state_keys}
+                "buckets": self.B, "state_keys": self.state_keys}
 
         def files():  # (in the store's writer thread; the next step waits for it)
             empty = pickle.dumps({}, protocol=5)
@@ -269,11 +238,6 @@ class GroupedRuntime(Runtime):
                              f"{self.B}: keep buckets= the same across restarts")
         self._restore_common(meta)
         self.max_event_ms = meta["max_event_ms"]
-        # (a checkpoint written before flush_seq: "flushed_batch", the batch after which a
-        # processing-time flush ran, maybe with rows)
-        self.flush_seq = int(meta.get(
-            "flush_seq", 1 if meta.get("flushed_batch") == meta["last_batch"] else 0))
-        self.flush_serial = int(meta.get("flush_serial", 0))
         self.owner = np.asarray(meta["owner_map"], dtype=np.int64)
         if self.owner.max() >= self.n:  # fewer instances than when it was written
             self.parallelism = min(self.parallelism, self.n)

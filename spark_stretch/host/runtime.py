@@ -94,8 +94,9 @@ class Runtime(ABC):
         """Step ``batch`` (``table``: its input, None if it had no rows), under the lock."""
 
     @abstractmethod
-    def flush(self, batch_ts_ms: Optional[int] = None) -> M.FlushResult:
-        """Spark's no-data batch after the last one."""
+    def flush(self) -> M.FlushResult:
+        """Spark's no-data batch after the last one (a query beside Spark's plan, whose
+        driver plays it)."""
 
     @abstractmethod
     def reconfigure(self, parallelism: Optional[int], owner_map, persist: bool = True
@@ -206,12 +207,15 @@ class Runtime(ABC):
     # -- micro-batches -------------------------------------------------------------------------
     def step(self, batch: int, batch_ts_ms: Optional[int] = None,
              stream_max_ms: Optional[list] = None,
-             watermark_ms: Optional[int] = None) -> M.StepResult:
+             watermark_ms: Optional[int] = None,
+             watermarks: Optional[list] = None) -> M.StepResult:
         """Step ``batch``: its pending input, or after a restart its logged one. The last batch
         again (Spark re-running it after a failure) gives the same rows without touching the
         state; an older one is an error. ``stream_max_ms``: every host's largest event times
         up to the batch before (a query on several hosts); ``watermark_ms``: Spark's own
-        watermark for the batch (:meth:`take_watermark`)."""
+        eviction watermark for the batch (an aggregation in Spark's plan,
+        :meth:`take_watermark`); ``watermarks``: Spark's own ``[W_{N-1}, W_N]`` (the drop-in in
+        Spark's plan: late events and eviction), taken in place of the engine's."""
         with self.lock:
             self.store.join()  # the previous checkpoint reads the state: let it finish
             table = self.pending.pop(batch, None)
@@ -233,6 +237,8 @@ class Runtime(ABC):
                 self.fold_event_times(stream_max_ms)
             if watermark_ms is not None:
                 self.take_watermark(watermark_ms)
+            if watermarks:
+                self.watermark_ms, self.next_watermark_ms = (int(w) for w in watermarks)
             t0 = time.perf_counter()
             reply = self._step(batch, table, batch_ts_ms)
             figures = self._step_figures(t0, self._clock.lap())

@@ -50,7 +50,6 @@ class Batch:
 
     batch: int
     seq: int
-    flush: bool
     owned: np.ndarray
     reload: np.ndarray
     batch_ts_ms: int

@@ -3,7 +3,6 @@
 Under the query's ``checkpointLocation`` (beside Spark's own ``offsets/``, ``commits/``)::
 
     stretch/query.json        ids that make a restart the same query (driver)
-    stretch/flush.json        the drop-in's no-data batch timestamp (driver)
     stretch/engine.lock       flock held by the one engine writing this checkpoint (host)
     stretch/input/<N>.arrow   the input log: batch N's input, Arrow IPC (host); <N>.empty: no rows
     stretch/state/<N>/        the state after batch N: <meta> last, then its files (host)
@@ -36,7 +35,7 @@ from typing import Optional
 from .errors import StateError
 
 __all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS",
-           "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "FLUSH_FORMAT", "check_format",
+           "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "check_format",
            "input_log_of", "lock_of", "shm_root",
            "shm_prefix", "bucket_file", "write_json"]
 
@@ -51,7 +50,6 @@ CHECKPOINT_FORMATS = {AGGREGATE_META: 1, GROUPED_META: 2}
 INPUT_LOG_FORMAT = 1
 INPUT_LOG_KEY = b"stretch.input_log.format"  # in each logged file's Arrow schema metadata
 QUERY_FORMAT = 1
-FLUSH_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -90,9 +88,6 @@ class QueryLayout:
     def query_file(self) -> Path:
         return self.root / "query.json"
 
-    @property
-    def flush_file(self) -> Path:
-        return self.root / "flush.json"
 
 
 def input_log_of(state_dir) -> Path:

@@ -16,7 +16,7 @@ Examples
 >>> wire["op"], wire["batch"]
 ('step', 3)
 >>> decode_request(wire)
-Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None, watermark_ms=None)
+Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None, watermark_ms=None, watermarks=None)
 >>> decode_request({"v": 1, "op": "step", "query": "q1", "batch": "three"})
 Traceback (most recent call last):
 ...
@@ -85,8 +85,7 @@ class Pong(Reply):
 class Opened(Reply):
     """The query is open. ``replay``: the batches to step and write again, in order (a
     checkpoint's stored output, then logged inputs); ``checkpoint``: the batch of the state it
-    continued from (None: from the start); ``flush_seq`` and ``flush_serial``: those of the next
-    no-data batch with rows (see :class:`FlushResult`)."""
+    continued from (None: from the start)."""
 
     query: str
     parallelism: int
@@ -95,8 +94,6 @@ class Opened(Reply):
     checkpoint: Optional[int] = None
     instance_pids: List[int] = field(default_factory=list)
     stream_max_ms: Optional[List[Optional[int]]] = None  # (the event times its state has seen)
-    flush_seq: int = 0
-    flush_serial: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,22 +138,13 @@ class SaveStats(Reply):
 @dataclass(frozen=True)
 class FlushResult(Reply):
     """Spark's no-data batch after ``batch``: ``rows`` on ``stream``; ``changed``: the state
-    moved (the watermark, timeouts), so it must be checkpointed once the sink has the rows.
-
-    What identifies the rows in the sink: ``seq``, how many no-data batches with rows came after
-    ``batch`` before this one (only processing-time timeouts have more than one), and for
-    ``seq >= 1`` ``serial``, how many such later ones the query has had before. ``again``:
-    another no-data batch after this one may have rows too (processing-time timeouts), so the
-    driver plays one on every idle trigger."""
+    moved (the watermark), so it must be checkpointed once the sink has the rows."""
 
     rows: int
     batch: int
     stream: Optional[str] = None
     changed: bool = False
     metrics: Dict[str, object] = field(default_factory=dict)
-    seq: int = 0
-    serial: int = 0
-    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,6 +306,10 @@ class Step(Request):
     # the engine then takes as W_N in place of its own (``stretch(df)``: an aggregation of
     # another's windows, or of one of several streams, has Spark's global watermark)
     watermark_ms: Optional[int] = None
+    # Spark's watermarks of the batch (ms), late events' and eviction's (W_{N-1}, W_N), where
+    # Spark's own operator has them (the drop-in inside Spark's plan): used in place of the
+    # engine's own
+    watermarks: Optional[List[int]] = None
 
 
 @dataclass(frozen=True)
@@ -353,12 +345,11 @@ class Saved(Request):
 
 @dataclass(frozen=True)
 class Flush(Request):
-    """Spark's no-data batch: emit what the next watermark (or the clock) closes."""
+    """Spark's no-data batch: emit what the next watermark closes."""
 
     op: ClassVar[str] = "flush"
     reply: ClassVar[type] = FlushResult
     query: str
-    batch_ts_ms: Optional[int] = None
     stream_max_ms: Optional[List[Optional[int]]] = None  # (as for Step)
 
 

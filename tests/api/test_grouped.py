@@ -7,6 +7,7 @@ no manual clock for native queries) a plain-Python sequential run of the same ru
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -141,6 +142,11 @@ def stream(spark, tmp_path_factory):
     return src, args, read(spark, tmp / "native")
 
 
+def _committed(checkpoint: Path):
+    """The batches a query's commit log holds."""
+    return sorted(int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit())
+
+
 def test_sessionization_event_time_timeout_equals_native(spark, stream, tmp_path):
     src, args, want = stream
     before = _shm_dirs()
@@ -153,7 +159,9 @@ def test_sessionization_event_time_timeout_equals_native(spark, stream, tmp_path
     assert got.where("closed").count() > 0
     m = q.metrics()
     assert m["engine"]["late_rows"] > 0 and m["engine"]["timeout_calls"] > 0
-    assert m["batches"] == 6 and m.get("flushes") == 1
+    # six batches with data and Spark's no-data batch after them (native's: the same)
+    assert m["batches"] == 7 and _committed(tmp_path / "o-ckpt") == list(range(7))
+    assert _committed(src.parent / "native-ckpt") == list(range(7))
     assert [p for p in m["plans"] if "Exchange" in p] == []
     assert _shm_dirs() <= before  # the state directory in /dev/shm went with the query
 
@@ -257,9 +265,8 @@ def test_processing_time_timeout_equals_native(spark, tmp_path):
         nq.stop()
     sq = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args),
                        tmp_path / "o", processingTime="300 milliseconds")
-    try:
-        until(lambda: sq.metrics()["batches"] >= files and sq.metrics().get("flushes", 0) >= 1,
-              "stretch batches and an idle flush")
+    try:  # (the same batches: Spark runs the drop-in's no-data batches as it runs native's)
+        until(lambda: (sq.lastProgress or {}).get("batchId", -1) >= files + 1, "stretch batches")
     finally:
         sq.stop()
     want = read(spark, tmp_path / "n")
@@ -267,7 +274,27 @@ def test_processing_time_timeout_equals_native(spark, tmp_path):
     equal(read(spark, tmp_path / "o"), want)
 
 
+def _batch_files(checkpoint: Path, last: int) -> dict:
+    """The file each micro-batch 0..``last`` of a query read (one file a batch, or none), from
+    Spark's offset log and its file source's log."""
+    def entry(path):
+        return [json.loads(line) for line in path.read_text().splitlines()[1:]]
+
+    out, seen = {}, -1
+    for b in range(last + 1):
+        offset = entry(checkpoint / "offsets" / str(b))[-1]["logOffset"]
+        if offset > seen:
+            (f,) = entry(checkpoint / "sources" / "0" / str(offset))
+            out[b] = Path(f["path"].removeprefix("file:"))
+        seen = offset
+    return out
+
+
 def test_processing_time_timeout_against_sequential_oracle(spark, tmp_path):
+    # The test clock gives batch N the time start + N * step; Spark runs a no-data batch on
+    # every trigger without data (ProcessingTimeTimeout), as it does natively. The oracle: the
+    # rules of FlatMapGroupsWithState over the batches Spark ran (its offset log says which
+    # file each read), at the test clock's times.
     start, step, duration = 1_000_000, 10_000, 15_000
 
     def fn(key, pdfs, state):
@@ -289,15 +316,25 @@ def test_processing_time_timeout_against_sequential_oracle(spark, tmp_path):
         g = source(spark, src, False).groupBy("user").stretchAggregate(
             fn, "user string, n long, timed_out boolean, now long", "n long", "Update",
             GroupStateTimeout.ProcessingTimeTimeout)
-        run_stretch(g, tmp_path / "o")
+        q = start_stretch(g, tmp_path / "o", processingTime="200 milliseconds")
     finally:
         spark.conf.unset("spark.stretch.testClockMs")
-    # The oracle: the rules of FlatMapGroupsWithState, one batch per file, then the no-data batch.
+    ckpt = tmp_path / "o-ckpt"
+    deadline = time.time() + 180
+    try:  # every key's timeout has passed two batches after its last rows
+        while len(_committed(ckpt)) < files + 2 or \
+                max(_batch_files(ckpt, _committed(ckpt)[-1])) + 2 > _committed(ckpt)[-1]:
+            assert q.isActive and time.time() < deadline, q.exception()
+            time.sleep(0.2)
+    finally:
+        q.stop()
+    last = _committed(ckpt)[-1]
+    read_by = _batch_files(ckpt, last)
     want, state = [], {}
-    for i in range(files + 1):
-        now = start + i * step
-        if i < files:
-            users = pq.read_table(sorted(Path(src).glob("*.parquet"))[i]).column("user").to_pylist()
+    for b in range(last + 1):
+        now = start + b * step
+        if b in read_by:
+            users = pq.read_table(read_by[b]).column("user").to_pylist()
             for u in sorted(set(users)):
                 n = state.get(u, (0, None))[0] + users.count(u)
                 state[u] = (n, now + duration)
@@ -306,8 +343,9 @@ def test_processing_time_timeout_against_sequential_oracle(spark, tmp_path):
             if timeout < now:
                 del state[u]
                 want.append((u, n, True, now))
-    got = sorted(tuple(r) for r in read(spark, tmp_path / "o").collect())
-    assert got == sorted(want)
+    got = sorted(tuple(r) for r in read(spark, tmp_path / "o").where(
+        f"now <= {start + last * step}").collect())  # (a batch after the last committed one)
+    assert sorted(read_by) == list(range(files)) and got == sorted(want)
     assert any(w[2] for w in want)
 
 
@@ -485,7 +523,7 @@ def test_a_dying_instance_reruns_its_share_alone_and_equals_native(spark, stream
     deaths = len(list(markers.iterdir()))
     m = q.metrics()
     assert deaths >= 2 and m["instance_retries"] == deaths == m["engine"]["instance_retries"]
-    assert "engine_restarts" not in m and m["batches"] == 6
+    assert "engine_restarts" not in m and m["batches"] == 7  # (and the no-data batch)
     retried = [r for b in m["batch_times"] for r in b.get("retries", [])]
     status = "exited with status 13" if how == "exit" else \
         f"was killed by signal {int(signal.SIGKILL)}"

@@ -70,7 +70,7 @@ def _batch(shm, seq, rows):
     path = I.input_file(shm, seq, 0)
     with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, t.schema) as w:
         w.write_table(t)
-    return I.Batch(batch=seq, seq=seq, flush=False, owned=np.arange(4), reload=np.arange(0),
+    return I.Batch(batch=seq, seq=seq, owned=np.arange(4), reload=np.arange(0),
                    batch_ts_ms=0, watermark_ms=0, input=str(path),
                    starts=np.asarray(starts, np.int64),
                    group_buckets=np.asarray([hash(rows[i][0]) % 4 for i in starts], np.int64))

@@ -24,8 +24,10 @@ import org.apache.spark.sql.catalyst.util.HyperLogLogPlusPlusHelper
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
 import org.apache.spark.sql.catalyst.plans.physical.SinglePartition
 import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
-import org.apache.spark.sql.execution.{BinaryExecNode, LogicalRDD, SparkPlan, SparkStrategy}
-import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec}
+import org.apache.spark.sql.execution.{BinaryExecNode, LocalTableScanExec, LogicalRDD, SparkPlan, SparkStrategy}
+import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec, StateStoreWriter}
+import org.apache.spark.sql.execution.python.streaming.FlatMapGroupsInPandasWithStateExec
+import org.apache.spark.sql.execution.streaming.runtime.StreamExecution
 import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
 import org.apache.spark.sql.types._
 import org.apache.spark.sql.util.CaseInsensitiveStringMap
@@ -56,6 +58,11 @@ import org.apache.spark.unsafe.types.{CalendarInterval, UTF8String}
  * windows): each exec steps its own engine query, with Spark's own watermark of the batch.
  * With a distinct aggregate, the engine aggregates per window, key and distinct value, and
  * [[Regroup]] aggregates each batch's rows again per window and key.
+ *
+ * The `applyInPandasWithState` drop-in ([[StretchPlans.markGrouped]]) is the same marker over
+ * Spark's own `FlatMapGroupsInPandasWithState` and its input: the batch's time and watermarks
+ * are those Spark gives that operator, the engine runs the user's function on the input's rows,
+ * and the exec reads the function's rows back as they are.
  */
 case class StretchMarker(id: String, native: LogicalPlan, input: LogicalPlan,
                          keep: Seq[Attribute], out: Seq[Attribute]) extends BinaryNode {
@@ -86,11 +93,14 @@ object StretchStrategy extends SparkStrategy {
  * `{"endpoint": ..., "stream": ..., "rows": n, "splits": k}`.
  * `sink` is empty, or (from [[StretchDeltaSink]]) the JSON of the Delta table the engine
  * appends the batch's rows to itself (`{"path": ..., "schema": ...}`; the answer then offers
- * nothing). */
+ * nothing). `batch` is what Spark gave the operator for this batch (JSON: `operator_id`, the
+ * Spark state operator of the marker's chain; `batch_ts_ms`, `late_watermark_ms`,
+ * `watermark_ms` (eviction), when its state operator has them; `query_id`; `empty` for a
+ * no-data batch). */
 trait StretchBatchHandler {
   def onBatch(id: String, batchId: Long, outputMode: String, stateDir: String, runId: String,
-              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String, operatorId: Long,
-              watermarkMs: Long): String
+              input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String,
+              batch: String): String
 }
 
 case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: Seq[Attribute])
@@ -98,40 +108,66 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
   override def left: SparkPlan = native
   override def right: SparkPlan = input
   override def output: Seq[Attribute] = out
-  override def nodeName: String = "StretchAggregate"
+  override def nodeName: String =
+    if (StretchPlans.grouped(aggId)) "StretchGroupsWithState" else "StretchAggregate"
   override protected def withNewChildrenInternal(
       newLeft: SparkPlan, newRight: SparkPlan): StretchExec = copy(native = newLeft, input = newRight)
 
   /** Hand this micro-batch's input to the driver's handler (with `sink` for the engine's own
    * Delta append, or ""): its answer, with the chain's state stores reported committed. */
   def step(sink: String): JsonNode = {
-    val (save, outputMode, watermark) = native.collectFirst {
-      case s: StateStoreSaveExec => (s, s.outputMode, s.eventTimeWatermarkForEviction)
+    val batch = StretchPlans.mapper.createObjectNode()
+    val (save, outputMode) = native.collectFirst[(StateStoreWriter, Option[String])] {
+      case s: StateStoreSaveExec =>
+        s.eventTimeWatermarkForEviction.foreach(w => batch.put("watermark_ms", w))
+        (s, s.outputMode.map(_.toString))
       case s: SessionWindowStateStoreSaveExec =>
-        (s, s.outputMode, s.eventTimeWatermarkForEviction)
+        s.eventTimeWatermarkForEviction.foreach(w => batch.put("watermark_ms", w))
+        (s, s.outputMode.map(_.toString))
+      case s: FlatMapGroupsInPandasWithStateExec =>
+        // (applyInPandasWithState: the batch's time and watermarks, as Spark gives them to it)
+        s.batchTimestampMs.foreach(t => batch.put("batch_ts_ms", t))
+        s.eventTimeWatermarkForLateEvents.foreach(w => batch.put("late_watermark_ms", w))
+        s.eventTimeWatermarkForEviction.foreach(w => batch.put("watermark_ms", w))
+        (s, Some(s.outputMode.toString))
     }.getOrElse(
-      throw new IllegalStateException("stretch: Spark planned no StateStoreSaveExec under " +
-        s"the aggregation: ${native.treeString}"))
+      throw new IllegalStateException("stretch: Spark planned no state operator under " +
+        s"the stretch marker: ${native.treeString}"))
     val info = save.stateInfo.getOrElse(
-      throw new IllegalStateException("stretch: the aggregation has no state info (not run " +
+      throw new IllegalStateException("stretch: the operator has no state info (not run " +
         "by a streaming query?)"))
     val spark = session.asInstanceOf[ClassicSession]
+    batch.put("operator_id", info.operatorId)
+    Option(sparkContext.getLocalProperty(StreamExecution.QUERY_ID_KEY))
+      .foreach(q => batch.put("query_id", q))
+    // Spark's no-data batch: its sources are empty relations (nothing to hand over)
+    val leaves = input.collectLeaves()
+    if (leaves.nonEmpty && leaves.forall {
+      case l: LocalTableScanExec => l.rows.isEmpty
+      case _ => false
+    }) batch.put("empty", true)
     val rdd = input.execute()
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
-      aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
-      info.checkpointLocation, info.queryRunId.toString, df, input, sink, info.operatorId,
-      watermark.getOrElse(-1L)))
+      aggId, info.storeVersion, outputMode.getOrElse("Append"),
+      info.checkpointLocation, info.queryRunId.toString, df, input, sink, batch.toString))
     // The chain's state operator is the query's in Spark's progress: the engine's figures
     // (of the latest batch it finished) as its metrics.
     if (answer.has("state")) StretchState.setChainMetrics(save, answer.get("state"))
-    // Spark's state stores of the chain never run: for the commit check a foreachBatch sink
-    // gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed, empty.
+    // Spark's state stores of the chain never run (the operator's, and those of a stateful
+    // operator of the input, which the chain has a copy of): for the commit check a
+    // foreachBatch sink gets (STATE_STORE_COMMIT_VALIDATION), they are reported as committed,
+    // empty.
     val coordinator = spark.streams.stateStoreCoordinator
-    for (p <- 0 until info.numPartitions; name <- save.stateStoreNames) {
-      coordinator.reportStateStoreCommit(StateStoreProviderId(
-        StateStoreId(info.checkpointLocation, info.operatorId, p, name), info.queryRunId),
-        info.storeVersion + 1, name)
+    native.foreach {
+      case w: StateStoreWriter => w.stateInfo.foreach { i =>
+        for (p <- 0 until i.numPartitions; name <- w.stateStoreNames) {
+          coordinator.reportStateStoreCommit(StateStoreProviderId(
+            StateStoreId(i.checkpointLocation, i.operatorId, p, name), i.queryRunId),
+            i.storeVersion + 1, name)
+        }
+      }
+      case _ =>
     }
     answer
   }
@@ -362,6 +398,26 @@ object StretchPlans {
   private def stub(m: StretchMarker): LogicalPlan = Project(m.out.map(at =>
     Alias(StretchTag(m.id, at.dataType), at.name)(exprId = at.exprId,
       explicitMetadata = Some(at.metadata))), m.input)
+
+  /** The `applyInPandasWithState` drop-in: `native` (Spark's own
+   * `groupBy(...).applyInPandasWithState(...)` over `input`) with the marker over it, the
+   * drop-in registered as `id`. Spark plans its `FlatMapGroupsInPandasWithStateExec` (state
+   * info, batch time, watermarks, no-data batches, its own checks, as natively) and never runs
+   * it; the exec hands `input`'s rows to the engine and reads the function's rows back. */
+  def markGrouped(native: ClassicDataset[Row], input: ClassicDataset[Row],
+                  id: String): ClassicDataset[Row] = {
+    val n = native.logicalPlan
+    val in = input.logicalPlan
+    val out = n.output
+    val result = out.zipWithIndex.map { case (a, i) => BoundReference(i, a.dataType, a.nullable) }
+    translations.put(id, Translation(n, in, DataTypeUtils.fromAttributes(out), result,
+      mapper.createObjectNode().put("kind", "grouped")))
+    ClassicDataset.ofRows(native.sparkSession, StretchMarker(id, n, in, out ++ in.output, out))
+  }
+
+  /** Whether `id` is the drop-in (else an aggregation). */
+  def grouped(id: String): Boolean =
+    Option(translations.get(id)).exists(t => t.spec.path("kind").asText() == "grouped")
 
   /** Whether a streaming query's plan has a stretch aggregation. */
   def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])

@@ -23,9 +23,10 @@ import org.apache.spark.sql.streaming.StateOperatorProgress
 
 /**
  * The state operator of a stretch query whose engine runs beside Spark's plan
- * (`stretchAggregate` and the `applyInPandasWithState` drop-in: a `foreachBatch` query whose
+ * (`stretchAggregate`: a `foreachBatch` query whose
  * sink is [[StretchBatchSink]]), so that `StreamingQueryProgress.stateOperators` has it as
- * native Spark has its own aggregation or `applyInPandasWithState`.
+ * native Spark has its own aggregation. (`stretch(df)` and the `applyInPandasWithState` drop-in
+ * are inside Spark's plan, whose own state operator is there: [[StretchExec]].)
  *
  * Spark builds a progress's state operators from the [[StateStoreWriter]] nodes of the batch's
  * executed plan (`ProgressReporter.extractStateOperatorMetrics`), so the marker puts one over
