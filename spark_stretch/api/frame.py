@@ -20,6 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
+from ..driver.cluster import acquire_engine
 from ..driver.inplan import DISTINCT_UPDATE, fall_back, handler_for, open_at_start, run_of
 from ..driver.settings import read_settings
 
@@ -124,10 +125,19 @@ class _Writer(DataStreamWriter):
                   and settings.direct_write)
         if direct:
             super().format(_DELTA_SINK)
-        q = super().start(path)
-        if self._spec is not None:  # the engine opens beside Spark's start
-            open_at_start(self._spark, self._agg_id, q, self._mode or "append",
-                          {"path": target, "schema": self._df.schema.json()} if direct else None)
+        # The engine process starts (about a second of imports) while Spark starts the query,
+        # not after: the run opened at the start takes it over.
+        early = (acquire_engine(self._spark, settings) if self._spec is not None
+                 and len(jvm.ShimPlans(self._spark).frame_marker_ids(self._df)) == 1 else None)
+        try:
+            q = super().start(path)
+            if self._spec is not None:  # the engine opens beside Spark's start
+                open_at_start(self._spark, self._agg_id, q, self._mode or "append",
+                              {"path": target, "schema": self._df.schema.json()} if direct
+                              else None)
+        finally:
+            if early is not None:
+                early.release()
         if not direct:
             return q
         q = jvm.requery(q, _EngineWrites)

@@ -116,7 +116,7 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
       throw new IllegalStateException("stretch: the aggregation has no state info (not run " +
         "by a streaming query?)"))
     val spark = session.asInstanceOf[ClassicSession]
-    val rdd = input.execute()
+    val rdd = new StretchLazyRDD(sparkContext, input, spark)  // (run only by the rows path)
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
       aggId, info.storeVersion, outputMode.map(_.toString).getOrElse("Append"),
