@@ -14,13 +14,14 @@ Spark. ``spark.stretch.delta.directWrite=false`` turns that off.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 from pyspark.sql.classic.dataframe import DataFrame as ClassicDataFrame
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ..driver import jvm
+from ..driver.cluster import acquire_engine
 from ..driver.elastic import per_batch_frame
 from ..driver.inplan import DISTINCT_UPDATE, aggregations_of, fall_back, handler_for, \
     open_at_start, run_of
@@ -129,7 +130,7 @@ class _Writer(DataStreamWriter):
                   and (self._mode or "append") in self._direct_modes and settings.direct_write)
         if direct:
             super().format(_DELTA_SINK)
-        return self._started(super().start(path),
+        return self._started(lambda: super(_Writer, self).start(path),
                              {"path": target, "schema": self._df.schema.json()} if direct
                              else None)
 
@@ -137,14 +138,25 @@ class _Writer(DataStreamWriter):
                 outputMode: Optional[str] = None,
                 partitionBy: Optional[Union[str, List[str]]] = None,
                 queryName: Optional[str] = None, **options) -> StreamingQuery:
-        return self._started(super().toTable(tableName, format, outputMode, partitionBy,
-                                             queryName, **options), None)
+        return self._started(lambda: super(_Writer, self).toTable(
+            tableName, format, outputMode, partitionBy, queryName, **options), None)
 
-    def _started(self, q: StreamingQuery, delta: Optional[dict]) -> StreamingQuery:
-        """Spark's started query, the engine opening beside it; with the stretch methods."""
+    def _started(self, start: Callable[[], StreamingQuery],
+                 delta: Optional[dict]) -> StreamingQuery:
+        """Spark's query, started by ``start()``, the engine opening beside it; with the
+        stretch methods."""
         if self._spec is None:
-            return q
-        open_at_start(self._spark, self._agg_id, q, self._mode or "append", delta)
+            return start()
+        # The engine process starts (about a second of imports) while Spark starts the query,
+        # not after: the run opened at the start takes it over.
+        early = (acquire_engine(self._spark, read_settings(self._spark.conf))
+                 if len(jvm.ShimPlans(self._spark).frame_marker_ids(self._df)) == 1 else None)
+        try:
+            q = start()
+            open_at_start(self._spark, self._agg_id, q, self._mode or "append", delta)
+        finally:
+            if early is not None:
+                early.release()
         q = jvm.requery(q, _EngineWrites if delta else StretchStreamingQuery)
         q._stretch_ids = aggregations_of(self._spark, q)
         return q

@@ -12,7 +12,8 @@ the watermark:
   ``StretchIngest``; ``spark.stretch.ingest.columnar=false`` turns both off);
 
 else **rows**: the rows ``foreachBatch`` hands over, through ``format("stretch")``. No path has
-an Exchange.
+an Exchange. A batch whose input is an empty local relation (Spark's no-data batch of a
+stateful query) sends nothing: the engine steps it with no rows.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class Ingest:
         files = shim.parquet_files(plan)
         if files is None:
             return False
+        if not files:  # (no row: a no-data batch's input; the engine steps the batch without)
+            return True
         watermarks = shim.watermark_columns(plan)
         self._opened()  # (the engine reads them into the query's pending input)
         reply = self._engine().call(M.IngestFiles(

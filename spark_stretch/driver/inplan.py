@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming.listener import StreamingQueryListener
 
 from ..protocol.layout import QueryLayout
 from . import jvm
@@ -74,10 +73,9 @@ def handler_for(spark: SparkSession) -> "BatchHandler":
             h = _HANDLERS[key] = BatchHandler(spark)
             plans = jvm.ShimPlans(spark)
             plans.install()
-            ends = _Ends()
-            spark.streams.addListener(ends)
+            remove = jvm.on_query_end(spark, _ended)
             # A query that ends while Python exits would call back into a gone interpreter.
-            atexit.register(_quietly, lambda: spark.streams.removeListener(ends))
+            atexit.register(_quietly, remove)
     return h
 
 
@@ -140,23 +138,13 @@ def aggregations_of(spark: SparkSession, query) -> List[str]:
     return jvm.ShimPlans(spark).marker_ids(query)
 
 
-class _Ends(StreamingQueryListener):
-    """Releases a run's engine when Spark's query ends (stopped, failed or finished)."""
-
-    def onQueryStarted(self, event) -> None:
-        pass
-
-    def onQueryProgress(self, event) -> None:
-        pass
-
-    def onQueryIdle(self, event) -> None:
-        pass
-
-    def onQueryTerminated(self, event) -> None:
-        with _LOCK:  # kept (released) for their figures: control(q).metrics() after the end
-            runs = [r for (run_id, _), r in _RUNS.items() if run_id == str(event.runId)]
-        for run in runs:
-            run.release()
+def _ended(run_id: str) -> None:
+    """Release the runs' engines of a Spark query run that ended (stopped, failed or
+    finished)."""
+    with _LOCK:  # kept (released) for their figures: control(q).metrics() after the end
+        runs = [r for (rid, _), r in _RUNS.items() if rid == run_id]
+    for run in runs:
+        run.release()
 
 
 class BatchHandler:

@@ -5,9 +5,12 @@ import java.util.UUID
 import scala.collection.mutable.ArrayBuffer
 import scala.jdk.CollectionConverters._
 
-import org.apache.spark.TaskContext
+import org.apache.spark.{Dependency, OneToOneDependency, Partition, SparkContext, TaskContext}
+import org.apache.spark.rdd.RDD
+import org.apache.spark.sql.catalyst.InternalRow
 import org.apache.spark.sql.catalyst.expressions.Attribute
-import org.apache.spark.sql.execution.{ColumnarToRowExec, FileSourceScanExec, InputAdapter, ProjectExec, SparkPlan, WholeStageCodegenExec}
+import org.apache.spark.sql.classic.SparkSession
+import org.apache.spark.sql.execution.{ColumnarToRowExec, FileSourceScanExec, FilterExec, InputAdapter, LocalTableScanExec, ProjectExec, SparkPlan, WholeStageCodegenExec}
 import org.apache.spark.sql.execution.datasources.parquet.ParquetFileFormat
 import org.apache.spark.sql.catalyst.util.DateTimeUtils
 import org.apache.spark.sql.execution.streaming.operators.stateful.{EventTimeStats, EventTimeStatsAccum, EventTimeWatermarkExec}
@@ -71,9 +74,11 @@ object StretchIngest {
    * Writes the rows of `plan` (a micro-batch's executed plan) to the receivers at `endpoints`
    * as `stream`, committed like a `format("stretch")` write. Returns the number of rows, or -1
    * when the plan is not a columnar scan under only whole-stage codegen, attribute projections
-   * and event-time watermarks (the caller then writes the batch through `format("stretch")`).
+   * and event-time watermarks (the caller then writes the batch through `format("stretch")`);
+   * 0, sending nothing, when it reads no rows ([[empty]]).
    */
   def ingest(plan: SparkPlan, endpoints: String, stream: String): Long = {
+    if (empty(plan)) return 0L  // (nothing to send: the engine steps the batch with no rows)
     val sh = shape(plan).getOrElse(return -1L)
     val opts = StretchOptions.parse(new CaseInsensitiveStringMap(
       Map(StretchOptions.ENDPOINTS -> endpoints, StretchOptions.STREAM -> stream).asJava))
@@ -113,19 +118,32 @@ object StretchIngest {
    * itself (Spark would only read and hand them over): a `FileSourceScanExec` of
    * `ParquetFileFormat`, or of Delta's when it reads plain Parquet ([[plainParquet]]), with no
    * partition columns, filters or buckets, and Spark's defaults for corrupt and missing files,
-   * datetime rebasing and INT96 (read as timestamps, not time-zone converted). Null otherwise. The engine checks the files themselves (column names,
-   * types, legacy writers) and declines what Spark would read differently; then, or when this
-   * is null, the batch goes through [[ingest]].
+   * datetime rebasing and INT96 (read as timestamps, not time-zone converted); none (empty)
+   * for an input of no rows ([[empty]]). Null otherwise. The engine checks the files
+   * themselves (column names, types, legacy writers) and declines what Spark would read
+   * differently; then, or when this is null, the batch goes through [[ingest]].
    */
-  def parquetFiles(plan: SparkPlan): Array[String] = shape(plan).map(_.scan) match {
-    case Some(fs: FileSourceScanExec) if plainParquet(fs)
-        && fs.relation.partitionSchema.isEmpty && fs.partitionFilters.isEmpty
-        && fs.dataFilters.isEmpty && !fs.bucketedScan
-        && !SQLConf.get.ignoreCorruptFiles && !SQLConf.get.ignoreMissingFiles
-        && SQLConf.get.isParquetINT96AsTimestamp && !SQLConf.get.isParquetINT96TimestampConversion
-        && !fs.relation.options.keys.exists(k => readOptions(k.toLowerCase)) =>
-      fs.relation.location.inputFiles
-    case _ => null
+  def parquetFiles(plan: SparkPlan): Array[String] =
+    if (empty(plan)) Array.empty else shape(plan).map(_.scan) match {
+      case Some(fs: FileSourceScanExec) if plainParquet(fs)
+          && fs.relation.partitionSchema.isEmpty && fs.partitionFilters.isEmpty
+          && fs.dataFilters.isEmpty && !fs.bucketedScan
+          && !SQLConf.get.ignoreCorruptFiles && !SQLConf.get.ignoreMissingFiles
+          && SQLConf.get.isParquetINT96AsTimestamp
+          && !SQLConf.get.isParquetINT96TimestampConversion
+          && !fs.relation.options.keys.exists(k => readOptions(k.toLowerCase)) =>
+        fs.relation.location.inputFiles
+      case _ => null
+    }
+
+  /** Whether `plan` reads no rows: an empty local relation under operators that make no row
+   * of none (a no-data micro-batch's input: Spark puts an empty relation in its source's
+   * place). No file to read then, nor a job to run. */
+  private def empty(plan: SparkPlan): Boolean = plan match {
+    case l: LocalTableScanExec => l.rows.isEmpty
+    case p @ (_: EventTimeWatermarkExec | _: WholeStageCodegenExec | _: InputAdapter |
+              _: ProjectExec | _: FilterExec | _: StretchStateExec) => empty(p.children.head)
+    case _ => false
   }
 
   /**
@@ -187,4 +205,22 @@ object StretchIngest {
       r += 1
     }
   }
+}
+
+/**
+ * The rows of `plan` (a micro-batch's input, executed under its `session`), prepared only when
+ * a job reads them: the engine usually reads the batch's files itself, and Spark would prepare
+ * the scan (its read RDD, the whole-stage code) for nothing, 20-80 ms a micro-batch.
+ */
+class StretchLazyRDD(sc: SparkContext, @transient plan: SparkPlan,
+                     @transient session: SparkSession) extends RDD[InternalRow](sc, Nil) {
+  // (forced by the first `partitions`, on the thread submitting the job, never by the scheduler)
+  @transient private lazy val rows: RDD[InternalRow] = session.withActive(plan.execute())
+
+  override protected def getDependencies: Seq[Dependency[_]] = Seq(new OneToOneDependency(rows))
+  override protected def getPartitions: Array[Partition] = rows.partitions
+  override protected def getPreferredLocations(split: Partition): Seq[String] =
+    rows.preferredLocations(split)
+  override def compute(split: Partition, context: TaskContext): Iterator[InternalRow] =
+    firstParent[InternalRow].iterator(split, context)
 }

@@ -146,7 +146,7 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
       case l: LocalTableScanExec => l.rows.isEmpty
       case _ => false
     }) batch.put("empty", true)
-    val rdd = input.execute()
+    val rdd = new StretchLazyRDD(sparkContext, input, spark)  // (run only by the rows path)
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
       aggId, info.storeVersion, outputMode.getOrElse("Append"),
