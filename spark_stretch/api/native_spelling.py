@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import List, Optional
+from typing import Optional
 
 from pyspark.sql import DataFrame, GroupedData, SparkSession
 from pyspark.sql.streaming import StreamingQuery

@@ -43,7 +43,49 @@ from .sink import Sink
 __all__ = ["Pipeline"]
 
 
-class Pipeline:
+class _Decisions:
+    """The elastic policy's decisions, applied by a :class:`Pipeline` between two batches."""
+
+    def _apply_decision(self) -> None:
+        """The policy's decisions after the last batch, applied now (nothing in flight)."""
+        for d in self.elastic.pending() if self.elastic is not None else ():
+            if self._gone(d.host):
+                continue
+            # (checked as a user's would be: 1 <= parallelism <= max)
+            msg = recovery.reconfiguration(self._qid, d.parallelism, d.owner_map,
+                                           self._kind.max_parallelism, d.host)
+            self._switch(replace(msg, persist=False), d.cause)
+
+    def _gone(self, host: Optional[str]) -> bool:
+        """Whether ``host``, named by a decision, was one of the query's hosts in the figures
+        it was taken on and is no longer (lost since): the decision is dropped."""
+        latest = self.elastic.latest
+        known = {h.host for h in latest.hosts or ()} if latest is not None else set()
+        return host in known and host not in getattr(self._rec.engine, "hosts", ())
+
+    def _move_groups(self, trigger) -> None:
+        """Before a batch's input reaches the hosts: the policy's decision moving key groups,
+        if one waits (decided after a batch before the one in flight, which is waited for
+        first), applied after the no-data batch that comes before this batch."""
+        if self.elastic is None or not self.elastic.move_pending():
+            return
+        self._drain()
+        self._play_before(trigger)
+        for d in self.elastic.pending(moves=True):
+            if not any(self._gone(h) for h in d.key_groups.values()):
+                self.elastic.switched(self._rec.move_groups(moves=d.key_groups, cause=d.cause))
+
+    def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
+        recovery.check_host(self._rec.engine, msg.host)
+        t0 = time.perf_counter()
+        reply = self._rec.engine.call(msg)
+        rec = self._rec.reconfigured(msg, reply, t0, cause)
+        if self.elastic is not None:
+            self.elastic.switched(rec)
+        return rec
+
+
+class Pipeline(_Decisions):
     """The micro-batches of one query (``kind.pipelined``: overlapped, see the module doc)."""
 
     def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: Sink,
@@ -220,44 +262,6 @@ class Pipeline:
         self._metrics.record_batch(times, rows, plans)
         if self.elastic is not None and figures is not None:
             self.elastic.batch_done(times["batch"], figures, written)
-
-    def _apply_decision(self) -> None:
-        """The policy's decisions after the last batch, applied now (nothing in flight)."""
-        for d in self.elastic.pending() if self.elastic is not None else ():
-            if self._gone(d.host):
-                continue
-            # (checked as a user's would be: 1 <= parallelism <= max)
-            msg = recovery.reconfiguration(self._qid, d.parallelism, d.owner_map,
-                                           self._kind.max_parallelism, d.host)
-            self._switch(replace(msg, persist=False), d.cause)
-
-    def _gone(self, host: Optional[str]) -> bool:
-        """Whether ``host``, named by a decision, was one of the query's hosts in the figures
-        it was taken on and is no longer (lost since): the decision is dropped."""
-        latest = self.elastic.latest
-        known = {h.host for h in latest.hosts or ()} if latest is not None else set()
-        return host in known and host not in getattr(self._rec.engine, "hosts", ())
-
-    def _move_groups(self, trigger) -> None:
-        """Before a batch's input reaches the hosts: the policy's decision moving key groups,
-        if one waits (decided after a batch before the one in flight, which is waited for
-        first), applied after the no-data batch that comes before this batch."""
-        if self.elastic is None or not self.elastic.move_pending():
-            return
-        self._drain()
-        self._play_before(trigger)
-        for d in self.elastic.pending(moves=True):
-            if not any(self._gone(h) for h in d.key_groups.values()):
-                self.elastic.switched(self._rec.move_groups(moves=d.key_groups, cause=d.cause))
-
-    def _switch(self, msg: M.Reconfigure, cause: str) -> dict:
-        recovery.check_host(self._rec.engine, msg.host)
-        t0 = time.perf_counter()
-        reply = self._rec.engine.call(msg)
-        rec = self._rec.reconfigured(msg, reply, t0, cause)
-        if self.elastic is not None:
-            self.elastic.switched(rec)
-        return rec
 
     # -- Spark's no-data batch -----------------------------------------------------------------
     def flush(self, final: bool = False) -> int:
