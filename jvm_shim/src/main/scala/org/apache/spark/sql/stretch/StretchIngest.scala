@@ -139,7 +139,7 @@ object StretchIngest {
   /** Whether `plan` reads no rows: an empty local relation under operators that make no row
    * of none (a no-data micro-batch's input: Spark puts an empty relation in its source's
    * place). No file to read then, nor a job to run. */
-  private def empty(plan: SparkPlan): Boolean = plan match {
+  def empty(plan: SparkPlan): Boolean = plan match {
     case l: LocalTableScanExec => l.rows.isEmpty
     case p @ (_: EventTimeWatermarkExec | _: WholeStageCodegenExec | _: InputAdapter |
               _: ProjectExec | _: FilterExec | _: StretchStateExec) => empty(p.children.head)

@@ -24,7 +24,7 @@ import org.apache.spark.sql.catalyst.util.HyperLogLogPlusPlusHelper
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
 import org.apache.spark.sql.catalyst.plans.physical.SinglePartition
 import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
-import org.apache.spark.sql.execution.{BinaryExecNode, LocalTableScanExec, LogicalRDD, SparkPlan, SparkStrategy}
+import org.apache.spark.sql.execution.{BinaryExecNode, LogicalRDD, SparkPlan, SparkStrategy}
 import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec, StateStoreWriter}
 import org.apache.spark.sql.execution.python.streaming.FlatMapGroupsInPandasWithStateExec
 import org.apache.spark.sql.execution.streaming.runtime.StreamExecution
@@ -140,12 +140,9 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     batch.put("operator_id", info.operatorId)
     Option(sparkContext.getLocalProperty(StreamExecution.QUERY_ID_KEY))
       .foreach(q => batch.put("query_id", q))
-    // Spark's no-data batch: its sources are empty relations (nothing to hand over)
-    val leaves = input.collectLeaves()
-    if (leaves.nonEmpty && leaves.forall {
-      case l: LocalTableScanExec => l.rows.isEmpty
-      case _ => false
-    }) batch.put("empty", true)
+    // Spark's no-data batch: its sources are empty relations (nothing to hand over; not so
+    // when a stateful operator, another stretch aggregation, lies between: it may emit rows)
+    if (StretchIngest.empty(input)) batch.put("empty", true)
     val rdd = new StretchLazyRDD(sparkContext, input, spark)  // (run only by the rows path)
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
     val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
