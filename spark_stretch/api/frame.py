@@ -23,8 +23,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from ..driver import jvm
 from ..driver.cluster import acquire_engine
 from ..driver.elastic import per_batch_frame
-from ..driver.inplan import DISTINCT_UPDATE, aggregations_of, fall_back, handler_for, \
-    open_at_start, run_of
+from ..driver.inplan import DISTINCT_UPDATE, fall_back, handler_for, open_at_start, run_of
 from ..driver.settings import read_settings
 
 __all__ = ["StretchControl", "StretchFrame", "StretchStreamingQuery"]
@@ -147,18 +146,22 @@ class _Writer(DataStreamWriter):
         stretch methods."""
         if self._spec is None:
             return start()
+        # (the frame's plan is the query's: Spark's own plan of a started query may not be
+        # made yet, and is made on the query's thread)
+        ids = jvm.ShimPlans(self._spark).frame_marker_ids(self._df)
         # The engine process starts (about a second of imports) while Spark starts the query,
         # not after: the run opened at the start takes it over.
         early = (acquire_engine(self._spark, read_settings(self._spark.conf))
-                 if len(jvm.ShimPlans(self._spark).frame_marker_ids(self._df)) == 1 else None)
+                 if len(ids) == 1 else None)
         try:
             q = start()
-            open_at_start(self._spark, self._agg_id, q, self._mode or "append", delta)
+            open_at_start(self._spark, self._agg_id, q, self._mode or "append", delta,
+                          several=len(ids) > 1)
         finally:
             if early is not None:
                 early.release()
         q = jvm.requery(q, _EngineWrites if delta else StretchStreamingQuery)
-        q._stretch_ids = aggregations_of(self._spark, q)
+        q._stretch_ids = ids
         return q
 
 

@@ -164,5 +164,6 @@ def control(query: StreamingQuery) -> Optional[StretchControl]:
     """
     if not isinstance(query, StreamingQuery):
         raise TypeError(f"control() takes a StreamingQuery, got {type(query).__name__}")
-    ids = aggregations_of(SparkSession.getActiveSession(), query)
+    ids = getattr(query, "_stretch_ids", None) or aggregations_of(
+        SparkSession.getActiveSession(), query)
     return StretchControl(query, ids) if ids else None

@@ -80,16 +80,16 @@ def handler_for(spark: SparkSession) -> "BatchHandler":
 
 
 def open_at_start(spark: SparkSession, agg_id: str, query, mode: str,
-                  delta: Optional[dict] = None) -> None:
+                  delta: Optional[dict] = None, several: bool = False) -> None:
     """Open the engine's query of the stretch operator ``agg_id`` as Spark's ``query``
     (written with output mode ``mode``; to the Delta table ``delta``, ``{"path", "schema"}``,
     by the engine itself) starts, beside Spark's planning of its first micro-batch, which would
-    open it otherwise."""
+    open it otherwise; not for a query with ``several`` stretch operators."""
+    if several:  # (each one's files by its Spark operator id, which its first batch tells)
+        return
     marked = handler_for(spark).marked(agg_id)
     key = (str(query.runId), agg_id)
     plans = jvm.ShimPlans(spark)
-    if len(plans.marker_ids(query)) != 1:  # (each one's files by its Spark operator id, which
-        return                              # its first batch tells)
     schema = plans.input_schema(agg_id)
     with _LOCK:
         if key in _RUNS:  # (its first batch came first)

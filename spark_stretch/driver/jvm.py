@@ -9,8 +9,10 @@ method per JVM method.
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Set, Tuple
 
+from py4j.protocol import Py4JJavaError
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
@@ -362,9 +364,19 @@ class ShimPlans:
         """The stretch aggregations of a DataFrame's plan, in its order."""
         return list(self._j.markerIds(df._jdf.queryExecution().logical()))
 
-    def marker_ids(self, query) -> List[str]:
-        """The stretch aggregations of a running ``StreamingQuery``'s plan, in its order."""
-        return list(self._j.markerIds(query._jsq.streamingQuery().logicalPlan()))
+    def marker_ids(self, query, wait_s: float = 60.0) -> List[str]:
+        """The stretch aggregations of a running ``StreamingQuery``'s plan, in its order.
+        Spark makes that plan on the query's own thread, which may not have done so yet: it is
+        waited for (``wait_s``), while the query is active."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return list(self._j.markerIds(query._jsq.streamingQuery().logicalPlan()))
+            except Py4JJavaError as e:
+                if ("must be initialized in QueryExecutionThread" not in str(e)
+                        or time.monotonic() > deadline or not query.isActive):
+                    raise
+                time.sleep(0.05)
 
 
 def active_query(spark: SparkSession, query_id: str):
