@@ -132,10 +132,18 @@ def run_of(run_id: str, agg_id: str, wait: float = 0.0) -> Optional["PlanRun"]:
         time.sleep(0.05)
 
 
-def aggregations_of(spark: SparkSession, query) -> List[str]:
+def aggregations_of(spark: SparkSession, query, wait_s: float = 60.0) -> List[str]:
     """The stretch aggregations of a running ``StreamingQuery``'s plan, in the plan's order (the
-    outer one of two chained first)."""
-    return jvm.ShimPlans(spark).marker_ids(query)
+    outer one of two chained first). Spark makes that plan on the query's own thread, which may
+    not have done so yet: it is waited for (``wait_s``), while the query is active."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return jvm.ShimPlans(spark).marker_ids(query)
+        except Exception as e:
+            if not jvm.plan_not_made(e) or time.monotonic() > deadline or not query.isActive:
+                raise
+            time.sleep(0.05)
 
 
 def _ended(run_id: str) -> None:

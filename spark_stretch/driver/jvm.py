@@ -9,18 +9,15 @@ method per JVM method.
 
 from __future__ import annotations
 
-import time
 from typing import List, Optional, Set, Tuple
 
-from py4j.protocol import Py4JJavaError
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 __all__ = ["executor_hosts", "launch_engines", "batch_plan", "trigger_state", "plan_string",
            "foreach_batch_with_metrics", "forget_batch_function", "processing_interval_ms",
-           "register_aggregation_figures",
-           "watermarks", "interval_us", "ShimPlans", "dataframe", "requery", "active_query",
-           "splits_for", "session_key", "on_query_end",
+           "register_aggregation_figures", "watermarks", "interval_us", "ShimPlans",
+           "dataframe", "requery", "plan_not_made", "splits_for", "session_key", "on_query_end",
            "column_text", "grouping_columns", "ShimIngest"]
 
 
@@ -364,24 +361,16 @@ class ShimPlans:
         """The stretch aggregations of a DataFrame's plan, in its order."""
         return list(self._j.markerIds(df._jdf.queryExecution().logical()))
 
-    def marker_ids(self, query, wait_s: float = 60.0) -> List[str]:
-        """The stretch aggregations of a running ``StreamingQuery``'s plan, in its order.
-        Spark makes that plan on the query's own thread, which may not have done so yet: it is
-        waited for (``wait_s``), while the query is active."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return list(self._j.markerIds(query._jsq.streamingQuery().logicalPlan()))
-            except Py4JJavaError as e:
-                if ("must be initialized in QueryExecutionThread" not in str(e)
-                        or time.monotonic() > deadline or not query.isActive):
-                    raise
-                time.sleep(0.05)
+    def marker_ids(self, query) -> List[str]:
+        """The stretch aggregations of a running ``StreamingQuery``'s plan, in its order (a
+        Py4JJavaError until the query's thread has made that plan)."""
+        return list(self._j.markerIds(query._jsq.streamingQuery().logicalPlan()))
 
 
-def active_query(spark: SparkSession, query_id: str):
-    """The active ``StreamingQuery`` of id ``query_id``, or None."""
-    return spark.streams.get(query_id)
+def plan_not_made(error: BaseException) -> bool:
+    """Whether ``error`` is Spark's refusal of a started query's plan not made yet (its thread
+    makes it)."""
+    return "must be initialized in QueryExecutionThread" in str(error)
 
 
 def requery(query, cls):

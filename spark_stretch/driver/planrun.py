@@ -168,7 +168,7 @@ class PlanRun:
             if self._last is not None and self._last[0] == batch_id:
                 return self._last[1]  # the sink ran the batch's plan again: the same rows
             if self.query is None and info.get("query_id"):
-                self.query = jvm.active_query(self._spark, info["query_id"])
+                self.query = self._spark.streams.get(info["query_id"])
                 if self.query is not None:
                     self._interval_ms = jvm.processing_interval_ms(self.query)
             df = jvm.dataframe(jdf, self._spark)

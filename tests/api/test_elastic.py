@@ -179,6 +179,7 @@ class _ScaleOutThenRebalance(Policy):
         return None
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_the_drop_in_runs_a_users_policy_beside_manual_reconfigure(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 600, files=6, rate=12.0, users=100, vocab=30,
                        jitter_s=4.0, seed=7)
@@ -238,6 +239,7 @@ def test_a_policy_that_does_not_fit_the_query_fails_before_it_starts(spark, tmp_
     assert spark_stretch.ElasticPolicy is ElasticPolicy
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_stretch_df_runs_a_users_policy_and_reports_its_figures_in_sparks_progress(
         spark, tmp_path):
     from pyspark.sql import functions as F

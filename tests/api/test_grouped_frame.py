@@ -75,6 +75,7 @@ def _counts(spark, src, side, mode="Append"):
                 COUNT_STATE, mode, GroupStateTimeout.NoTimeout)
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_an_aggregation_after_it_equals_native_or_is_refused_as_natively(spark, tweets,
                                                                          tmp_path):
     for name, side in SIDES:  # Spark's UnsupportedOperationChecker sees Spark's own operator
@@ -95,6 +96,7 @@ def test_an_aggregation_after_it_equals_native_or_is_refused_as_natively(spark, 
     assert sorted(spark.table("chained_stretch").collect()) == sorted(want) and len(want) > 3
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_to_table_equals_native(spark, tweets, tmp_path):
     try:
         for name, side in SIDES:

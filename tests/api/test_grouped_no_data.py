@@ -141,6 +141,7 @@ timeout_after_3s = counting_with_timeout(3000)
 timeout_by_key = counting_with_timeout(1)
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_processing_time_timeout_fires_while_idle_as_native(spark, tmp_path):
     # Native runs a no-data batch on every trigger with ProcessingTimeTimeout, so "a" times out
     # about 3 s after its batch and "b" 3 s later, although nothing else arrives. Both queries

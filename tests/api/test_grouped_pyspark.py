@@ -112,7 +112,7 @@ def _slow(name):
 
 
 @pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("case", ["basic", "basic_more_data", "basic_with_null",
+@pytest.mark.parametrize("case", ["basic", _slow("basic_more_data"), _slow("basic_with_null"),
                                   _slow("basic_no_state"), _slow("basic_no_state_no_data"),
                                   _slow("basic_fewer_data")])
 def test_apply_in_pandas_with_state_basic(spark, tmp_path, case, side):

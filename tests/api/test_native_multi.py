@@ -73,6 +73,7 @@ def test_a_union_of_two_stretch_aggregations_equals_native_batch_by_batch(spark,
     assert not (tmp_path / "ck-st" / "stretch" / "query.json").exists()
 
 
+@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
 def test_a_stretch_aggregation_over_a_stretch_aggregation_equals_native(spark, src, tmp_path):
     # The outer aggregation's event time is window_time of the inner's windows; each batch's
     # watermark is Spark's (the outer's input alone would give it a later one)
