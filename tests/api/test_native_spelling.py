@@ -458,7 +458,8 @@ def typed(spark, tmp_path):
 
 
 @pytest.mark.parametrize("window", [
-    lambda: F.window("ts", "20 seconds"), lambda: F.window("ts", "20 seconds", "10 seconds"),
+    lambda: F.window("ts", "20 seconds"),
+    pytest.param(lambda: F.window("ts", "20 seconds", "10 seconds"), marks=pytest.mark.slow),
     lambda: F.session_window("ts", "5 seconds")], ids=["tumbling", "sliding", "session"])
 def test_first_last_typed_min_max_and_decimal_sums_equal_native(spark, typed, tmp_path, window):
     def agg(df):
@@ -501,16 +502,20 @@ def test_decimal_timestamp_and_boolean_keys_in_update_mode(spark, typed, tmp_pat
     assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
 
 
-def _windows_and_modes(tumble, slide, gap):
+def _windows_and_modes(tumble, slide, gap, default):
     """Parametrize ``window, mode``: tumbling windows of ``tumble`` in append mode, sliding
-    ones (``slide``: size, step) in update mode, session windows of ``gap`` in append mode."""
+    ones (``slide``: size, step) in update mode, session windows of ``gap`` in append mode;
+    only ``default`` (an id) in the default run, the others slow (the tests below take turns,
+    so the default run has each window kind; make test-slow runs all)."""
+    cases = {"tumbling": (lambda: F.window("ts", tumble), "append"),
+             "sliding-update": (lambda: F.window("ts", *slide), "update"),
+             "session": (lambda: F.session_window("ts", gap), "append")}
     return pytest.mark.parametrize("window, mode", [
-        (lambda: F.window("ts", tumble), "append"), (lambda: F.window("ts", *slide), "update"),
-        (lambda: F.session_window("ts", gap), "append")],
-        ids=["tumbling", "sliding-update", "session"])
+        pytest.param(*c, id=i, marks=() if i == default else pytest.mark.slow)
+        for i, c in cases.items()])
 
 
-@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds")
+@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds", "session")
 def test_min_and_max_of_strings_in_sparks_order(spark, typed, tmp_path, window, mode):
     # Strings compared by their rank among all strings interned so far (by their UTF-8
     # bytes: "Z" before "a", "é" after "z"); later batches' strings change the ranks
@@ -530,7 +535,7 @@ def test_min_and_max_of_strings_in_sparks_order(spark, typed, tmp_path, window, 
     assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
 
 
-@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds")
+@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds", "sliding-update")
 def test_first_last_max_by_min_by_over_strings_and_doubles(spark, typed, tmp_path, window, mode):
     # String values are interned by the engine (their ids in its state) and decoded on output;
     # max_by/min_by keep a double's bits in their int slot
@@ -577,7 +582,7 @@ ORDERED_FILES = [
 ]
 
 
-@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds")
+@_windows_and_modes("20 seconds", ("20 seconds", "10 seconds"), "5 seconds", "tumbling")
 def test_max_by_and_min_by_by_exact_orderings(spark, tmp_path, window, mode):
     # bigint, double, decimal(18,2) and string orderings: the engine keeps the
     # extremum exactly (a long that orders as Spark orders the type, or an interned string
@@ -639,7 +644,7 @@ def many(spark, tmp_path):
     return read
 
 
-@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds")
+@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds", "sliding-update")
 def test_approx_count_distinct_is_sparks_own_estimate(spark, many, tmp_path, window, mode):
     # The engine keeps Spark's HLL++ registers and Spark estimates from them: equal to native,
     # not only within the error (the estimates differ from the exact counts here)
@@ -661,7 +666,7 @@ def test_approx_count_distinct_is_sparks_own_estimate(spark, many, tmp_path, win
     assert all(abs(v - exact[g]) <= 0.2 * exact[g] for g, v in final.items())
 
 
-@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds")
+@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds", "session")
 def test_approx_count_distinct_of_rsd_0_01_is_sparks_own_estimate(spark, tmp_path, window, mode):
     # rsd 0.01 (2^14 registers): each window's registers in a row of the engine's register
     # pool, not its record. About 15,000 distinct values per window and key: past linear
