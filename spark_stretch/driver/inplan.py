@@ -33,7 +33,6 @@ from pyspark.sql import SparkSession
 from ..protocol.layout import QueryLayout
 from . import jvm
 from .planrun import Marked, PlanRun
-from .policy import Policy
 from .settings import read_settings
 
 __all__ = ["DISTINCT_UPDATE", "FallbackWarning", "BatchHandler", "Marked", "PlanRun",
@@ -178,10 +177,6 @@ class BatchHandler:
 
     def marked(self, agg_id: str) -> Marked:
         return self._marked[agg_id]
-
-    def policy(self, agg_id: str) -> Optional[Policy]:
-        """The operator's elastic policy (``stretch(df, elastic=)``), or None."""
-        return self._marked[agg_id].policy
 
     def onBatch(self, agg_id, batch_id, mode, state_dir, run_id, jdf, jplan,  # noqa: N802
                 sink, batch) -> str:

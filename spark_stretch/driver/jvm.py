@@ -348,10 +348,6 @@ class ShimPlans:
 
         return StructType.fromJson(json.loads(self._j.inputSchema(agg_id)))
 
-    def marked(self, query) -> bool:
-        """Whether a running ``StreamingQuery`` has a stretch aggregation in its plan."""
-        return bool(self._j.marked(query._jsq.streamingQuery().logicalPlan()))
-
     def check_native(self, agg_id: str, mode: str) -> None:
         """Raise Spark's own error if Spark refuses the aggregation ``agg_id`` as a streaming
         query in output ``mode``."""

@@ -235,7 +235,6 @@ class Pipeline(_Decisions):
         marks = [info[k] for k in ("late_watermark_ms", "watermark_ms") if k in info]
         reply = eng.call(M.Step(query=self._qid, batch=batch_id,
                                 batch_ts_ms=self._kind.batch_time(self._rec, batch_id, info),
-                                watermark_ms=None if len(marks) == 2 else info.get("watermark_ms"),
                                 watermarks=marks if len(marks) == 2 else None))
         t2 = time.perf_counter()
         out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None

@@ -124,7 +124,7 @@ class HostDaemon:
 
     def _step(self, msg: M.Step) -> M.StepResult:
         return self._query(msg).step(msg.batch, msg.batch_ts_ms, msg.stream_max_ms,
-                                     msg.watermark_ms, msg.watermarks)
+                                     watermarks=msg.watermarks)
 
     def _flush(self, msg: M.Flush) -> M.FlushResult:
         rt = self._query(msg)

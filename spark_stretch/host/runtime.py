@@ -213,7 +213,7 @@ class Runtime(ABC):
         again (Spark re-running it after a failure) gives the same rows without touching the
         state; an older one is an error. ``stream_max_ms``: every host's largest event times
         up to the batch before (a query on several hosts); ``watermark_ms``: Spark's own
-        eviction watermark for the batch (an aggregation in Spark's plan,
+        eviction watermark for the batch (an aggregation in Spark's plan, by :meth:`submit`:
         :meth:`take_watermark`); ``watermarks``: Spark's own ``[W_{N-1}, W_N]`` (the drop-in in
         Spark's plan: late events and eviction), taken in place of the engine's."""
         with self.lock:

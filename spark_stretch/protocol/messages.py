@@ -16,7 +16,7 @@ Examples
 >>> wire["op"], wire["batch"]
 ('step', 3)
 >>> decode_request(wire)
-Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None, watermark_ms=None, watermarks=None)
+Step(query='q1', batch=3, batch_ts_ms=None, stream_max_ms=None, watermarks=None)
 >>> decode_request({"v": 1, "op": "step", "query": "q1", "batch": "three"})
 Traceback (most recent call last):
 ...
@@ -302,10 +302,6 @@ class Step(Request):
     # A query on several hosts: each input stream's largest event time (ms) over every host
     # up to the batch before (the engine folds it into its own, so all agree on W_N)
     stream_max_ms: Optional[List[Optional[int]]] = None
-    # Spark's own watermark for the batch (its state operator's eviction watermark, ms), which
-    # the engine then takes as W_N in place of its own (``stretch(df)``: an aggregation of
-    # another's windows, or of one of several streams, has Spark's global watermark)
-    watermark_ms: Optional[int] = None
     # Spark's watermarks of the batch (ms), late events' and eviction's (W_{N-1}, W_N), where
     # Spark's own operator has them (the drop-in inside Spark's plan): used in place of the
     # engine's own
@@ -321,7 +317,10 @@ class Submit(Request):
     query: str
     batch: int
     stream_max_ms: Optional[List[Optional[int]]] = None  # (as for Step)
-    watermark_ms: Optional[int] = None  # (as for Step)
+    # Spark's own watermark for the batch (its state operator's eviction watermark, ms), which
+    # the engine then takes as W_N in place of its own (``stretch(df)``: an aggregation of
+    # another's windows, or of one of several streams, has Spark's global watermark)
+    watermark_ms: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -416,9 +416,6 @@ object StretchPlans {
   def grouped(id: String): Boolean =
     Option(translations.get(id)).exists(t => t.spec.path("kind").asText() == "grouped")
 
-  /** Whether a streaming query's plan has a stretch aggregation. */
-  def marked(plan: LogicalPlan): Boolean = plan.exists(_.isInstanceOf[StretchMarker])
-
   /** Spark's own check of aggregation `id` as a streaming query in output `mode` (throws
    * Spark's own error where Spark refuses it). */
   def checkNative(id: String, mode: String): Unit =
