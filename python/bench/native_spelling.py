@@ -2,6 +2,7 @@
 vs ``stretchAggregate``, side by side in one run, into Delta.
 
     python python/bench/native_spelling.py [--tweets 1000000] [--files 10] [--repeat 3]
+                                           [--queries wordcount,composite,fallback]
 
 Queries over the same tweet stream (``--files`` files = micro-batches, availableNow, local[2],
 window 120 s sliding by 60 s, watermark 10 s):
@@ -10,11 +11,20 @@ window 120 s sliding by 60 s, watermark 10 s):
   native, ``stretch(...)`` of the same DataFrame, and ``stretchAggregate(keys="words")`` (whose
   engine appends to Delta itself);
 - ``composite``: ``groupBy(window, user, size(words)).agg(sum(len), avg(len), max(len))``;
-  native and ``stretch(...)``.
+  native and ``stretch(...)``;
+- ``fallback``: ``groupBy(window, user).agg(percentile_approx(len, 0.5), sum(len))``, which the
+  engine cannot run: native and ``stretch(...)`` (Spark runs it, after ``stretch`` analysed it
+  and warned): what a fallback costs.
+
+Each run is timed from the making of its DataFrame (``stretch(df)`` analyses the plan then) to
+the query's end.
 
 Every run's table is checked equal to native's (exceptAll both ways). Each stretch run starts
-the engine process, as a query's first run does (the previous run's is waited out). Runs alternate (native,
-stretch, ...) ``--repeat`` times; medians reported. Fair set-up for native Spark as in
+the engine process, as a query's first run does (the previous run's is waited out), and each run
+starts after a JVM garbage collection (untimed). ``--repeat`` rounds, each starting with the next
+kind (native, stretch(df), ...; then stretch(df), ..., native), so no kind always runs right
+after another (a repeat that is a multiple of 3 gives each kind each place); medians reported.
+Fair set-up for native Spark as in
 ``spark.py``: spark.driver.memory=4g, spark.sql.shuffle.partitions=2, the default state store.
 """
 
@@ -26,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from pyspark.sql import functions as F
@@ -39,11 +50,19 @@ def _window():
     return F.window("ts", "120 seconds", "60 seconds")
 
 
+def _quiet(make):
+    """``make()`` with stretch's fallback warning (expected here) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", spark_stretch.FallbackWarning)
+        return make()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tweets", type=int, default=1_000_000)
     ap.add_argument("--files", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--queries", default="wordcount,composite,fallback")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stretch-bench-native-"))
     src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
@@ -63,9 +82,15 @@ def main() -> None:
         return (source().groupBy(_window(), "user", F.size("words").alias("n_words"))
                 .agg(F.sum("len").alias("s"), F.avg("len").alias("a"), F.max("len").alias("m")))
 
-    def run(df, name, i):
+    def fallback():  # (percentile_approx: not an engine aggregate, so Spark runs it)
+        return (source().groupBy(_window(), "user")
+                .agg(F.percentile_approx("len", 0.5).alias("p"), F.sum("len").alias("s")))
+
+    def run(make, name, i):
         out = work / f"{name}-{i}"
-        t0 = time.perf_counter()
+        spark.sparkContext._jvm.System.gc()  # (untimed: the last run's garbage is not this one's)
+        t0 = time.perf_counter()  # (from the DataFrame's making: stretch(df) analyses the plan)
+        df = make()
         q = (df.writeStream.format("delta").option("checkpointLocation", f"{out}-ckpt")
              .trigger(availableNow=True).start(str(out)))
         q.awaitTermination()
@@ -97,17 +122,27 @@ def main() -> None:
             "stretch(df)": lambda: spark_stretch.stretch(composite(), max_parallelism=2,
                                                          parallelism=2),
         },
+        "fallback": {
+            "native": fallback,
+            "stretch(df)": lambda: _quiet(lambda: spark_stretch.stretch(
+                fallback(), max_parallelism=2, parallelism=2)),
+        },
     }
     ok = True
     try:
-        for query, kinds in variants.items():
+        for query in args.queries.split(","):
+            kinds = variants[query]
             times = {k: [] for k in kinds}
             outs = {}
             for k, make in kinds.items():  # an untimed warm-up of each (JIT, class loading)
-                run(make(), f"{query}-{k}-warmup", 0)
+                run(make, f"{query}-{k}-warmup", 0)
+            names = list(kinds)
             for i in range(args.repeat):
-                for k, make in kinds.items():
-                    s, outs[k] = run(make(), f"{query}-{k}".replace("(", "").replace(")", ""), i)
+                # Each round starts with the next kind: no kind always runs right after
+                # another's (native's long runs leave the JVM garbage the next run collects)
+                for k in names[i % len(names):] + names[:i % len(names)]:
+                    s, outs[k] = run(kinds[k], f"{query}-{k}".replace("(", "").replace(")", ""),
+                                     i)
                     times[k].append(s)
             # stretchAggregate's columns are window, key, count: compare it renamed
             equal = {}

@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 import spark_stretch
@@ -98,6 +99,8 @@ def _as_delta(src: Path, dst: Path) -> Path:
 
 
 def _timed(start):
+    # (untimed: a JVM garbage collection first, so no run collects the one before's garbage)
+    SparkSession.getActiveSession().sparkContext._jvm.System.gc()
     t0 = time.perf_counter()
     q = start()
     q.awaitTermination()
@@ -129,7 +132,8 @@ def _same(a, b, rel: float = 0.0) -> bool:
 
 def _as_written(spark, src, args, work: Path, name: str) -> dict:
     """Native vs ``stretch(df)`` of the same DataFrame (``AS_WRITTEN[name]``), both into Delta,
-    alternated ``--repeat`` times after an untimed warm-up of each; medians; outputs equal."""
+    alternated ``--repeat`` times (native first in odd rounds, stretch first in even ones) after
+    an untimed warm-up of each; medians; outputs equal."""
     def make(wrap):
         df = AS_WRITTEN[name](_source(spark, src, args.source))
         return spark_stretch.stretch(df, parallelism=args.parallelism,
@@ -148,8 +152,8 @@ def _as_written(spark, src, args, work: Path, name: str) -> dict:
     run(False, "native-warmup")
     run(True, "stretch-warmup")
     times = {"native": [], "stretch": []}
-    for _ in range(args.repeat):
-        for kind in times:
+    for i in range(args.repeat):
+        for kind in (["native", "stretch"] if i % 2 == 0 else ["stretch", "native"]):
             s, _ = run(kind == "stretch", kind)
             times[kind].append(s)
     a = spark.read.format("delta").load(str(work / f"{name}-native"))

@@ -42,6 +42,7 @@ def serve(fd: int, parent: int) -> int:
                 from .instance import Instance
 
                 inst = Instance(msg)
+                _tune_gc()
                 reply = I.Ready(os.getpid())
             elif isinstance(msg, I.Batch) and inst is not None:
                 reply = inst.batch(msg)
@@ -56,6 +57,19 @@ def serve(fd: int, parent: int) -> int:
             conn.send(reply)
         except (OSError, EOFError):
             return 0
+
+
+def _tune_gc() -> None:
+    """Fewer cyclic collections for a process that makes many small short-lived pandas objects
+    per key: what the imports made is frozen (never scanned again), and the youngest
+    generation is collected every 20,000 allocations, not every 700 (about 15% of a
+    sessionization function's time went to collections that scanned the modules and the
+    batch's own frames)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
 
 
 def main(argv=None) -> int:
