@@ -24,7 +24,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -W ignore::FutureWarning
+	$(PY) -m pytest -q -W ignore::FutureWarning --durations=25
 
 test-slow: setup
 	$(PY) -m pytest -q -W ignore::FutureWarning -m slow
