@@ -26,9 +26,7 @@ sink run a query on several hosts unchanged:
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -43,9 +41,17 @@ from .fanout import FanOut, _Query
 from .routing import route
 from .settings import QuerySettings
 
-__all__ = ["ClusterEngine", "RemoteEngine", "acquire_engine", "engine_hosts"]
+__all__ = ["ClusterEngine", "EngineStartError", "RemoteEngine", "acquire_engine",
+           "engine_hosts"]
 
 _LAUNCH_TIMEOUT_MS = 180_000
+# The launcher's own reason (StretchHosts.whyNotStarted), out of Spark's job failure.
+_CANNOT_START = re.compile(r"spark-stretch cannot start its engine on executor host [^\n]*")
+
+
+class EngineStartError(RuntimeError):
+    """An executor host cannot run the engine: the message names the host and what is missing
+    there (the executors' Python, a module, the package's version)."""
 
 
 def engine_hosts(spark, wait_s: float = 30.0) -> List[str]:
@@ -124,12 +130,23 @@ class ClusterEngine(FanOut, EngineHandle):
     # -- the engines -------------------------------------------------------------------------
     def launch(self) -> None:
         """Start the engine of every host that has none running (all of them the first time)."""
-        python = (self._spark.conf.get("spark.pyspark.python", None)
-                  or os.environ.get("PYSPARK_PYTHON") or sys.executable)
-        lines = jvm.launch_engines(
-            self._spark, self.hosts,
-            [python, "-m", "spark_stretch.host.daemon", "--nice", str(self._niceness)],
-            self.secret.decode(), tempfile.gettempdir(), float(self.lease_s), _LAUNCH_TIMEOUT_MS)
+        from .. import __version__
+
+        # The Python PySpark's own workers run on the executors (pyspark's pythonExec: the
+        # driver's PYSPARK_PYTHON, which spark-submit sets from spark.pyspark.python), in the
+        # executors' own temporary directory: nothing of this machine's file system.
+        python = self._spark.sparkContext.pythonExec or "python3"
+        try:
+            lines = jvm.launch_engines(
+                self._spark, self.hosts,
+                [python, "-m", "spark_stretch.host.daemon", "--nice", str(self._niceness),
+                 "--driver-version", __version__],
+                self.secret.decode(), "", float(self.lease_s), _LAUNCH_TIMEOUT_MS)
+        except Exception as err:
+            why = _CANNOT_START.search(str(err))
+            if why is None:
+                raise
+            raise EngineStartError(why.group(0)) from err
         self.engines = []
         for line in lines:
             host, sock, tcp, pid = line.split("|")
@@ -242,6 +259,8 @@ class ClusterEngine(FanOut, EngineHandle):
                 try:
                     self.launch()
                     return self
+                except EngineStartError:
+                    raise  # (the host cannot run it: no retry helps)
                 except Exception:
                     if time.monotonic() > deadline:
                         raise

@@ -7,6 +7,7 @@ setup`` runs it), printing where they are.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
-__all__ = ["configure_spark_with_stretch", "delta_package", "delta_jars", "session"]
+__all__ = ["configure_spark_with_stretch", "delta_package", "delta_jars", "package_jars",
+           "session"]
 
 # Spark's own log4j settings, at ERROR and without the banner (session(verbose=False)).
 QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
@@ -40,16 +42,22 @@ def configure_spark_with_stretch(
 ) -> SparkSession.Builder:
     """Add the spark-stretch shim jar and Delta Lake to a SparkSession builder.
 
-    Delta is the artifact delta's own ``configure_spark_with_delta_pip`` picks for the installed
-    pyspark (``io.delta:delta-spark_4.2_2.13`` for pyspark 4.2; see :func:`delta_package`), resolved
-    by Spark from Maven Central. The shim jar is compiled on first use from the bundled Scala sources and cached.
+    Both reach the driver and every executor the way Spark ships any package: Delta is the
+    artifact delta's own ``configure_spark_with_delta_pip`` picks for the installed pyspark
+    (``io.delta:delta-spark_4.2_2.13`` for pyspark 4.2; see :func:`delta_package`), and the shim
+    jar (compiled on first use from the bundled Scala sources and cached) is published to the
+    local Ivy repository Spark resolves packages from, as ``sbt publishLocal`` would
+    (:func:`~spark_stretch.driver.shim.shim_package`); both go in ``spark.jars.packages``, so
+    Spark resolves them on the driver and serves them to executors. No setting names a path of
+    this machine for the executors.
 
     Parameters
     ----------
     builder : SparkSession.Builder
         Your builder; it is changed in place and returned.
     extra_packages : list of str, optional
-        More Maven coordinates for ``spark.jars.packages``.
+        More Maven coordinates for ``spark.jars.packages`` (those already set on the builder are
+        kept too).
 
     Returns
     -------
@@ -60,33 +68,69 @@ def configure_spark_with_stretch(
     >>> from pyspark.sql import SparkSession
     >>> from spark_stretch import configure_spark_with_stretch
     >>> builder = SparkSession.builder.master("local[2]").appName("demo")
-    >>> spark = configure_spark_with_stretch(builder).getOrCreate()  # doctest: +SKIP
-    >>> spark.range(3).write.format("stretch")  # doctest: +SKIP
+    >>> spark = configure_spark_with_stretch(
+    ...     builder, ["org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0"]).getOrCreate()  # doctest: +SKIP
+    >>> spark.range(3).write.format("delta").save("/tmp/t")  # doctest: +SKIP
 
     Notes
     -----
-    Like ``configure_spark_with_delta_pip`` this sets ``spark.jars.packages``; pass your other
-    packages through ``extra_packages``. An existing ``spark.jars`` setting is kept.
+    A builder that also sets ``spark.jars`` keeps those jars, but then every package is resolved
+    here, once, by Spark's own Ivy (a child process; its list is cached) and shipped through
+    ``spark.jars`` instead: PySpark sets the builder's ``spark.jars`` again after
+    ``spark-submit`` merged the resolved packages into it, which would leave the executors
+    without them. Set ``spark.jars`` and ``spark.jars.packages`` before this call, not after.
     """
     if type(builder) is not SparkSession.Builder:
         raise TypeError(
             "configure_spark_with_stretch needs a SparkSession.Builder, got "
             f"{type(builder).__name__}; pass SparkSession.builder")
-    return _with_stretch(builder, packages=[delta_package(), *(extra_packages or [])])
+    if extra_packages is not None and (isinstance(extra_packages, str)
+                                       or not all(isinstance(p, str) for p in extra_packages)):
+        raise TypeError("extra_packages must be a list of Maven coordinates "
+                        f"('group:artifact:version'), got {extra_packages!r}")
+    from .shim import cache_dir, shim_jar
+
+    options = builder._options  # (pyspark's Builder has no getter)
+    packages = _merge(_split(options.get("spark.jars.packages")), [delta_package()],
+                      list(extra_packages or []))
+    user_jars = _split(options.get("spark.jars"))
+    if user_jars:
+        ivy = Path(options.get("spark.jars.ivy") or cache_dir() / "ivy")
+        ivy_conf = {k: options[k] for k in _IVY_SETTINGS if k in options
+                    and k != "spark.jars.packages"}
+        options.pop("spark.jars.packages", None)
+        return _with_stretch(builder, jars=[*user_jars, str(shim_jar()),
+                                            *package_jars(ivy, packages, ivy_conf)])
+    from .shim import shim_package
+
+    packages.append(shim_package(options.get("spark.jars.ivy")))
+    builder = builder.config("spark.jars.packages", ",".join(packages))
+    return _with_stretch(builder)
 
 
-def _with_stretch(builder: SparkSession.Builder, packages=(), jars=()) -> SparkSession.Builder:
-    """``builder`` with Delta's ``packages`` for Spark's Ivy and/or jars already resolved, the
-    shim jar after the user's own jars, and Delta's SQL extension and catalog."""
-    from .shim import shim_jar
+def _split(value: Optional[str]) -> List[str]:
+    return [x.strip() for x in (value or "").split(",") if x.strip()]
 
-    if packages:
-        builder = builder.config("spark.jars.packages", ",".join(packages))
-    user = builder._options.get("spark.jars")  # keep the user's jars
-    builder = builder.config("spark.jars", ",".join([*([user] if user else []),
-                                                     str(shim_jar()), *jars]))
+
+def _merge(*lists: List[str]) -> List[str]:
+    """The packages of ``lists`` in order, each ``group:artifact`` once (the first version)."""
+    seen, out = set(), []
+    for p in (p for lst in lists for p in lst):
+        ga = ":".join(p.replace("/", ":").split(":")[:2])
+        if ga not in seen:
+            seen.add(ga)
+            out.append(p)
+    return out
+
+
+def _with_stretch(builder: SparkSession.Builder, jars: List[str] = ()) -> SparkSession.Builder:
+    """``builder`` with ``jars`` (already resolved: the whole ``spark.jars``) and Delta's SQL
+    extension and catalog."""
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
     for key, value in _DELTA_CONF.items():
-        builder = builder.config(key, value)
+        mine = _split(builder._options.get(key)) if key == "spark.sql.extensions" else []
+        builder = builder.config(key, ",".join(_merge(mine, [value])) if mine else value)
     return builder
 
 
@@ -159,15 +203,6 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
     # Our own Ivy directory: its jars/ then holds exactly the packages resolved for us.
     ivy = cache_dir() / "ivy"
     settings["spark.jars.ivy"] = str(ivy)
-    if master.startswith("local-cluster"):
-        # Executors that load Delta from spark.jars (a child classloader) fail to deserialize its
-        # Scala lambdas (SerializedLambda -> Function1); on the system classpath they work.
-        # Only Delta's own jars (Ivy names them org_artifact-version.jar): its transitive
-        # dependencies (an older Jackson) must not shadow Spark's.
-        group, artifact, version = delta_package().split(":")
-        delta_own = [ivy / "jars" / f"{group}_{a}-{version}.jar"
-                     for a in (artifact, "delta-storage")]
-        settings["spark.executor.extraClassPath"] = ":".join(map(str, [*delta_own, shim_jar()]))
     if verbose is None:
         verbose = os.environ.get("SPARK_STRETCH_VERBOSE", "").lower() in ("1", "true", "yes")
     if not verbose:
@@ -175,11 +210,21 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
             f"-Dlog4j2.configurationFile={QUIET_LOG4J.as_uri()}"
     settings.update(conf or {})
     builder = SparkSession.builder.master(master).appName(app_name)
+    packages = _split(settings.pop("spark.jars.packages", None))
+    user_jars = _split(settings.pop("spark.jars", None))
     for key, value in settings.items():
         builder = builder.config(key, value)
-    if verbose or any(k in settings for k in _IVY_SETTINGS):
+    if verbose and not user_jars:
+        # Spark's own resolution, with its report: the packages through spark.jars.packages
+        if packages:
+            builder = builder.config("spark.jars.packages", ",".join(packages))
         return configure_spark_with_stretch(builder).getOrCreate()
-    builder = _with_stretch(builder, jars=delta_jars(ivy))
+    # Quiet: every package resolved once by Spark's Ivy in a child process (its list cached),
+    # all of them shipped through spark.jars as spark-submit --jars ships local jars.
+    ivy = Path(settings["spark.jars.ivy"])
+    ivy_conf = {k: settings[k] for k in _IVY_SETTINGS if k in settings}
+    jars = package_jars(ivy, _merge([delta_package()], packages), ivy_conf)
+    builder = _with_stretch(builder, jars=[*user_jars, str(shim_jar()), *jars])
     with warnings.catch_warnings():
         # pyspark warns that pandas 3 is new to it when its first JVM call imports its test
         # utilities; only that warning, only here (the user's own calls still warn)
@@ -192,40 +237,54 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
 
 def delta_jars(ivy: Path, package: Optional[str] = None) -> List[str]:
     """The local jars of Delta (``package``, default :func:`delta_package`) and its
-    dependencies, resolved by Spark's own Ivy into ``ivy`` once and listed beside them.
+    dependencies, resolved by Spark's own Ivy into ``ivy`` once (:func:`package_jars`)."""
+    return package_jars(ivy, [package or delta_package()])
+
+
+def package_jars(ivy: Path, packages: List[str],
+                 ivy_conf: Optional[Dict[str, str]] = None) -> List[str]:
+    """The local jars of the Maven ``packages`` and their dependencies, resolved by Spark's own
+    Ivy into ``ivy`` once and listed beside them (``ivy_conf``: Spark's other Ivy settings,
+    ``spark.jars.repositories``, ``spark.jars.ivySettings``, ``spark.jars.excludes``).
 
     The first call resolves them in a child process whose output is kept (one line says so; a
     failure shows it all), later calls read the list. Delete ``<ivy>/spark-stretch-jars-*`` to
     resolve again.
     """
-    package = package or delta_package()
-    listed = Path(ivy) / f"spark-stretch-jars-{hashlib.sha256(package.encode()).hexdigest()[:16]}"
+    ivy_conf = {k: v for k, v in (ivy_conf or {}).items() if k != "spark.jars.ivy"}
+    key = json.dumps([list(packages), sorted(ivy_conf.items())])
+    listed = Path(ivy) / f"spark-stretch-jars-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     jars = listed.read_text().split() if listed.exists() else []
     if jars and all(os.path.isfile(j) for j in jars):
         return jars
-    print(f"spark-stretch: resolving {package} from Maven Central with Spark's Ivy into {ivy} "
+    print(f"spark-stretch: resolving {','.join(packages)} with Spark's Ivy into {ivy} "
           "(once) ...", file=sys.stderr, flush=True)
     proc = subprocess.run([sys.executable, "-m", "spark_stretch.driver", "--resolve",
-                           str(ivy), package], capture_output=True, text=True,
+                           str(ivy), ",".join(packages), json.dumps(ivy_conf)],
+                          capture_output=True, text=True,
                           env=dict(os.environ, SPARK_LOCAL_IP=os.environ.get(
                               "SPARK_LOCAL_IP", "127.0.0.1"), PYSPARK_PYTHON=sys.executable))
     lines = [x for x in proc.stdout.splitlines() if x.startswith("JARS ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"resolving {package} failed (Spark's Ivy, into {ivy}):\n"
+        raise RuntimeError(f"resolving {','.join(packages)} failed (Spark's Ivy, into {ivy}):\n"
                            + (proc.stdout + proc.stderr)[-6000:])
     jars = lines[-1][len("JARS "):].split(",")
-    tmp = listed.with_name(f".{listed.name}.tmp")
+    Path(ivy).mkdir(parents=True, exist_ok=True)
+    tmp = listed.with_name(f".{listed.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(jars) + "\n")
     os.replace(tmp, listed)
     return jars
 
 
-def resolve(ivy: str, package: str) -> List[str]:
-    """Have Spark's Ivy resolve ``package`` into ``ivy`` (a throwaway local session); the
-    resolved local jars (spark-submit puts them in ``spark.repl.local.jars``)."""
-    spark = (SparkSession.builder.master("local[1]").appName("spark-stretch resolve")
-             .config("spark.ui.enabled", "false").config("spark.jars.ivy", ivy)
-             .config("spark.jars.packages", package).getOrCreate())
+def resolve(ivy: str, packages: str, ivy_conf: Optional[Dict[str, str]] = None) -> List[str]:
+    """Have Spark's Ivy resolve ``packages`` (comma-separated) into ``ivy`` (a throwaway local
+    session); the resolved local jars (spark-submit puts them in ``spark.repl.local.jars``)."""
+    builder = (SparkSession.builder.master("local[1]").appName("spark-stretch resolve")
+               .config("spark.ui.enabled", "false").config("spark.jars.ivy", ivy)
+               .config("spark.jars.packages", packages))
+    for key, value in (ivy_conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     try:
         local = spark.sparkContext.getConf().get("spark.repl.local.jars", "") or ""
     finally:
@@ -234,6 +293,5 @@ def resolve(ivy: str, package: str) -> List[str]:
     jars = [p for p in (urlparse(u).path for u in local.split(",") if u)
             if Path(p).parent == here and os.path.isfile(p)]
     if not jars:
-        raise RuntimeError(f"Spark resolved no jars of {package} into {here}")
+        raise RuntimeError(f"Spark resolved no jars of {packages} into {here}")
     return jars
-

@@ -23,7 +23,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["shim_jar", "shim_sources", "ShimBuildError"]
+__all__ = ["shim_jar", "shim_package", "shim_sources", "ShimBuildError", "SHIM_GROUP", "SHIM_ARTIFACT"]
+
+# The shim's Maven coordinates in the local Ivy repository (shim_package); the version is the
+# package's plus the jar's source hash, so a changed shim is a new version to Ivy's caches.
+SHIM_GROUP = "io.github.spark-stretch"
+SHIM_ARTIFACT = "spark-stretch-shim_2.13"
 
 
 class ShimBuildError(RuntimeError):
@@ -116,6 +121,74 @@ def _compile(src: Path, jars: Path, jar: Path) -> None:
                     if f.is_file():
                         z.write(f, str(f.relative_to(root)))
         os.replace(partial, jar)
+
+
+def default_ivy_dir() -> Path:
+    """Where Spark's Ivy keeps its cache and local repository without ``spark.jars.ivy``:
+    ``~/.ivy2.5.2`` (Spark 4's ``MavenUtils.processIvyPathArg``; a driver started with the JVM
+    property ``ivy.home`` should set ``spark.jars.ivy`` as well)."""
+    return Path.home() / ".ivy2.5.2"
+
+
+def shim_package(ivy: "str | Path | None" = None) -> str:
+    """Publish the shim jar to the local Ivy repository that Spark resolves packages from
+    (``<ivy>/local``, as ``sbt publishLocal`` would) and return its Maven coordinates, for
+    ``spark.jars.packages``: Spark then resolves it on the driver and serves it to executors
+    with every other package.
+
+    Parameters
+    ----------
+    ivy : str or Path, optional
+        The session's ``spark.jars.ivy``; default :func:`default_ivy_dir`.
+
+    Examples
+    --------
+    >>> from spark_stretch.driver.shim import shim_package
+    >>> shim_package().startswith("io.github.spark-stretch:spark-stretch-shim_2.13:")  # doctest: +SKIP
+    True
+    """
+    from .. import __version__
+
+    jar = shim_jar()
+    version = f"{__version__}-{jar.stem.rsplit('-', 1)[-1]}"
+    root = Path(ivy) if ivy else default_ivy_dir()
+    rev = root / "local" / SHIM_GROUP / SHIM_ARTIFACT / version
+    if not (rev / "jars" / f"{SHIM_ARTIFACT}.jar").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=".publish-", dir=_mkdir(rev.parent)))
+        try:
+            (tmp / "jars").mkdir()
+            (tmp / "ivys").mkdir()
+            shutil.copyfile(jar, tmp / "jars" / f"{SHIM_ARTIFACT}.jar")
+            (tmp / "ivys" / "ivy.xml").write_text(_IVY_XML.format(
+                group=SHIM_GROUP, artifact=SHIM_ARTIFACT, version=version))
+            try:
+                os.rename(tmp, rev)
+            except OSError:
+                if not rev.is_dir():  # (else another process published it first)
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return f"{SHIM_GROUP}:{SHIM_ARTIFACT}:{version}"
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+_IVY_XML = """<?xml version="1.0" encoding="UTF-8"?>
+<ivy-module version="2.0">
+  <info organisation="{group}" module="{artifact}" revision="{version}" status="release"/>
+  <configurations>
+    <conf name="default" visibility="public"/>
+    <conf name="runtime" visibility="public"/>
+  </configurations>
+  <publications>
+    <artifact name="{artifact}" type="jar" ext="jar" conf="default,runtime"/>
+  </publications>
+  <dependencies/>
+</ivy-module>
+"""
 
 
 if __name__ == "__main__":  # python -m spark_stretch.driver.shim  -> builds and prints the jar path

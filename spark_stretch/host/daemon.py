@@ -207,6 +207,26 @@ class HostDaemon:
             rt.close()
 
 
+# What the engine imports (some of it lazily, in a thread): missing ones are named at start.
+_NEEDS = ("numpy", "pyarrow", "numba", "msgspec", "deltalake", "pandas")
+
+
+def preflight(driver_version: Optional[str]) -> Optional[str]:
+    """Why this Python cannot run the driver's engine (another spark-stretch version, a missing
+    dependency), or None."""
+    from importlib.util import find_spec
+
+    from .. import __version__
+
+    if driver_version and driver_version != __version__:
+        return (f"spark-stretch {__version__} is installed there, the driver runs "
+                f"{driver_version}")
+    missing = [m for m in _NEEDS if find_spec(m) is None]
+    if missing:
+        return "no module named " + ", ".join(f"'{m}'" for m in missing) + " there"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spark_stretch.host.daemon",
                                  description="spark-stretch host engine")
@@ -217,7 +237,13 @@ def main(argv=None) -> int:
                     "the application's secret is the first line of standard input")
     ap.add_argument("--lease", type=float, default=0.0,
                     help="exit when the driver has sent nothing for this many seconds")
+    ap.add_argument("--driver-version", default=None,
+                    help="the driver's spark-stretch version: refuse to start on another")
     args = ap.parse_args(argv)
+    problem = preflight(args.driver_version)
+    if problem:  # (the launcher on an executor host reports this line, naming the host)
+        print(f"STRETCH-ERROR {problem}", file=sys.stderr, flush=True)
+        return 3
     secret = sys.stdin.buffer.readline().strip() if args.tcp else None
     if args.nice:
         os.nice(args.nice)  # (its threads and instance processes inherit it)

@@ -3,7 +3,13 @@
 Every 127/8 address is loopback on Linux, so a master on 127.0.0.1 and workers bound to
 127.0.0.2, 127.0.0.3, ... (``SPARK_LOCAL_IP`` and ``--host``) give executors on distinct hosts
 as Spark sees them: a query's engines run one per host, reached over TCP. The pip ``pyspark``
-ships what it needs (``bin/spark-class``). The cluster is always stopped on exit, its processes
+ships what it needs (``bin/spark-class``).
+
+Each worker, and so its executors and the engines they start, runs with a home directory of its
+own (``HOME``, ``XDG_CACHE_HOME``; no ``SPARK_STRETCH_CACHE``), as on a machine of its own: what
+reaches an executor comes through Spark's shipping (``spark.jars``, ``spark.jars.packages``,
+``spark.archives``), never from the driver's caches. The disk, ``/tmp`` and ``/dev/shm`` are
+still this machine's. The cluster is always stopped on exit, its processes
 (workers, their executors, and what those started) ended, its work directories removed.
 
 Examples
@@ -32,6 +38,10 @@ from pathlib import Path
 from typing import List, Sequence
 
 __all__ = ["StandaloneCluster", "free_port"]
+
+# The driver's own places, not passed to the cluster's processes (a worker on another machine
+# has none of them).
+_DRIVER_ONLY = ("SPARK_STRETCH_CACHE", "XDG_CACHE_HOME", "PYTHONPATH", "SPARK_CONF_DIR")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,7 +75,8 @@ class StandaloneCluster:
         log = open(self._dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
             [self._spark_class, *args], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "SPARK_LOCAL_IP": host, **env}, start_new_session=True)
+            env={**{k: v for k, v in os.environ.items() if k not in _DRIVER_ONLY},
+                 "SPARK_LOCAL_IP": host, **env}, start_new_session=True)
         log.close()
         self._procs.append(proc)
         return proc
@@ -95,11 +106,19 @@ class StandaloneCluster:
 
     def _worker(self, h: str) -> None:
         work = self._dir / f"worker-{h}"
+        home = self._dir / f"home-{h}"
+        (home / ".cache").mkdir(parents=True)
         work.mkdir()
         self._start(f"worker-{h}", h,
                     ["org.apache.spark.deploy.worker.Worker", "--host", h, "--cores",
                      str(self.cores), "--memory", self.memory, "--webui-port", "0",
-                     "--work-dir", str(work), self.url], {"SPARK_WORKER_DIR": str(work)})
+                     "--work-dir", str(work), self.url],
+                    {"SPARK_WORKER_DIR": str(work), "HOME": str(home),
+                     "XDG_CACHE_HOME": str(home / ".cache")})
+
+    def home(self, host: str) -> Path:
+        """The home directory of ``host``'s worker (its executors' and engines' too)."""
+        return self._dir / f"home-{host}"
 
     def _wait_workers(self) -> None:
         deadline = time.monotonic() + self.start_timeout

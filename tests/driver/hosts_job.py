@@ -11,6 +11,9 @@ Parts (each prints ``RESULT <json>``):
 - ``faults``: kill -9 of one host's engine mid-batch, then of one executor JVM, each against
   native Spark;
 - ``hold``: a query that keeps running (the test kills this driver with -9);
+- ``configure``: the session from the user's own builder (``configure_spark_with_stretch``, with
+  the Kafka connector as a package of theirs): Delta written by Spark and by the engine, read
+  back by Spark on the executors, against native Spark;
 - ``elastic``: an elastic query whose hot key groups start on one host: the controller moves
   groups to the other (routed rows), against native Spark, with the input's keys per group
   (Spark's own ``pmod(xxhash64(k), 16)``) for an independent look at the host loads.
@@ -43,17 +46,31 @@ tmp.mkdir(parents=True, exist_ok=True)
 FAULT = "SPARK_STRETCH_TEST_FAULT"
 conf = {"spark.driver.memory": "1g", "spark.executor.memory": "1g", "spark.executor.cores": "1",
         "spark.stretch.engine.leaseSeconds": "4", "spark.stretch.keyGroups": "16",
-        "spark.stretch.engine.niceness": "0",
+        "spark.stretch.engine.niceness": "0", "spark.sql.shuffle.partitions": "4",
+        "spark.sql.session.timeZone": "UTC", "spark.databricks.delta.snapshotPartitions": "2",
         # one partition per file: each executor (one per host) reads one of a batch's files
         "spark.sql.files.openCostInBytes": str(1 << 30)}
 if part == "faults":  # (the engines inherit their executor's environment)
     conf[f"spark.executorEnv.{FAULT}"] = f"kill@step:2:{tmp}/engine-killed"
-spark = spark_stretch.session(master=url, app_name=f"stretch hosts {part}", conf=conf)
+KAFKA = "org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0"
+if part == "configure":
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(url).appName(f"stretch hosts {part}")
+    for k, v in conf.items():
+        builder = builder.config(k, v)
+    spark = spark_stretch.configure_spark_with_stretch(builder, [KAFKA]).getOrCreate()
+else:
+    spark = spark_stretch.session(master=url, app_name=f"stretch hosts {part}", conf=conf)
 spark.sparkContext.setLogLevel("ERROR")
 deadline = time.time() + 90
 while len(jvm.executor_hosts(spark, driver=False)) < 2 and time.time() < deadline:
     time.sleep(0.3)
-result = {"hosts": sorted(jvm.executor_hosts(spark, driver=False))}
+result = {"hosts": sorted(jvm.executor_hosts(spark, driver=False)),
+          # what the executors are told: no path of this (the driver's) machine may be in it
+          "executor_settings": {k: v for k, v in spark.sparkContext.getConf().getAll()
+                                if k.startswith(("spark.executor", "spark.executorEnv"))},
+          "jars": spark.sparkContext.getConf().get("spark.jars", "")}
 
 
 def engines():
@@ -191,6 +208,40 @@ try:
         equal(got, want)
         result["summax_rows"] = got.count()
         result["summax_inputs"] = [h["input_rows"] for h in q.metrics()["engine"]["hosts"]]
+    elif part == "configure":
+        # Delta written by Spark's executors, read back by them
+        spark.range(1000).repartition(2).write.format("delta").save(str(tmp / "range"))
+        row = (spark.read.format("delta").load(str(tmp / "range")).where("id % 3 = 0")
+               .agg(F.count("*"), F.sum("id")).first())
+        result["spark_delta"] = [row[0], row[1]]
+        # Delta written by the engines (one per host), read back by Spark's executors
+        wc = source(spark, src, files_per_batch=1).stretchAggregate(
+            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+        q, got, want = run(wc, "wc")
+        equal(got, want)
+        result["wordcount_rows"] = got.count()
+        result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
+        result["direct_writes"] = q.metrics().get("direct_writes", 0)
+        # executors whose Python lacks the package: the first stretch query's launcher names
+        # the host and what is missing there (a bare virtualenv as the executors' Python)
+        spark.stop()
+        bare = tmp / "bare-venv"
+        subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv",
+                        "--without-pip", str(bare)], check=True)
+        os.environ["PYSPARK_PYTHON"] = str(bare / "bin" / "python")  # (pyspark's pythonExec)
+        builder = SparkSession.builder.master(url).appName("stretch hosts bare")
+        for k, v in conf.items():
+            builder = builder.config(k, v)
+        spark = spark_stretch.configure_spark_with_stretch(builder).getOrCreate()
+        try:
+            q = (source(spark, src, files_per_batch=1).stretchAggregate(
+                keys=F.col("words"), window="60 seconds").writeStream.format("delta")
+                .option("checkpointLocation", str(tmp / "bare-c")).trigger(availableNow=True)
+                .start(str(tmp / "bare")))
+            q.awaitTermination()
+            result["bare_error"] = None
+        except Exception as e:
+            result["bare_error"] = f"{type(e).__name__}: {e}"
     elif part == "faults":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -49,9 +50,18 @@ def _engine_dirs() -> list:
     return glob.glob(os.path.join(tempfile.gettempdir(), "stretch-engine-app-*"))
 
 
+def _no_driver_path(settings: dict) -> None:
+    """No executor setting names a file of this (the driver's) machine: on a real cluster the
+    executors' machines do not have it."""
+    bad = {k: v for k, v in settings.items()
+           if re.search(r"(^|[\s=:,;'\"])(/|file:)", v) or os.path.isabs(v)}
+    assert not bad, bad
+
+
 def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     r = run_script(JOB, cluster.url, "equal", tmp_path, timeout=900)
     assert r["hosts"] == ["127.0.0.2", "127.0.0.3"]
+    _no_driver_path(r["executor_settings"])
     # one engine per host, each owning half of the 16 key groups, each holding its windows
     hosts = r["wordcount_hosts"]
     assert sorted(h["host"] for h in hosts) == r["hosts"]
@@ -76,6 +86,26 @@ def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     # stop(): no engine process or directory left on either host
     assert r["engines_after_stop"] == []
     assert not _engine_dirs()
+
+
+def test_a_users_own_builder_on_two_hosts_reads_delta_back_as_native(cluster, tmp_path):
+    # configure_spark_with_stretch(builder, [kafka]): the shim and Delta as packages, shipped
+    # by Spark (not the driver's paths), the user's package beside them; Delta written by
+    # Spark's executors and by the engines, read back by Spark's executors, equal to native
+    r = run_script(JOB, cluster.url, "configure", tmp_path, timeout=900)
+    assert r["hosts"] == ["127.0.0.2", "127.0.0.3"]
+    _no_driver_path(r["executor_settings"])
+    jars = r["jars"]
+    assert "spark-stretch-shim" in jars and "delta-spark_4.2" in jars, jars
+    assert "spark-sql-kafka-0-10" in jars and "kafka-clients" in jars, jars
+    assert r["spark_delta"] == [334, sum(range(0, 1000, 3))]
+    assert r["wordcount_rows"] > 0 and r["direct_writes"]
+    assert sorted(h["host"] for h in r["wordcount_hosts"]) == r["hosts"]
+    # executors whose Python has no spark_stretch: a clear error naming a host and the module
+    err = r["bare_error"]
+    assert err and err.startswith("EngineStartError: spark-stretch cannot start its engine on "
+                                  "executor host 127.0.0."), err
+    assert "no module named 'spark_stretch'" in err and "On a cluster" in err, err
 
 
 @pytest.mark.slow  # (a few minutes: make test-slow)

@@ -17,16 +17,22 @@ import org.apache.spark.SparkContext
  * The task does not stay: the engine outlives it (and the executor that started it, which may be
  * lost while other executors of the host still use the engine), living on a lease the driver
  * renews; it exits when the driver stops it, or stops renewing. So no core of the host is held
- * by a launcher task. Per host, `<dir>/stretch-engine-<app>-<host>/` holds the engine's Unix
+ * by a launcher task. Per host, `<dir>/stretch-engine-<app>-<host>/` (`<dir>`: the executor's own
+ * `java.io.tmpdir` unless the driver names one) holds the engine's Unix
  * socket, its `engine.json` (pid, TCP address: how a second launcher finds it), its log and a
  * lock that lets one launcher at a time start it; the engine removes the directory when it exits.
+ *
+ * The engine runs from the executors' Python environment (`command`'s first word is the Python
+ * PySpark's workers run): a host where it cannot start fails the launcher with an error naming
+ * the host and what is missing there (the Python, a module, the package's version).
  */
 object StretchHosts {
 
   /**
    * Make sure the application's engine runs on each of `hosts` (as executors name them).
    * `command` starts one (`--socket`, `--tcp` and `--lease` are added); the secret is written
-   * to its standard input. Returns, per host in order, `host|socket|tcp://address:port|pid`.
+   * to its standard input. `baseDir` "" is each executor's own `java.io.tmpdir`. Returns, per
+   * host in order, `host|socket|tcp://address:port|pid`.
    */
   def launch(sc: SparkContext, hosts: Array[String], command: Array[String], secret: String,
              baseDir: String, lease: Double, timeoutMs: Int): Array[String] = {
@@ -54,7 +60,8 @@ object StretchHosts {
   def ensure(host: String, app: String, cmd: Seq[String], secret: String, baseDir: String,
              lease: Double, timeoutMs: Int): String = {
     val safe = host.replaceAll("[^A-Za-z0-9_.-]", "_")
-    val dir = new File(baseDir, s"stretch-engine-$app-$safe")
+    val base = if (baseDir.isEmpty) System.getProperty("java.io.tmpdir") else baseDir
+    val dir = new File(base, s"stretch-engine-$app-$safe")
     dir.mkdirs()
     val lock = new RandomAccessFile(new File(dir, "launch.lock"), "rw")
     try {
@@ -85,7 +92,13 @@ object StretchHosts {
     pb.environment().remove("PYSPARK_GATEWAY_PORT")
     pb.redirectOutput(out)
     pb.redirectError(new File(dir, "engine.log"))
-    val proc = pb.start()
+    val proc = try pb.start() catch {
+      case e: IOException =>
+        Option(dir.listFiles()).foreach(_.foreach(_.delete()))
+        dir.delete()
+        throw new IOException(cannotStart(host, cmd.head, s"its Python cannot be run here " +
+          s"(${e.getMessage})") + ". " + Remedy, e)
+    }
     proc.getOutputStream.write((secret + "\n").getBytes(StandardCharsets.UTF_8))
     proc.getOutputStream.close()
     val deadline = System.nanoTime() + timeoutMs * 1000000L
@@ -110,8 +123,7 @@ object StretchHosts {
               StandardCharsets.UTF_8).takeRight(4000) else ""
             Option(dir.listFiles()).foreach(_.foreach(_.delete()))  // (nothing to keep)
             dir.delete()
-            throw new IOException(s"the stretch host engine on $host exited with status " +
-              s"${proc.exitValue()} before it was ready: $err")
+            throw new IOException(whyNotStarted(host, cmd.head, proc.exitValue(), err))
           }
           Thread.sleep(20)
       }
@@ -121,5 +133,29 @@ object StretchHosts {
     Option(dir.listFiles()).foreach(_.foreach(_.delete()))
     dir.delete()
     throw new IOException(s"the stretch host engine on $host was not ready within $timeoutMs ms")
+  }
+
+  /** What to do when the executors' Python lacks the package (the README's "On a cluster"). */
+  val Remedy: String = "Install spark-stretch, with its dependencies, in the Python environment " +
+    "the executors run (pip install on each node, or a packed virtualenv shipped with " +
+    "spark-submit --archives and spark.pyspark.python; see the README's 'On a cluster')"
+
+  private def cannotStart(host: String, python: String, what: String): String =
+    s"spark-stretch cannot start its engine on executor host $host: $what (the executors' " +
+      s"Python: $python)"
+
+  private val NoModule = """No module named '?([A-Za-z0-9_.]+)'?""".r
+
+  /** The engine's process ended before it was ready: why, from its log. */
+  def whyNotStarted(host: String, python: String, status: Int, log: String): String = {
+    val own = log.linesIterator.find(_.startsWith("STRETCH-ERROR ")).map(_.stripPrefix(
+      "STRETCH-ERROR "))
+    (own, NoModule.findFirstMatchIn(log)) match {
+      case (Some(reason), _) => cannotStart(host, python, reason) + ". " + Remedy
+      case (None, Some(m)) =>
+        cannotStart(host, python, s"no module named '${m.group(1)}' there") + ". " + Remedy
+      case _ => s"the stretch host engine on $host exited with status $status before it " +
+        s"was ready: $log"
+    }
   }
 }
