@@ -2,7 +2,26 @@
 this host's engine process (:class:`HostEngine`): started on demand, stopped with the last query
 that uses it, never left behind. A query on several hosts has a handle on an engine per executor
 host instead (:class:`spark_stretch.driver.cluster.ClusterEngine`). Requests are
-:mod:`spark_stretch.protocol.messages`'."""
+:mod:`spark_stretch.protocol.messages`'.
+
+- **One engine per driver, on the driver's host**, when the executors run there (local mode,
+  local-cluster, a one-host cluster): :meth:`HostEngine.acquire` starts ``python -m
+  spark_stretch.host.daemon`` on first use and counts the queries using it; the last one's end
+  stops it and removes its socket directory. It dies with the driver (``PR_SET_PDEATHSIG``,
+  :mod:`spark_stretch.protocol.lifecycle`; it also polls its parent).
+- **Why a process of its own**: every executor JVM of the host reaches it the same way; it can
+  be killed and the death detected (a restart from the checkpoint, or ``EngineDiedError``
+  inside the batch, which Spark reports as a ``StreamingQueryException``: never a hang); and its
+  threads do not contend with py4j for the driver's GIL.
+- **Start and stop are off the query's path**: the process does not import PySpark
+  (``SPARK_STRETCH_PROCESS=host``), says READY before it imports numba (a thread does that, so the
+  first batch's rows are taken meanwhile; their commit waits for the query's ``open``), and skips
+  the interpreter's teardown on exit (``os._exit`` after closing every query). The driver does not
+  wait for it: the query is opened in a thread while Spark starts its query, and the first
+  request that needs the engine waits.
+- **Niceness** (``spark.stretch.engine.niceness``, 5; its threads and instance processes inherit
+  it): its work runs while Spark commits batch N and ingests N+1, so on cores Spark also needs,
+  Spark's threads should go first. The first query of a host starts it with its setting."""
 
 from __future__ import annotations
 

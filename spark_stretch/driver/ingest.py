@@ -14,6 +14,17 @@ the watermark:
 else **rows**: the rows ``foreachBatch`` hands over, through ``format("stretch")``. No path has
 an Exchange. A batch whose input is an empty local relation (Spark's no-data batch of a
 stateful query) sends nothing: the engine steps it with no rows.
+
+Which plans qualify is the shim's decision, per batch (``StretchIngest.parquetFiles``: plain
+Parquet under only attribute projections and watermarks, no partition columns, filters or
+buckets, Spark's defaults for corrupt and missing files; a Delta file with a deletion vector
+sends that batch through Spark's scan; docs/shim.md). The engine then checks each file as Spark
+would read it (:mod:`spark_stretch.host.parquet`); a file it declines turns the files path off
+for the rest of the run, with the reason in ``metrics()["files_off"]``. The files path is off
+for a kind that is not pipelined (the drop-in: its function sees Spark's row order), and the
+columnar path on several hosts, where Spark routes each row to the hosts of its keys
+(:mod:`.routing`). Tests run every path against native Spark with Spark's per-batch statistics
+(``numInputRows``, the watermark) equal; the speed of each: BENCHMARKS.md, "Ingest path".
 """
 
 from __future__ import annotations

@@ -8,6 +8,22 @@ module opens the host engine where Spark resumes
 data (and before ``processAllAvailable`` returns) or a one-shot run ends, and releases the engine
 (and the query's shared memory) when the run ends.
 :class:`spark_stretch.StretchQuery` is the user's handle on it.
+
+**Where a no-data batch is played.** Spark runs one for a stateful query when a trigger after a
+batch finds no data and the last batch asks for it (the watermark moved); it evicts the last
+windows. The ``foreachBatch`` query has no state, but its triggers are the same: a micro-batch's
+execution context lives from the first trigger that looks for its data to the one that runs it,
+and each trigger's start moves to its ``lastTriggerStartTimestamp`` (:func:`.jvm.trigger_state`).
+So a trigger found no data after batch N-1 exactly when batch N's context has a previous trigger
+start other than the start of N-1's. The driver plays that trigger's no-data batch (a *flush*,
+the engine saying whether one is due) as soon as the watch thread sees it (every 0.2 s), or else
+in ``foreachBatch`` N before N's rows reach the engine, so N's late rule and the evictions are
+native Spark's whatever the timing; once per gap between batches (the watermark moves only with
+data). Its rows go to Delta under ``<app>-idle`` with the last batch id as ``txnVersion``.
+Nothing is played before a run's first batch (nor does Spark run one after a restart);
+``availableNow``/``once`` runs have no idle trigger between batches, so their last no-data batch
+is played when the run ends, before ``awaitTermination`` (or ``processAllAvailable``) returns.
+``stop()`` runs none, as in Spark.
 """
 
 from __future__ import annotations

@@ -5,6 +5,21 @@ from the process that holds the rows, with the same ``txn`` action Spark's write
 ``txnAppId``/``txnVersion``) unless ``spark.stretch.delta.directWrite=false``; otherwise, and
 whenever deltalake cannot write the table, the executors read the rows back from the engine
 (``format("stretch")``) and Spark writes them, Delta idempotently per batch.
+
+- **The table**: one that does not exist yet is created empty when the query starts, in the
+  background (the first append waits for it): by the engine (:func:`spark_stretch.host.delta.create`:
+  protocol 1/2, no properties, every column nullable, as Spark's writer makes it), unless the
+  session sets defaults for new tables (``spark.databricks.delta.properties.defaults.*``,
+  ``...protocol.*``), a column name needs column mapping (``sum(x)``) or a column's type is
+  outside the plain ones (decimals, ``timestamp_ntz``, maps, ...): then Spark creates it. The
+  engine casts its rows to the table's own schema (types must agree up to string sizes and
+  timestamp units).
+- **Spark writes instead** when the sink is a table name or has writer options (``mergeSchema``,
+  ``partitionBy``, ...), ``spark.stretch.delta.directWrite`` is ``false``, or deltalake cannot
+  open or write the table (an object store without credentials, a table feature it lacks, a
+  schema mismatch): ``metrics()["direct_write_off"]`` says why, once, and Spark writes the rest of
+  the run. ``metrics()["direct_writes"]`` counts the engine's commits. A table mixes commits of
+  both writers freely: the ``txn`` action is the same.
 """
 
 from __future__ import annotations

@@ -16,6 +16,16 @@ delay)``. Per micro-batch N:
 
 ``flush`` plays Spark's no-data batch: when the query goes idle (or an ``availableNow`` run ends)
 and the next watermark is ahead, the windows it closes are emitted (``<query>:flush:<N>``).
+
+The late rule is Spark's per window (``Engine(lateness="window")``: a row with ``ts <= W`` still
+updates its windows that are open), and the kernel never reopens an emitted window. Keys are
+interned to dense int64 ids by a jitted table over the Arrow array's UTF-8 buffers
+(:mod:`spark_stretch.engine.strings`: only a string never seen becomes a Python string) and
+decoded with an Arrow ``take``; a word pair packs two 32-bit word ids in one int64. Every
+aggregation of the query runs in one engine operator (:mod:`.aggregations`, docs/inplan.md).
+On ``open`` a thread runs a throwaway copy of the query on two made-up rows of its input schema
+(:meth:`AggregateRuntime.warm_up`), so numba's cached kernels and deltalake load while Spark
+starts the query, not in the first batches.
 """
 
 from __future__ import annotations
@@ -215,7 +225,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         a *delta* (the buckets changed since the previous checkpoint) where that pays
         (:meth:`CheckpointStore.delta_due`), else *full*. ``out``, the batch's output, is kept
         with it: a restart from this checkpoint offers it again, as a pipelined query's sink may
-        not have it yet. See docs/architecture.md, "Checkpoint format"."""
+        not have it yet. Its files: docs/recovery.md."""
         if not self.store.enabled:
             return
         self.store.join()  # one write at a time, in batch order

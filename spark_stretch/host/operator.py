@@ -12,6 +12,24 @@ checkpoints, replay, reconfiguration); what differs is here:
   streams', or the max under ``multipleWatermarkPolicy=max``);
 - a join's stored payload carries each side's event time, so a result row has both.
 
+Two streams are one Spark query (a union is narrow: no Exchange), so one micro-batch, one
+checkpoint, one Delta version and one replay cover both; two queries feeding one engine would
+need their own agreement on batch boundaries and watermarks, which Spark does not offer. The
+global watermark is Spark's ``WatermarkTracker``'s: per stream its largest event time minus its
+delay (0 before it has seen data), the min of them, never moving back. A join (or a keyed
+operator without windows) drops a row with ``ts <= W_{N-1}``, as Spark's stream-stream join
+does; a windowed O+ operator uses the window rule of aggregations. Results come out in
+timestamp order when the watermark passes the later tuple of a pair (a tuple, for
+pass-through): Spark's join emits a match as soon as both rows are there, so the rows are the
+same but later by up to the watermark delay, and deterministic in content and order for any
+parallelism and reconfiguration. A join's result columns are the columns it reads, ``l_<c>``
+and ``r_<c>``, each side's event time included (a float64 in the payload: exact below 2^53
+microseconds), with the input's types (strings interned in the engine, decoded back).
+Operators arrive pickled (numba dispatchers pickle their Python function) and compile here.
+Spark's stream-stream join needs an equality predicate, which a band join has none of: its
+native equivalent (the tests' oracle) joins on grid cells of the band's size (the left row
+exploded to its 3 x 3 neighbouring cells), then applies the band and the time range.
+
 No Spark import here.
 """
 

@@ -5,7 +5,11 @@ rows over (``StretchIngest.parquetFiles`` in the shim decides that); the host en
 itself instead. Every file is first checked to read as Spark reads it: a local file, the exact
 column names, types Spark reads unchanged, and not a legacy Spark writer's (datetime rebasing).
 Anything else is declined with the reason, and Spark reads the files. No library says "would
-Spark read this file the same", so the checks are written out here.
+Spark read this file the same", so the checks are written out here. Declined: a file that is not
+local, a column missing or matching only ignoring case, a type Spark reads otherwise (an
+unannotated timestamp, an INT96 timestamp unless from a Spark 3.1+ writer, which Spark reads
+unchanged, binary read as string, a narrower integer), and a legacy Spark writer's file
+(datetime rebasing).
 
 Examples
 --------
