@@ -32,7 +32,9 @@ else:
     from .driver.session import configure_spark_with_stretch, session
     from .host.receiver import Receiver
 
-    install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
+    # df.stretchAggregate(keys=...), df.groupBy(...).stretchApplyInPandasWithState(func, ...)
+    # (alias: df.groupBy(...).stretchAggregate(func, ...)), df.groupBy(...).stretchAgg(...)
+    install()
 
     __all__ = ["BatchMetrics", "Decision", "ElasticPolicy", "Policy",
                "FallbackWarning", "GroupState", "GroupStateTimeout", "Receiver",

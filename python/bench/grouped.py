@@ -6,8 +6,8 @@
 The same parquet stream (``--files`` files = micro-batches, availableNow, local[2]) of events
 ``(ts, user, value)`` goes through (1) native ``groupBy("user").applyInPandasWithState(sessions,
 ..., "Update", EventTimeTimeout)`` written to Delta by ``foreachBatch`` (Delta has no update-mode
-sink) and (2) ``groupBy("user").stretchAggregate(<same arguments>)`` into Delta. Outputs are
-checked equal (exceptAll both ways). Reported: events per second and the ratio.
+sink) and (2) ``groupBy("user").stretchApplyInPandasWithState(<same arguments>)`` into Delta.
+Outputs are checked equal (exceptAll both ways). Reported: events per second and the ratio.
 
 Rescale: (a) stretch: the query restarted from its checkpoint (all state restored), then
 ``reconfigure(parallelism=1)`` and back to 2 while it runs: switch time (owner map swap; no
@@ -162,8 +162,8 @@ def run_native(spark, src, out: Path, ckpt: Path, func=sessions, restarts: list 
 
 def run_stretch(spark, src, out: Path, ckpt: Path, func=sessions, **trigger):
     t0 = time.perf_counter()
-    q = (source(spark, src).groupBy("user").stretchAggregate(func, *ARGS[1:], parallelism=2,
-                                                             max_parallelism=2)
+    q = (source(spark, src).groupBy("user")
+         .stretchApplyInPandasWithState(func, *ARGS[1:], parallelism=2, max_parallelism=2)
          .writeStream.outputMode("update").format("delta")
          .option("checkpointLocation", str(ckpt))
          .trigger(**(trigger or {"availableNow": True})).start(str(out)))

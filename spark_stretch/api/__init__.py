@@ -3,7 +3,8 @@
 - :func:`~.aggregate.stretch_aggregate` (``df.stretchAggregate``): built-in windowed
   aggregations (:mod:`.aggregate`, arguments checked in :mod:`.specs`, the native equivalent in
   :mod:`.native`) or the engine's own operators and joins (:mod:`.operators`);
-- :func:`~.grouped.stretch_apply_in_pandas_with_state` (``df.groupBy(...).stretchAggregate``):
+- :func:`~.grouped.stretch_apply_in_pandas_with_state`
+  (``df.groupBy(...).stretchApplyInPandasWithState``, alias ``df.groupBy(...).stretchAggregate``):
   the ``applyInPandasWithState`` drop-in (:mod:`.grouped`);
 - ``.writeStream`` (:mod:`.writer`) starts a :class:`~.query.StretchQuery`;
 - ``elastic=`` takes an :class:`ElasticPolicy` (or a :class:`Policy` of the user's: a batch's
@@ -12,7 +13,7 @@
   written for Spark, on the engine inside Spark's plan, a streaming DataFrame back
   (:mod:`.native_spelling`), and :func:`~.native_spelling.control` for its running query.
 
-:func:`install` attaches the two ``stretchAggregate`` methods to pyspark's classes, once.
+:func:`install` attaches these methods to pyspark's ``DataFrame`` and ``GroupedData``, once.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ __all__ = ["BatchMetrics", "Decision", "ElasticPolicy", "Policy", "FallbackWarni
 
 
 def install() -> None:
-    """Attach ``DataFrame.stretchAggregate`` and ``GroupedData.stretchAggregate`` (the
-    ``applyInPandasWithState`` drop-in), once; ``import spark_stretch`` calls it."""
+    """Attach ``DataFrame.stretchAggregate``, ``GroupedData.stretchApplyInPandasWithState`` (the
+    ``applyInPandasWithState`` drop-in, with ``GroupedData.stretchAggregate`` as its alias: the
+    same function) and ``GroupedData.stretchAgg``, once; ``import spark_stretch`` calls it."""
     if getattr(DataFrame, "_stretch_installed", False):
         return
 
@@ -46,13 +48,14 @@ def install() -> None:
     stretchAggregate.__doc__ = stretch_aggregate.__doc__
     DataFrame.stretchAggregate = stretchAggregate
 
-    def groupedStretchAggregate(self, func, outputStructType, stateStructType, outputMode,
-                                timeoutConf, **kwargs):
+    def stretchApplyInPandasWithState(self, func, outputStructType, stateStructType, outputMode,
+                                      timeoutConf, **kwargs):
         return stretch_apply_in_pandas_with_state(self, func, outputStructType, stateStructType,
                                                   outputMode, timeoutConf, **kwargs)
 
-    groupedStretchAggregate.__doc__ = stretch_apply_in_pandas_with_state.__doc__
-    groupedStretchAggregate.__name__ = "stretchAggregate"
-    GroupedData.stretchAggregate = groupedStretchAggregate
+    stretchApplyInPandasWithState.__doc__ = stretch_apply_in_pandas_with_state.__doc__
+    GroupedData.stretchApplyInPandasWithState = stretchApplyInPandasWithState
+    # The name the drop-in had first, kept for the code that calls it: the same function.
+    GroupedData.stretchAggregate = stretchApplyInPandasWithState
     GroupedData.stretchAgg = stretch_agg
     DataFrame._stretch_installed = True

@@ -1,4 +1,6 @@
-"""``groupBy(k).stretchAggregate(func, ...)``: the drop-in for ``applyInPandasWithState``.
+"""``groupBy(k).stretchApplyInPandasWithState(func, ...)``: the drop-in for
+``applyInPandasWithState`` (``groupBy(k).stretchAggregate(func, ...)``, its alias, is the same
+method).
 
 Same arguments, same function, same ``GroupState`` (pyspark's own class), same rows; the state
 lives in the host engine's shared buckets (``/dev/shm``) and the function runs in the engine's
@@ -63,7 +65,7 @@ def _grouping_columns(native: DataFrame, df: DataFrame) -> List[str]:
     missing = [n for n in names if n not in df.columns]
     if missing:
         raise NotImplementedError(
-            f"groupBy(...).stretchAggregate groups by columns of the DataFrame; "
+            f"groupBy(...).stretchApplyInPandasWithState groups by columns of the DataFrame; "
             f"{missing} are expressions. Add them as columns first, e.g. "
             f"df.withColumn('k', expr).groupBy('k')")
     return names
@@ -78,6 +80,9 @@ def stretch_apply_in_pandas_with_state(
     Applies the given function to each group of data, while maintaining a user-defined per-group
     state, on the host's shared-state engine: the drop-in replacement for
     :meth:`pyspark.sql.GroupedData.applyInPandasWithState` (replace the method name, nothing else).
+
+    Called as ``df.groupBy(...).stretchApplyInPandasWithState(func, ...)``;
+    ``df.groupBy(...).stretchAggregate(func, ...)`` is an alias of it (the same method).
 
     For a streaming :class:`DataFrame`, the function is invoked first for all input groups and
     then for all timed out states where the input data is set to be empty. Updates to each
@@ -116,7 +121,7 @@ def stretch_apply_in_pandas_with_state(
         State buckets; ownership moves between instances bucket by bucket. Keep it the same
         across restarts from one checkpoint.
     elastic : bool or Policy, optional
-        Reconfigure the running query by itself, as ``stretchAggregate(elastic=...)`` does:
+        Reconfigure the running query by itself, as ``df.stretchAggregate(elastic=...)`` does:
         ``True``, an :class:`spark_stretch.ElasticPolicy` or a :class:`spark_stretch.Policy`.
         An instance's utilization is its function's time in the batch; its load, the rows of
         the buckets it owns.
@@ -124,14 +129,20 @@ def stretch_apply_in_pandas_with_state(
     Returns
     -------
     StretchGroupedAggregation
-        Write it with ``.writeStream`` like a DataFrame; the query is a
-        :class:`spark_stretch.StretchQuery` (``reconfigure``, ``metrics``).
+        A streaming DataFrame: transform it and write it with ``.writeStream`` like any other.
+        Written unchanged, the query is Spark's own ``StreamingQuery`` with ``reconfigure`` and
+        ``metrics``; for a transformed result, :func:`spark_stretch.control` gives them.
 
     Examples
     --------
+    A running count per user over a stream of tweet files, on two instance processes, then
+    on one (the state stays where it is):
+
+    >>> import tempfile
     >>> import pandas as pd
     >>> import spark_stretch
     >>> from pyspark.sql.streaming.state import GroupStateTimeout
+    >>> from spark_stretch.testing import tweet_source, write_tweets
     >>> def count_fn(key, pdf_iter, state):
     ...     total = state.get[0] if state.exists else 0
     ...     for pdf in pdf_iter:
@@ -139,14 +150,23 @@ def stretch_apply_in_pandas_with_state(
     ...     state.update((total,))
     ...     yield pd.DataFrame({"user": [key[0]], "count": [total]})
     ...
-    >>> counts = (spark.readStream.schema("ts timestamp, user string").parquet(src)  # doctest: +SKIP
-    ...           .groupBy("user").stretchAggregate(
+    >>> spark = spark_stretch.session()                                  # doctest: +SKIP
+    >>> work = tempfile.mkdtemp()                                        # doctest: +SKIP
+    >>> src = write_tweets(f"{work}/src", 1000, files=2, users=10)      # doctest: +SKIP
+    >>> counts = (tweet_source(spark, src).groupBy("user")               # doctest: +SKIP
+    ...           .stretchApplyInPandasWithState(
     ...               count_fn, outputStructType="user string, count long",
     ...               stateStructType="count long", outputMode="Update",
-    ...               timeoutConf=GroupStateTimeout.NoTimeout))
-    >>> q = (counts.writeStream.outputMode("update").format("delta")          # doctest: +SKIP
-    ...      .option("checkpointLocation", ckpt).start(out))
-    >>> q.reconfigure(parallelism=1)    # online: no restart, no shuffle, no state moved  # doctest: +SKIP
+    ...               timeoutConf=GroupStateTimeout.NoTimeout, parallelism=2))
+    >>> q = (counts.writeStream.outputMode("update").format("memory")    # doctest: +SKIP
+    ...      .queryName("counts").option("checkpointLocation", f"{work}/ckpt").start())
+    >>> q.processAllAvailable()                                          # doctest: +SKIP
+    >>> q.reconfigure(parallelism=1)["parallelism"]    # online, no restart  # doctest: +SKIP
+    1
+    >>> spark.sql("SELECT sum(n) FROM (SELECT max(count) AS n FROM counts GROUP BY user)"
+    ...           ).first()[0]                                           # doctest: +SKIP
+    1000
+    >>> q.stop()                                                         # doctest: +SKIP
 
     Notes
     -----
@@ -169,18 +189,30 @@ def stretch_apply_in_pandas_with_state(
       ``spark.stretch.testClockMs=<start>[+<step>]`` makes batch ``N``'s timestamp
       ``start + N * step`` (tests).
     - The grouping columns must be columns of the DataFrame (not expressions).
+    - ``stretchAggregate`` is this method under the name it had first; both spellings stay. The
+      ``DataFrame`` method of that name (``df.stretchAggregate(keys=..., window=..., agg=...)``)
+      is a different one: the built-in windowed aggregations.
     - An instance process that dies during a micro-batch is started again and runs its share of
       the batch again, on the state as the previous batch left it, at most
       ``spark.stretch.instanceMaxFailures`` (4) times; a function that raises fails the batch
       with its traceback, at once on a local master, after ``spark.task.maxFailures`` attempts
       on others (as Spark runs a failing task).
+
+    See Also
+    --------
+    pyspark.sql.GroupedData.applyInPandasWithState : the native operator (same arguments, same
+        rows).
+    spark_stretch.control : ``reconfigure`` and ``metrics`` of a query over a transformed result.
+    spark_stretch.stretch_aggregate : ``df.stretchAggregate(keys=..., window=..., agg=...)``, the
+        built-in windowed aggregations.
     """
     from pyspark import cloudpickle
 
     df = gd._df
     if not df.isStreaming:
-        raise ValueError("groupBy(...).stretchAggregate needs a streaming DataFrame "
-                         "(spark.readStream...); use applyInPandasWithState for batch data")
+        raise ValueError("groupBy(...).stretchApplyInPandasWithState needs a streaming "
+                         "DataFrame (spark.readStream...); use applyInPandasWithState for batch "
+                         "data")
     # The native operator over the same input: Spark checks the arguments exactly as for
     # applyInPandasWithState (and it is the reference the tests compare with).
     native = gd.applyInPandasWithState(func, outputStructType, stateStructType, outputMode,
@@ -195,7 +227,7 @@ def stretch_apply_in_pandas_with_state(
         raise NotImplementedError(
             f"executors on hosts {hosts}: the applyInPandasWithState drop-in runs on one host "
             "so far (local, local-cluster or a one-host cluster); the built-in aggregations of "
-            "stretchAggregate and stretch(df) run on several")
+            "df.stretchAggregate(keys=...) and stretch(df) run on several")
     keys = _grouping_columns(native, df)
     present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
     ts_column, delay = (find_watermark(df) if present else (None, 0))
@@ -233,9 +265,9 @@ def _settle(spark):
 
 
 class StretchGroupedAggregation(StretchFrame):
-    """The result of ``groupBy(...).stretchAggregate(func, ...)``: a streaming DataFrame with
-    the rows of ``applyInPandasWithState`` (``isStreaming`` is True; select, filter, join and
-    write it with any sink), whose function runs on the host engine."""
+    """The result of ``groupBy(...).stretchApplyInPandasWithState(func, ...)``: a streaming
+    DataFrame with the rows of ``applyInPandasWithState`` (``isStreaming`` is True; select,
+    filter, join and write it with any sink), whose function runs on the host engine."""
 
     def native(self) -> DataFrame:
         """The native ``applyInPandasWithState`` DataFrame over the same input (for comparison)."""

@@ -1,5 +1,5 @@
-"""``groupBy(k).stretchAggregate(func, ...)`` inside the host engine: the applyInPandasWithState
-drop-in's runtime. The function itself runs in the instance processes (:mod:`spark_stretch.worker`).
+"""``groupBy(k).stretchApplyInPandasWithState(func, ...)`` inside the host engine: the
+applyInPandasWithState drop-in's runtime. The function itself runs in the instance processes (:mod:`spark_stretch.worker`).
 
 ::
 

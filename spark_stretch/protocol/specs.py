@@ -144,7 +144,8 @@ class OperatorSpec(QuerySpec):
 
 @dataclass(kw_only=True)
 class GroupedSpec(QuerySpec):
-    """The ``applyInPandasWithState`` drop-in (``groupBy(...).stretchAggregate(func, ...)``)."""
+    """The ``applyInPandasWithState`` drop-in
+    (``groupBy(...).stretchApplyInPandasWithState(func, ...)``)."""
 
     kind: ClassVar[str] = "grouped"
     max_parallelism: int = 2

@@ -95,10 +95,11 @@ def test_output_schema_names_like_spark(wm):
 
 
 def test_grouped_drop_in_checks_arguments_like_native(wm):
-    # groupBy(...).stretchAggregate is the applyInPandasWithState drop-in (tests/spark/test_grouped.py):
-    # its arguments are checked by the native operator itself.
-    g = wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",
-                                            "NoTimeout")
+    # groupBy(...).stretchApplyInPandasWithState is the applyInPandasWithState drop-in
+    # (tests/api/test_grouped.py): its arguments are checked by the native operator itself,
+    # under either of its names (stretchAggregate is its alias).
+    g = wm.groupBy("user").stretchApplyInPandasWithState(lambda k, it, s: it, "user string",
+                                                         "n long", "Update", "NoTimeout")
     assert g.schema.simpleString() == "struct<user:string>"
     with pytest.raises(AssertionError):
         wm.groupBy("user").stretchAggregate(lambda k, it, s: it, "user string", "n long", "Update",

@@ -1,4 +1,4 @@
-"""``groupBy(k).stretchAggregate(func, ...)``: the applyInPandasWithState drop-in.
+"""``groupBy(k).stretchApplyInPandasWithState(func, ...)``: the applyInPandasWithState drop-in.
 
 Oracles: the NATIVE ``applyInPandasWithState`` over the same file stream (availableNow, one file
 per micro-batch), both into Delta, compared with chispa; for processing-time timeouts (pyspark has
@@ -19,8 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 from chispa import assert_df_equality
 from pyspark.errors import StreamingQueryException
+from pyspark.sql import DataFrame
+from pyspark.sql.group import GroupedData
 from pyspark.sql.streaming.state import GroupStateTimeout
 
+import spark_stretch.api
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import TWEETS, publish, write_tweets
 
@@ -123,7 +126,8 @@ def _both(spark, src, args, tmp_path):
     """(stretch, native) tables of ``groupBy("user")`` with ``args``, update mode, no watermark."""
     run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(*args),
                tmp_path / "n")
-    run_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    run_stretch(source(spark, src, False).groupBy("user").stretchApplyInPandasWithState(*args),
+                tmp_path / "o")
     return read(spark, tmp_path / "o"), read(spark, tmp_path / "n")
 
 
@@ -147,11 +151,27 @@ def _committed(checkpoint: Path):
     return sorted(int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit())
 
 
+def test_stretch_aggregate_is_the_same_method_under_its_first_name(monkeypatch):
+    # groupBy(...).stretchAggregate(func, ...), the drop-in's first name, is kept as an alias:
+    # one function on GroupedData, so both spellings run the same code with the same arguments.
+    # (DataFrame.stretchAggregate, the aggregation dialect, is another method.)
+    assert GroupedData.stretchAggregate is GroupedData.stretchApplyInPandasWithState
+    assert GroupedData.stretchAggregate is not DataFrame.stretchAggregate
+    calls = []
+    monkeypatch.setattr(spark_stretch.api, "stretch_apply_in_pandas_with_state",
+                        lambda *args, **kwargs: calls.append((args, kwargs)) or len(calls))
+    args = ("gd", running_count, "user string, n long", "n long", "Update",
+            GroupStateTimeout.NoTimeout)
+    assert GroupedData.stretchApplyInPandasWithState(*args, parallelism=2) == 1
+    assert GroupedData.stretchAggregate(*args, parallelism=2) == 2
+    assert calls == [(args, {"parallelism": 2})] * 2
+
+
 def test_sessionization_event_time_timeout_equals_native(spark, stream, tmp_path):
     src, args, want = stream
     before = _shm_dirs()
-    q = run_stretch(source(spark, src).groupBy("user").stretchAggregate(*args, parallelism=2),
-                    tmp_path / "o")
+    q = run_stretch(source(spark, src).groupBy("user")
+                    .stretchApplyInPandasWithState(*args, parallelism=2), tmp_path / "o")
     got = read(spark, tmp_path / "o")
     equal(got, want)
     # timeouts fired (with data batches and in the final no-data batch), late rows were dropped,
@@ -197,8 +217,8 @@ def test_state_removal_and_multi_column_key_equal_native(spark, tmp_path):
             GroupStateTimeout.NoTimeout)
     run_native(source(spark, src, False).groupBy("user", "len").applyInPandasWithState(*args),
                tmp_path / "n")
-    q = run_stretch(source(spark, src, False).groupBy("user", "len").stretchAggregate(*args),
-                    tmp_path / "o")
+    q = run_stretch(source(spark, src, False).groupBy("user", "len")
+                    .stretchApplyInPandasWithState(*args), tmp_path / "o")
     want = read(spark, tmp_path / "n")
     equal(read(spark, tmp_path / "o"), want)
     assert {r.t for r in want.select("t").distinct().collect()} == {"int64"}
@@ -211,11 +231,11 @@ def test_append_mode_equals_native(spark, tmp_path):
             GroupStateTimeout.NoTimeout)
     run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(*args),
                tmp_path / "n", mode="append")
-    run_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args), tmp_path / "o",
-                mode="append")
+    run_stretch(source(spark, src, False).groupBy("user").stretchApplyInPandasWithState(*args),
+                tmp_path / "o", mode="append")
     equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
     # the output mode must match the function's, as for native (Spark's own check and message)
-    g = source(spark, src, False).groupBy("user").stretchAggregate(*args)
+    g = source(spark, src, False).groupBy("user").stretchApplyInPandasWithState(*args)
     with pytest.raises(Exception, match="applyInPandasWithState in append mode is not supported "
                                         "with Update output mode"):
         start_stretch(g, tmp_path / "x", mode="update")
@@ -263,8 +283,9 @@ def test_processing_time_timeout_equals_native(spark, tmp_path):
         until(lambda: (nq.lastProgress or {}).get("batchId", -1) >= files + 1, "native batches")
     finally:
         nq.stop()
-    sq = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(*args),
-                       tmp_path / "o", processingTime="300 milliseconds")
+    sq = start_stretch(source(spark, src, False).groupBy("user")
+                       .stretchApplyInPandasWithState(*args), tmp_path / "o",
+                       processingTime="300 milliseconds")
     try:  # (the same batches: Spark runs the drop-in's no-data batches as it runs native's)
         until(lambda: (sq.lastProgress or {}).get("batchId", -1) >= files + 1, "stretch batches")
     finally:
@@ -313,7 +334,7 @@ def test_processing_time_timeout_against_sequential_oracle(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 160, files=files, rate=10.0, users=60, vocab=30, seed=6)
     spark.conf.set("spark.stretch.testClockMs", f"{start}+{step}")
     try:
-        g = source(spark, src, False).groupBy("user").stretchAggregate(
+        g = source(spark, src, False).groupBy("user").stretchApplyInPandasWithState(
             fn, "user string, n long, timed_out boolean, now long", "n long", "Update",
             GroupStateTimeout.ProcessingTimeTimeout)
         q = start_stretch(g, tmp_path / "o", processingTime="200 milliseconds")
@@ -362,7 +383,7 @@ def test_restart_from_checkpoint_mid_stream_equals_native(spark, stream, tmp_pat
             publish(f, live)
         run_native(source(spark, live).groupBy("user").applyInPandasWithState(*args),
                    tmp_path / "n")
-        run_stretch(source(spark, live).groupBy("user").stretchAggregate(*args),
+        run_stretch(source(spark, live).groupBy("user").stretchApplyInPandasWithState(*args),
                     tmp_path / "o")
     equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
     # the same micro-batches as native's, Spark's no-data batches included
@@ -390,7 +411,8 @@ def test_user_function_raises_fails_query_with_the_cause(spark, stream, tmp_path
             GroupStateTimeout.EventTimeTimeout)
     native_err = run_native(source(spark, src).groupBy("user").applyInPandasWithState(*args),
                             tmp_path / "n", expect_failure=True)
-    q = start_stretch(source(spark, src).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    q = start_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(*args),
+                      tmp_path / "o")
     with pytest.raises(StreamingQueryException) as err:
         q.awaitTermination(300)
     msg = str(err.value)
@@ -436,7 +458,8 @@ def test_group_state_misuse_same_errors_as_native(spark, tmp_path):
     args = (misuse, "user string, what string, result string", "n long", "Update",
             GroupStateTimeout.EventTimeTimeout)
     run_native(source(spark, src).groupBy("user").applyInPandasWithState(*args), tmp_path / "n")
-    run_stretch(source(spark, src).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    run_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(*args),
+                tmp_path / "o")
     want = read(spark, tmp_path / "n")
     equal(read(spark, tmp_path / "o"), want)
     results = {r.result.split(":")[0] for r in want.collect()}
@@ -455,8 +478,8 @@ def _wait_batches(q, n, timeout=180):
 
 def test_reconfigure_2_then_1_mid_stream_equals_native(spark, stream, tmp_path):
     src, args, want = stream
-    g = source(spark, src).groupBy("user").stretchAggregate(*args, parallelism=1,
-                                                            max_parallelism=2, buckets=64)
+    g = source(spark, src).groupBy("user").stretchApplyInPandasWithState(
+        *args, parallelism=1, max_parallelism=2, buckets=64)
     q = start_stretch(g, tmp_path / "o")
     recs = []
     for after, k in ((2, 2), (4, 1)):  # while the query runs: no stop, no restart
@@ -479,7 +502,8 @@ def test_engine_killed_mid_batch_is_restarted_from_checkpoint(spark, stream, tmp
                                                               monkeypatch):
     src, args, want = stream
     monkeypatch.setenv(ENV, f"kill@step:3:{tmp_path / 'fired'}")
-    q = run_stretch(source(spark, src).groupBy("user").stretchAggregate(*args), tmp_path / "o")
+    q = run_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(*args),
+                    tmp_path / "o")
     assert (tmp_path / "fired").exists()
     restarts = q.metrics()["engine_restarts"]
     assert len(restarts) == 1 and restarts[0]["resumed_from"] == 2, restarts
@@ -518,7 +542,7 @@ def test_a_dying_instance_reruns_its_share_alone_and_equals_native(spark, stream
     markers.mkdir()
     before = _shm_dirs()
     func = dies_once_for_some_keys(str(markers), how)
-    q = run_stretch(source(spark, src).groupBy("user").stretchAggregate(
+    q = run_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(
         func, *args[1:], parallelism=2), tmp_path / "o")
     assert q.exception() is None
     equal(read(spark, tmp_path / "o"), want)
@@ -546,7 +570,7 @@ def test_an_instance_that_always_dies_fails_the_query_after_bounded_retries(spar
     spark.conf.set("spark.stretch.instanceMaxFailures", "2")
     try:
         t0 = time.monotonic()
-        q = start_stretch(source(spark, src, False).groupBy("user").stretchAggregate(
+        q = start_stretch(source(spark, src, False).groupBy("user").stretchApplyInPandasWithState(
             dies, "user string, n long", "n long", "Update", GroupStateTimeout.NoTimeout,
             parallelism=1), tmp_path / "o")
     finally:

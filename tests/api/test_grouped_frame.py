@@ -31,7 +31,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 COUNT_OUT, COUNT_STATE = "user string, n long, words long", "n long"
 SIDES = (("native", lambda g, *a: g.applyInPandasWithState(*a)),
-         ("stretch", lambda g, *a: g.stretchAggregate(*a)))
+         ("stretch", lambda g, *a: g.stretchApplyInPandasWithState(*a)))
 
 
 @pytest.fixture(scope="module")

@@ -102,8 +102,8 @@ def test_event_time_step_applies_before_the_next_rows_as_native(spark, tmp_path)
     (tmp_path / "ns").mkdir()
     (tmp_path / "ss").mkdir()
     nq, native = _native(frame(tmp_path / "ns").applyInPandasWithState(*args), tmp_path / "nc")
-    sq, stretch = _stretch(frame(tmp_path / "ss").stretchAggregate(*args), tmp_path / "o",
-                           tmp_path / "sc")
+    sq, stretch = _stretch(frame(tmp_path / "ss").stretchApplyInPandasWithState(*args),
+                           tmp_path / "o", tmp_path / "sc")
     seen = []
     try:
         for i, (k, t) in enumerate([("a", 15), ("a", 4), ("b", 31)]):
@@ -156,8 +156,8 @@ def test_processing_time_timeout_fires_while_idle_as_native(spark, tmp_path):
     (tmp_path / "ss").mkdir()
     nq, native = _native(frame(tmp_path / "ns").applyInPandasWithState(*args), tmp_path / "nc",
                          processingTime="1 second")
-    sq, stretch = _stretch(frame(tmp_path / "ss").stretchAggregate(*args), tmp_path / "o",
-                           tmp_path / "sc", processingTime="1 second")
+    sq, stretch = _stretch(frame(tmp_path / "ss").stretchApplyInPandasWithState(*args),
+                           tmp_path / "o", tmp_path / "sc", processingTime="1 second")
     try:
         # "w" first, so that "a" is not in the first batch (which may take seconds to start)
         for name, keys in (("0.txt", ["w"]), ("1.txt", ["a", "b"])):

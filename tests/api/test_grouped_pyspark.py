@@ -2,8 +2,8 @@
 
 Ported from ``python/pyspark/sql/tests/pandas/test_pandas_grouped_map_with_state.py`` (Spark
 4.x): each case's function, input, sink and expectation as pyspark has them, run once with
-``applyInPandasWithState`` and once with ``stretchAggregate`` (the same arguments), the
-original assertions holding on both.
+``applyInPandasWithState`` and once with ``stretchApplyInPandasWithState`` (the same arguments),
+the original assertions holding on both.
 
 - ``test_apply_in_pandas_with_state_basic`` and its variants (``_no_state``,
   ``_no_state_no_data``, ``_more_data``, ``_fewer_data``, ``_with_null``): a text source, the
@@ -42,7 +42,7 @@ from pyspark import cloudpickle  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-SIDES = ("applyInPandasWithState", "stretchAggregate")
+SIDES = ("applyInPandasWithState", "stretchApplyInPandasWithState")
 
 
 def basic(key, pdf_iter, state):

@@ -133,7 +133,7 @@ def test_drop_in_state_operator_equals_native(spark, tmp_path):
     native = {b: so[0] for b, so in _ops(qn).items()}
 
     def run():
-        q = start_stretch(source(spark, src).groupBy("user").stretchAggregate(*args),
+        q = start_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(*args),
                           tmp_path / "o")
         q.awaitTermination()
         return q
