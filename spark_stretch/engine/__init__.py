@@ -8,13 +8,22 @@ Public API::
     SNEngine(...)                                                 # shared-nothing baseline, same API
     JoinEngine(...) / JoinOperator                                # I = 2 joins over a per-bucket tuple store
     ESG, Segment, Control, ListColumn, Interner, Operator, EngineError
+
+Modules: :mod:`.runtime` (``Engine``: the step loop and its threads), :mod:`.epochs`
+(reconfiguration), :mod:`.snapshot` (checkpoints), :mod:`.esg` (the ready-tuple buffer),
+:mod:`.batch` (columnar batches), :mod:`.kernels` (the jitted VSN kernel), :mod:`.buckets`
+(keys to buckets, the buckets' window tables), :mod:`.aggregates` (the built-in aggregates'
+arithmetic), :mod:`.sessions` (session windows), :mod:`.state` (shared state, owner maps,
+interning), :mod:`.sn` and :mod:`.store` (the shared-nothing and join engines).
 """
 from .errors import EngineError
-from .esg import ESG, Control, ListColumn, Segment, to_arrow
+from .batch import ListColumn, to_arrow
+from .esg import ESG, Control, Segment
 from .operator import Operator
 from .reference import reference_run
 from .factory import engine_class, setup
-from .runtime import Engine, reconfigure
+from .epochs import reconfigure
+from .runtime import Engine
 from .sn import SNEngine
 from .store import JoinEngine, JoinOperator
 from .state import BucketState, Interner, balanced_owner_map

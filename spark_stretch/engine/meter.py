@@ -39,7 +39,8 @@ import time
 import numpy as np
 from numba import njit
 
-from .kernels import _mk_builtin_keys, bucket_of
+from .buckets import bucket_of
+from .kernels import _mk_builtin_keys
 
 __all__ = ["Meter", "SAMPLE", "state_bytes"]
 

@@ -41,7 +41,7 @@ from numba import njit
 
 from . import kernels as K
 from .errors import EngineError
-from .esg import ListColumn
+from .batch import ListColumn
 from .sessions import session_kernel
 
 

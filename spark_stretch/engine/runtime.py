@@ -19,22 +19,29 @@ only the buckets the owner map gives it, writing its own output block; blocks ar
 ``(ts, key, window_start, _seq, _sub)`` order by ESG_out, so the output does not depend on m or on the
 owner map. A reconfiguration is a control tuple in ESG_in: instances process everything before it under
 the old owner map, meet at a barrier, and go on under the new one (no state is copied).
+
+This module has the engine's step loop (:meth:`Engine.drain` over ready segments, each
+instance's kernel run, its output block) and its free-running threads; an :class:`Engine` is
+also :class:`~spark_stretch.engine.epochs.Epochs` (reconfiguration: epochs, control tuples,
+owner maps) and :class:`~spark_stretch.engine.snapshot.Snapshots` (checkpoints: snapshot and
+restore).
 """
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
 from . import kernels as K
+from .batch import sort_rows, to_arrow
+from .epochs import Epochs, _check_mn
 from .errors import EngineError
-from .esg import ESG, Control, sort_rows
+from .esg import ESG, Control
 from .meter import Meter
-from .state import BucketState, Interner, RWLock, balanced_owner_map, validate_owner_map
+from .snapshot import Snapshots
+from .state import BucketState, Interner, RWLock, balanced_owner_map
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
 INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
@@ -71,15 +78,7 @@ class Instance:
             dst[:p] = src[:p]
 
 
-def _check_mn(m, n):
-    for name, v in (("m", m), ("n", n)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise EngineError(f"{name}={v!r}; parallelism must be a positive int")
-    if m > n:
-        raise EngineError(f"m={m} > n={n}: initial parallelism m must not exceed max parallelism n")
-
-
-class Engine:
+class Engine(Epochs, Snapshots):
     """A VSN-parallel, elastic O+ operator: ``setup(O+, m, n)`` of the paper.
 
     Parameters
@@ -107,7 +106,7 @@ class Engine:
     --------
     >>> import numpy as np
     >>> from spark_stretch.ops import wordcount
-    >>> from spark_stretch.engine.esg import ListColumn
+    >>> from spark_stretch.engine.batch import ListColumn
     >>> eng = Engine(wordcount(WS=10), m=2, n=2)
     >>> eng.esg_in.add_sources([0], ordered=False)
     True
@@ -380,80 +379,6 @@ class Engine:
                         raise EngineError(f"operator {getattr(self.op, 'name', '?')} failed on a segment of "
                                           f"{len(it)} tuples: {type(e).__name__}: {e}") from e
 
-    # ---- epochs ---------------------------------------------------------------------------------
-    def reconfigure(self, m=None, instances=None, owner_map=None) -> int:
-        """Provision, decommission or rebalance from the next ready tuple on (Alg. 4-6).
-
-        Parameters
-        ----------
-        m : int, optional
-            New parallelism: the active instances are the first m of ``range(n)``.
-        instances : iterable of int, optional
-            New active instance set (ids in ``range(n)``); default: the current one (or from ``m``).
-        owner_map : array of int, optional
-            New owner of each of the B buckets (every owner an active instance); default: balanced.
-
-        Returns the new epoch number. In driven mode the switch happens in the next :meth:`drain`.
-        """
-        if m is not None and instances is not None:
-            raise EngineError("give m= or instances=, not both")
-        if m is not None:
-            _check_mn(m, self.n)
-            instances = range(m)
-        if instances is None:
-            instances = self._pending_instances()
-        inst = sorted(set(int(i) for i in instances))
-        if not inst:
-            raise EngineError("instances is empty; an epoch needs at least one active instance")
-        bad = [i for i in inst if not 0 <= i < self.n]
-        if bad:
-            raise EngineError(f"instances {bad} are not in range(n={self.n}); ids of the n created instances are 0..{self.n - 1}")
-        om = balanced_owner_map(self.n_buckets, inst) if owner_map is None else \
-            validate_owner_map(owner_map, self.n_buckets, inst)
-        with self._drain_lock:
-            self._next_epoch = getattr(self, "_next_epoch", self.epoch) + 1
-            self._next_instances = inst
-            old = self._pending_old()
-            ctl = Control(self._next_epoch, tuple(inst), om.copy(), 0)
-            ctl.barrier = threading.Barrier(len(old), action=lambda: self._apply_control(ctl, lead=min(old)))
-            self._pending_old_set = inst
-            self.esg_in.add_control(ctl)
-        return ctl.epoch
-
-    def _pending_instances(self):
-        return getattr(self, "_next_instances", None) or list(self.active)
-
-    def _pending_old(self):
-        return getattr(self, "_pending_old_set", None) or list(self.active)
-
-    def _apply_control(self, ctl, lead):
-        """Switch epoch (Alg. 4 L11-14): connect provisioned / disconnect decommissioned instances, swap f_mu."""
-        t0 = time.perf_counter()
-        old, new = set(self.active), set(ctl.instances)
-        add, rem = sorted(new - old), sorted(old - new)
-        if add:
-            self.esg_out.add_sources(add, ordered=False)
-            self.esg_in.add_readers(add, j=lead)
-        if rem:
-            self.esg_in.remove_readers(rem)
-            self.esg_out.remove_sources(rem)
-        self._transfer_state(ctl.owner_map)
-        self.owner_map = ctl.owner_map
-        self.active = sorted(new)
-        self.epoch = ctl.epoch
-        self._m["epoch_switches"] += 1
-        self._m["last_switch_ms"] = (time.perf_counter() - t0) * 1e3
-        ctl.applied.set()
-        with self._idle:
-            self._idle.notify_all()
-
-    def _transfer_state(self, new_owner_map):
-        """VSN: nothing to move (state is shared). The shared-nothing engine copies buckets here."""
-
-    @property
-    def pool(self):
-        return [j for j in range(self.n) if j not in self.active]
-
     # ---- free-running mode ----------------------------------------------------------------------
     def start(self):
         """Free-running mode: one thread per instance (n threads; pooled ones idle) as in the paper."""
@@ -526,7 +451,7 @@ class Engine:
             self._executor.shutdown()
             self._executor = None
 
-    # ---- metrics, outputs, snapshot -------------------------------------------------------------
+    # ---- metrics and outputs, state read when idle ----------------------------------------------
     def metrics(self) -> dict:
         """Counters: late_dropped, tuples, segments, epoch, epoch_switches, last_switch_ms, grows, ..."""
         d = dict(self._m)
@@ -612,87 +537,8 @@ class Engine:
             batch = dict(batch)
             batch.update(self.op.decode_keys(batch["key"], self.interner))
         if format == "arrow":
-            from .esg import to_arrow
             return to_arrow(batch), wm
         return batch, wm
-
-    def _state_arrays(self, delta=False):
-        only = np.flatnonzero(self.state.dirty) if delta else None
-        return {"shared": self.state.compact(only)}
-
-    def _load_state_arrays(self, arrs):
-        self.state = BucketState.from_compact(arrs["shared"])
-
-    def _check_layout(self, op):
-        """Refuse restored state whose windows are laid out for another operator."""
-        want = (op.n_int, op.n_float, sum(w for _, _, w in getattr(op, "pool", ())))
-        for st in self._states():
-            have = (st.init_i.shape[0], st.init_f.shape[0], st.pool.shape[1])
-            if have != want:
-                raise EngineError(f"the snapshot's windows keep {have[0]} ints, {have[1]} floats "
-                                  f"and {have[2]} pool words each, operator {op.name}'s "
-                                  f"{want[0]}, {want[1]} and {want[2]} (another version or "
-                                  "query): restart it from a new checkpoint location")
-
-    def _apply_state_delta(self, arrs):
-        self.state.apply_compact(arrs["shared"])
-
-    def _clear_dirty(self):
-        self.state.dirty[:] = 0
-
-    def snapshot(self, path=None, clear_dirty=True, delta=False):
-        """The engine state as bytes (or written to ``path``/engine.snap): buckets, owner map, epoch,
-        watermarks, pending ESG tuples, interner. Call when idle (after :meth:`drain`).
-
-        With ``delta=True`` the buckets part holds only the buckets changed since the previous
-        snapshot (an incremental checkpoint: :meth:`restore` applies it on top of its base).
-        Everything else is always whole (it is small).
-        """
-        with self._drain_lock:
-            snap_in = self.esg_in.snapshot()
-            snap_in["log"] = [_strip(it) for it in snap_in["log"]]
-            blob = pickle.dumps({
-                "mode": self.mode, "m": self.m, "n": self.n, "n_buckets": self.n_buckets,
-                "lateness": self.lateness, "delta": bool(delta),
-                "state": self._state_arrays(delta), "owner_map": self.owner_map, "epoch": self.epoch,
-                "active": self.active, "esg_in": snap_in, "esg_out": self.esg_out.snapshot(),
-                "interner": self.interner.strings(), "metrics": self._m}, protocol=5)
-            if clear_dirty:
-                self._clear_dirty()
-        if path is not None:
-            p = Path(path)
-            p.mkdir(parents=True, exist_ok=True)
-            (p / "engine.snap").write_bytes(blob)
-        return blob
-
-    @classmethod
-    def restore(cls, op, src, threads=True, deltas=()):
-        """An engine continuing from :meth:`snapshot` bytes or directory, running operator ``op``.
-
-        ``deltas``: incremental snapshots taken after ``src``, oldest first, applied in order.
-        """
-        if isinstance(src, (str, Path)):
-            src = (Path(src) / "engine.snap").read_bytes()
-        d = pickle.loads(src)
-        if d["mode"] != cls.mode:
-            raise EngineError(f"snapshot is of a {d['mode']!r} engine; restore it with that engine class")
-        if d.get("delta"):
-            raise EngineError("restore needs a full snapshot first; incremental ones go in deltas=")
-        ds = [pickle.loads(blob) for blob in deltas]
-        base, d = d, (ds[-1] if ds else d)  # the engine as of the last snapshot
-        eng = cls(op, d["m"], d["n"], n_buckets=d["n_buckets"], threads=threads, out_reader=None,
-                  lateness=d.get("lateness", "tuple"))
-        eng._load_state_arrays(base["state"])
-        for x in ds:
-            eng._apply_state_delta(x["state"])
-        eng._check_layout(op)
-        eng.interner.__init__(d["interner"])
-        eng.owner_map, eng.epoch, eng.active = d["owner_map"], d["epoch"], list(d["active"])
-        eng.esg_in.restore(d["esg_in"])
-        eng.esg_out.restore(d["esg_out"])
-        eng._m = dict(d["metrics"])
-        eng._clear_dirty()
-        return eng
 
 
 def sorted_block(out):
@@ -701,16 +547,3 @@ def sorted_block(out):
         perm = sort_rows(out, OUT_TIES)
         out = {k: v[perm] for k, v in out.items()}
     return out
-
-
-def _strip(it):
-    if isinstance(it, Control):
-        return Control(it.epoch, it.instances, it.owner_map, it.gamma)
-    return it
-
-
-def reconfigure(esg, m=None, instances=None, owner_map=None):
-    """``reconfigure`` of the operator that owns ``esg`` (its ESG_in or ESG_out); see :meth:`Engine.reconfigure`."""
-    if esg.engine is None:
-        raise EngineError(f"ESG '{esg.name}' belongs to no engine; pass the esg_in/esg_out returned by setup()")
-    return esg.engine.reconfigure(m=m, instances=instances, owner_map=owner_map)

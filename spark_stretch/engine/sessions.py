@@ -14,19 +14,21 @@ aggregation over sessions, in one of two ways of keeping them.
   (out of order: a later batch's, not late) scans its bucket for the key's earlier sessions.
 
 State per slot: ``rec[b, s] = (key, l, start, end, accumulators...)``, ``acc_f[b, s]`` the float
-accumulators (the layout of :mod:`spark_stretch.engine.kernels`, whose helpers this uses).
+accumulators (the layout of :mod:`spark_stretch.engine.buckets`; the aggregates of
+:mod:`spark_stretch.engine.aggregates`, as the window kernel's).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from .kernels import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F, AGG_LAST_I,
-                      AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L, AGG_MAXBY_S,
-                      AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
-                      AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, EMPTY, HOT, MULTI, NEED_POOL,
-                      _apply, _bucket_h, _hll_words, _mk_builtin_keys, _multi_out, _multi_update,
-                      _pool_take, _slot0, mix64, rebuild_bucket)
+from .aggregates import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F, AGG_LAST_I,
+                         AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L, AGG_MAXBY_S,
+                         AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
+                         AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply, _hll_words,
+                         _multi_out, _multi_update, _pool_take)
+from .buckets import EMPTY, HOT, _bucket_h, _slot0, mix64, rebuild_bucket
+from .kernels import NEED_POOL, _mk_builtin_keys
 
 CLOSED = np.int64(1) << np.int64(62)  # l of a key's earlier session: its start | CLOSED (never 0 or EMPTY)
 

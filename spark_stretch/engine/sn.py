@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .esg import ListColumn
+from .batch import ListColumn
 from .runtime import Engine
 from .state import BucketState
 

@@ -162,7 +162,7 @@ def validate_owner_map(owner_map, n_buckets: int, instances) -> np.ndarray:
 
 
 class BucketState:
-    """B buckets of window instances as numpy arrays (see :mod:`spark_stretch.engine.kernels`).
+    """B buckets of window instances as numpy arrays (see :mod:`spark_stretch.engine.buckets`).
 
     Parameters
     ----------
@@ -175,7 +175,7 @@ class BucketState:
     cap : int
         Initial slots per bucket (power of two); all buckets grow together, doubling.
     pool : (slots, words, n), optional
-        The register pool (:mod:`~spark_stretch.engine.kernels`): each window holds a row of
+        The register pool (:mod:`~spark_stretch.engine.aggregates`): each window holds a row of
         ``words`` int64 words, its number in the record's int ``slots`` (each the same row);
         ``n`` instances take rows, each from its own free rows. ``pool`` has the rows,
         ``free[j, 1:free[j, 0] + 1]`` instance ``j``'s free ones (:meth:`refill`).

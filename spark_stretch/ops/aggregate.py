@@ -17,7 +17,7 @@ import numpy as np
 
 from ..engine import kernels as K
 from ..engine.errors import EngineError
-from ..engine.esg import ListColumn
+from ..engine.batch import ListColumn
 from ..engine.operator import Operator
 
 _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, K.AGG_MIN_F),

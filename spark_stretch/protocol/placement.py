@@ -19,7 +19,7 @@ without sharing any dictionary. The **host map** gives each group the host that 
 buckets owned by instances as above. Moving groups between hosts changes the host map and moves
 the state of those groups only.
 
-The engine's numba kernels (``engine/kernels.py``: ``mix64``, ``bucket_of``;
+The engine's numba kernels (``engine/buckets.py``: ``mix64``, ``bucket_of``;
 ``engine/hashing.py``: ``xxhash64``) compute the same functions inside their loops; tests hold
 them equal (and ``xxhash64`` equal to Spark's own).
 

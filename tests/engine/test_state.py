@@ -4,6 +4,7 @@ import pytest
 
 from spark_stretch.engine import Engine, EngineError, Interner, balanced_owner_map
 from spark_stretch.engine import kernels as K
+from spark_stretch.engine.batch import take_list
 from spark_stretch.engine.state import validate_owner_map
 from spark_stretch.ops import count
 
@@ -70,6 +71,6 @@ def test_full_key_compare_no_collision_mistakes_and_growth():
 def test_take_list_matches_python():
     off = np.array([0, 2, 2, 5], np.int64)
     vals = np.array([1, 2, 3, 4, 5], np.int64)
-    o, v = K.take_list(off, vals, np.array([2, 0, 2, 1], np.int64))
+    o, v = take_list(off, vals, np.array([2, 0, 2, 1], np.int64))
     rows = [v[o[i]:o[i + 1]].tolist() for i in range(4)]
     assert rows == [[3, 4, 5], [1, 2], [3, 4, 5], []]
