@@ -7,6 +7,16 @@ Set-up::
     # or, with your own builder:
     spark = spark_stretch.configure_spark_with_stretch(SparkSession.builder).getOrCreate()
 
+``import spark_stretch`` adds to pyspark's classes:
+
+- ``df.stretchAggregate(keys=..., window=..., agg=...)``: built-in windowed aggregations and
+  the engine's own operators and joins;
+- ``df.groupBy(...).stretchApplyInPandasWithState(func, outputStructType, stateStructType,
+  outputMode, timeoutConf)``: the ``applyInPandasWithState`` drop-in
+  (``df.groupBy(...).stretchAggregate(func, ...)`` is its alias, the same method);
+- ``df.groupBy(...).stretchAgg(*exprs)``: ``stretch(df.groupBy(...).agg(*exprs))``, a native
+  aggregation as written for Spark, on the engine (also ``spark_stretch.stretch(df)``).
+
 The package is laid out by the process that runs its code: ``api/`` and ``driver/`` (the Spark
 driver), ``host/`` (the host engine process), ``worker/`` (the drop-in's instance processes),
 ``protocol/`` (what they exchange), ``engine/`` and ``ops/`` (the VSN engine and its operators,
