@@ -15,7 +15,7 @@ run by the host engine), ``testing/`` (data generators and native comparisons).
 
 import os as _os
 
-__version__ = "0.1.0"
+from .protocol.version import __version__
 
 if _os.environ.get("SPARK_STRETCH_PROCESS") in ("host", "worker"):
     # A process the driver or its engine started (spark_stretch.host.daemon, spark_stretch.worker)
