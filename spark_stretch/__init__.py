@@ -7,16 +7,6 @@ Set-up::
     # or, with your own builder:
     spark = spark_stretch.configure_spark_with_stretch(SparkSession.builder).getOrCreate()
 
-``import spark_stretch`` adds to pyspark's classes:
-
-- ``df.stretchAggregate(keys=..., window=..., agg=...)``: built-in windowed aggregations and
-  the engine's own operators and joins;
-- ``df.groupBy(...).stretchApplyInPandasWithState(func, outputStructType, stateStructType,
-  outputMode, timeoutConf)``: the ``applyInPandasWithState`` drop-in
-  (``df.groupBy(...).stretchAggregate(func, ...)`` is its alias, the same method);
-- ``df.groupBy(...).stretchAgg(*exprs)``: ``stretch(df.groupBy(...).agg(*exprs))``, a native
-  aggregation as written for Spark, on the engine (also ``spark_stretch.stretch(df)``).
-
 The package is laid out by the process that runs its code: ``api/`` and ``driver/`` (the Spark
 driver), ``host/`` (the host engine process), ``worker/`` (the drop-in's instance processes),
 ``protocol/`` (what they exchange), ``engine/`` and ``ops/`` (the VSN engine and its operators,
@@ -25,7 +15,7 @@ run by the host engine), ``testing/`` (data generators and native comparisons).
 
 import os as _os
 
-from ._version import __version__
+from .protocol.version import __version__
 
 if _os.environ.get("SPARK_STRETCH_PROCESS") in ("host", "worker"):
     # A process the driver or its engine started (spark_stretch.host.daemon, spark_stretch.worker)
@@ -42,9 +32,7 @@ else:
     from .driver.session import configure_spark_with_stretch, session
     from .host.receiver import Receiver
 
-    # df.stretchAggregate(keys=...), df.groupBy(...).stretchApplyInPandasWithState(func, ...)
-    # (alias: df.groupBy(...).stretchAggregate(func, ...)), df.groupBy(...).stretchAgg(...)
-    install()
+    install()  # df.stretchAggregate(...), df.groupBy(...).stretchAggregate(func, ...)
 
     __all__ = ["BatchMetrics", "Decision", "ElasticPolicy", "Policy",
                "FallbackWarning", "GroupState", "GroupStateTimeout", "Receiver",

@@ -130,7 +130,7 @@ class ClusterEngine(FanOut, EngineHandle):
     # -- the engines -------------------------------------------------------------------------
     def launch(self) -> None:
         """Start the engine of every host that has none running (all of them the first time)."""
-        from .._version import __version__
+        from ..protocol.version import __version__
 
         # The Python PySpark's own workers run on the executors (pyspark's pythonExec: the
         # driver's PYSPARK_PYTHON, which spark-submit sets from spark.pyspark.python), in the

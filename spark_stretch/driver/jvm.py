@@ -300,7 +300,7 @@ class ShimIngest:
 
 
 class ShimPlans:
-    """The shim's ``org.apache.spark.sql.stretch.StretchPlans`` (jvm_shim/StretchPlan.scala):
+    """The shim's ``org.apache.spark.sql.stretch.StretchPlans`` (jvm_shim/.../StretchPlans.scala):
     a native aggregation read for the engine and marked in Spark's plan, one method each.
 
     Examples

@@ -147,7 +147,7 @@ def shim_package(ivy: "str | Path | None" = None) -> str:
     >>> shim_package().startswith("io.github.spark-stretch:spark-stretch-shim_2.13:")  # doctest: +SKIP
     True
     """
-    from .._version import __version__
+    from ..protocol.version import __version__
 
     jar = shim_jar()
     version = f"{__version__}-{jar.stem.rsplit('-', 1)[-1]}"

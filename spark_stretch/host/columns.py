@@ -241,7 +241,7 @@ def finish(table: pa.Table, columns: list) -> pa.Table:
     """The engine's output columns (window, key, primitives) as a query's result columns.
 
     ``columns`` is the shim's translation of Spark's result expressions
-    (``StretchPlans.finish``): ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}``
+    (``StretchEngineJson.finish``): ``{"name": ..., "expr": e}`` each, ``e`` one of ``{"ref": i}``
     (output column i), ``{"keyfield": j, "fields": n, "type": t}`` (field ``j`` of the
     composite key, :func:`unsafe_row_field`), ``{"lit": v, "type": t}``,
     ``{"cast": e, "type": t}``, or an operator of ``_OPS`` over its arguments
@@ -258,7 +258,7 @@ def _columns(table: pa.Table, columns: list) -> pa.Table:
 
 def prepare(table: pa.Table, columns: list) -> pa.Table:
     """A batch's input columns (the scan's own) as the engine's input: the shim's translation
-    of the input projection (``StretchPlans.prepareJs``), ``{"name": ..., "expr": e}`` each,
+    of the input projection (``StretchEngineJson.prepareJs``), ``{"name": ..., "expr": e}`` each,
     ``e`` as for :func:`finish` with ``{"col": name}`` for an input column, ``{"size": [e]}``,
     ``{"addus": e, "us": n}`` (a timestamp plus ``n`` microseconds, as microseconds) and
     ``{"row": [e...], "types": [...]}`` (a composite key, :func:`unsafe_rows`).

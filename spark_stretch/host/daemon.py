@@ -216,7 +216,7 @@ def preflight(driver_version: Optional[str]) -> Optional[str]:
     dependency), or None."""
     from importlib.util import find_spec
 
-    from .._version import __version__
+    from ..protocol.version import __version__
 
     if driver_version and driver_version != __version__:
         return (f"spark-stretch {__version__} is installed there, the driver runs "

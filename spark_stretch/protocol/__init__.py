@@ -9,6 +9,7 @@ through what is defined here:
 - :mod:`.instances`: the messages between the host engine and the drop-in's instances;
 - :mod:`.errors`: error codes carried by a failed reply, and the exceptions they map to;
 - :mod:`.specs`: the versioned spec of a query, as the driver sends it to its host engine;
+- :mod:`.version`: the package's version, the same in every process;
 - :mod:`.placement`: key -> bucket -> instance, the one placement policy of every runtime;
 - :mod:`.layout`: where a query keeps its checkpoint, input log and shared memory, and the
   format versions of those files;

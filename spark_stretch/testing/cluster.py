@@ -87,7 +87,9 @@ class StandaloneCluster:
             with urllib.request.urlopen(f"http://{self.master_host}:{self.ui_port}/json/",
                                         timeout=2) as r:
                 info = json.loads(r.read())
-        except OSError:
+        except (OSError, ValueError):
+            # (not up yet; or, with other clusters starting at once, another process's page on
+            # the port free_port found: the wait times out naming the logs)
             return 0
         return sum(1 for w in info.get("workers", []) if w.get("state") == "ALIVE")
 

@@ -100,6 +100,17 @@ def run(agg, name, rows_path=False, during=None):
     return q, got, want
 
 
+def wordcount():
+    """The word count on the cluster into Delta, equal to native's (read back by Spark)."""
+    wc = source(spark, src, files_per_batch=1).stretchAggregate(
+        keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
+    q, got, want = run(wc, "wc")
+    equal(got, want)
+    result["wordcount_rows"] = got.count()
+    result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
+    return q
+
+
 def equal(got, want):
     if "key" in got.columns:  # (a pair key is a struct: compared as its text)
         got, want = key_str(got), key_str(want)
@@ -137,12 +148,7 @@ try:
     src = write_tweets(tmp / "src", 6000, files=6, rate=20.0, vocab=300, late_fraction=0.02,
                        jitter_s=4.0, seed=11)
     if part == "equal":
-        wc = source(spark, src, files_per_batch=1).stretchAggregate(
-            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
-        q, got, want = run(wc, "wc")
-        equal(got, want)
-        result["wordcount_rows"] = got.count()
-        result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
+        q = wordcount()
 
         pc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=spark_stretch.pairs("words", distance=3), window="60 seconds",
@@ -215,12 +221,7 @@ try:
                .agg(F.count("*"), F.sum("id")).first())
         result["spark_delta"] = [row[0], row[1]]
         # Delta written by the engines (one per host), read back by Spark's executors
-        wc = source(spark, src, files_per_batch=1).stretchAggregate(
-            keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
-        q, got, want = run(wc, "wc")
-        equal(got, want)
-        result["wordcount_rows"] = got.count()
-        result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
+        q = wordcount()
         result["direct_writes"] = q.metrics().get("direct_writes", 0)
         # executors whose Python lacks the package: the first stretch query's launcher names
         # the host and what is missing there (a bare virtualenv as the executors' Python)

@@ -1,0 +1,121 @@
+package org.apache.spark.sql.stretch
+
+import java.util.concurrent.ConcurrentHashMap
+
+import com.fasterxml.jackson.databind.ObjectMapper
+import com.fasterxml.jackson.databind.node.ObjectNode
+
+import org.apache.spark.sql.Row
+import org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
+import org.apache.spark.sql.catalyst.expressions.{Alias, BoundReference}
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, LogicalPlan, Project}
+import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
+import org.apache.spark.sql.catalyst.types.DataTypeUtils
+import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
+
+/**
+ * What Python calls (`driver/jvm.py`'s `ShimPlans`, as `org.apache.spark.sql.stretch.StretchPlans`
+ * over py4j): install the strategy in a session, analyze an aggregation (kept under its id as a
+ * [[Translation]], or the reason it falls back), put the marker over it, register the handler
+ * of its micro-batches. It keeps the driver's translations and handlers, which the exec looks
+ * up by id. The work itself is elsewhere: [[StretchAnalysis]], [[StretchAggregates]] and
+ * [[StretchTranslate]] translate, [[StretchStrategy]] plans the marker, [[StretchExec]] runs it.
+ */
+object StretchPlans {
+  private[stretch] val mapper = new ObjectMapper()
+  private val translations = new ConcurrentHashMap[String, Translation]()
+  private val handlers = new ConcurrentHashMap[String, StretchBatchHandler]()
+
+  def translation(id: String): Translation = Option(translations.get(id)).getOrElse(
+    throw new IllegalStateException(s"stretch: aggregation $id is unknown to this driver"))
+  def handler(id: String): StretchBatchHandler = Option(handlers.get(id)).getOrElse(
+    throw new IllegalStateException(s"stretch: no handler for aggregation $id (its session " +
+      "was stopped?)"))
+
+  /** Plan the marker (once per session). */
+  def install(spark: ClassicSession): Unit = synchronized {
+    val methods = spark.experimental
+    if (!methods.extraStrategies.contains(StretchStrategy)) {
+      methods.extraStrategies = methods.extraStrategies :+ StretchStrategy
+    }
+  }
+
+  def register(id: String, h: StretchBatchHandler): Unit = handlers.put(id, h)
+
+  /** The schema (JSON) of the engine's input of aggregation `id`, as its micro-batches have it. */
+  def inputSchema(id: String): String = translation(id).input.schema.json
+
+  /** The aggregation `df` on the engine, as `df` with the marker over it. */
+  def mark(df: ClassicDataset[Row], id: String): ClassicDataset[Row] = {
+    val t = translation(id)
+    // The chain is Spark's to plan, never to run. Under it, another stretch aggregation's marker
+    // (this one aggregates its windows) is a stub of its columns over its input, so that Spark
+    // plans that aggregation once (one state operator, which the exec runs), and the filter
+    // `StretchTag(id)` makes the chain this aggregation's own: two aggregations over the same
+    // input would otherwise share one exchange (Spark's reuse), which leaves the second without
+    // a watermark.
+    def own(p: LogicalPlan): LogicalPlan =
+      Filter(StretchTag(id), p.transformDown { case m: StretchMarker => stub(m) })
+    val chain = t.native match {
+      case a: Aggregate if t.spec.has("session_end") => a.copy(child = own(a.child))
+      case _ =>
+        val ts = t.input.output.filter(_.metadata.contains(EventTimeWatermark.delayKey))
+        Aggregate(ts, ts, own(t.input))
+    }
+    ClassicDataset.ofRows(df.sparkSession,
+      StretchMarker(id, chain, t.input, chain.output ++ t.input.output, t.native.output))
+  }
+
+  /** A stretch aggregation's columns (never computed) over its input: what a chain that
+   * aggregates its windows is planned over (the input keeps the watermark). */
+  private def stub(m: StretchMarker): LogicalPlan = Project(m.out.map(at =>
+    Alias(StretchTag(m.id, at.dataType), at.name)(exprId = at.exprId,
+      explicitMetadata = Some(at.metadata))), m.input)
+
+  /** The `applyInPandasWithState` drop-in: `native` (Spark's own
+   * `groupBy(...).applyInPandasWithState(...)` over `input`) with the marker over it, the
+   * drop-in registered as `id`. Spark plans its `FlatMapGroupsInPandasWithStateExec` (state
+   * info, batch time, watermarks, no-data batches, its own checks, as natively) and never runs
+   * it; the exec hands `input`'s rows to the engine and reads the function's rows back. */
+  def markGrouped(native: ClassicDataset[Row], input: ClassicDataset[Row],
+                  id: String): ClassicDataset[Row] = {
+    val n = native.logicalPlan
+    val in = input.logicalPlan
+    val out = n.output
+    val result = out.zipWithIndex.map { case (a, i) => BoundReference(i, a.dataType, a.nullable) }
+    translations.put(id, Translation(n, in, DataTypeUtils.fromAttributes(out), result,
+      mapper.createObjectNode().put("kind", "grouped")))
+    ClassicDataset.ofRows(native.sparkSession, StretchMarker(id, n, in, out ++ in.output, out))
+  }
+
+  /** Whether `id` is the drop-in (else an aggregation). */
+  def grouped(id: String): Boolean =
+    Option(translations.get(id)).exists(t => t.spec.path("kind").asText() == "grouped")
+
+  /** Spark's own check of aggregation `id` as a streaming query in output `mode` (throws
+   * Spark's own error where Spark refuses it). */
+  def checkNative(id: String, mode: String): Unit =
+    UnsupportedOperationChecker.checkForStreaming(translation(id).native,
+      InternalOutputModes(mode))
+
+  /** The stretch aggregations of a streaming query's plan, each once, in the plan's order. */
+  def markerIds(plan: LogicalPlan): Array[String] =
+    plan.collect { case m: StretchMarker => m.id }.distinct.toArray
+
+  /** Read `df` as a windowed aggregation the engine runs: `{"ok": true, "spec": ...}` (the
+   * translation kept under `id`), or `{"ok": false, "reason": ...}`. */
+  def analyze(df: ClassicDataset[Row], id: String): String = {
+    val out = mapper.createObjectNode()
+    try {
+      val t = StretchTranslate.translate(df)
+      translations.put(id, t)
+      out.put("ok", true)
+      out.set[ObjectNode]("spec", t.spec)
+    } catch {
+      case u: Unsupported =>
+        out.put("ok", false)
+        out.put("reason", u.reason)
+    }
+    out.toString
+  }
+}
