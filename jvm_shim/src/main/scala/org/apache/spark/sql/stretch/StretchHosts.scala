@@ -38,20 +38,42 @@ object StretchHosts {
              baseDir: String, lease: Double, timeoutMs: Int): Array[String] = {
     val app = sc.applicationId.replaceAll("[^A-Za-z0-9_.-]", "_")
     val cmd = command.toSeq
-    val rdd = sc.makeRDD(hosts.toSeq.map(h => (h, Seq(h))))
-    sc.setJobDescription(s"spark-stretch: start the host engines on ${hosts.mkString(", ")}")
-    try {
-      rdd.mapPartitions { it =>
-        val host = it.next()
-        val here = StretchOptions.hostOf()
-        if (here != host) {
-          throw new IllegalStateException(s"stretch: the engine launcher for host $host ran on " +
-            s"$here (Spark retries it on $host)")
+    val deadline = System.nanoTime() + timeoutMs * 1000000L
+    val started = scala.collection.mutable.Map[String, String]()
+    // A task placed on another host (Spark's delay scheduling gives a preference up after
+    // spark.locality.wait, e.g. while the host's executor unpacks the job's archives) answers
+    // that it missed, without failing: the hosts it missed get another job, until the deadline.
+    var missing = hosts.toSeq
+    while (missing.nonEmpty) {
+      val rdd = sc.makeRDD(missing.map(h => (h, Seq(h))))
+      sc.setJobDescription(s"spark-stretch: start the host engines on ${missing.mkString(", ")}")
+      val lines = try {
+        rdd.mapPartitions { it =>
+          val host = it.next()
+          Iterator(if (StretchOptions.hostOf() != host) s"$Missed$host"
+                   else ensure(host, app, cmd, secret, baseDir, lease, timeoutMs))
+        }.collect()
+      } finally sc.setJobDescription(null)
+      lines.filterNot(_.startsWith(Missed)).foreach(l => started(l.split('|')(0)) = l)
+      missing = missing.filterNot(started.contains)
+      if (missing.nonEmpty) {
+        val live = sc.statusTracker.getExecutorInfos.map(_.host).toSet
+        val gone = missing.filterNot(live.contains)
+        if (gone.nonEmpty) {  // (a lost host: the caller asks Spark for the hosts again)
+          throw new IOException(s"the stretch engine launcher found no executor on " +
+            s"${gone.mkString(", ")}")
         }
-        Iterator(ensure(host, app, cmd, secret, baseDir, lease, timeoutMs))
-      }.collect()
-    } finally sc.setJobDescription(null)
+        if (System.nanoTime() > deadline) {
+          throw new IOException(s"the stretch engine launcher could not run on " +
+            s"${missing.mkString(", ")} within $timeoutMs ms (its tasks ran on other hosts)")
+        }
+        Thread.sleep(500)
+      }
+    }
+    hosts.map(started)
   }
+
+  private val Missed = "MISSED|"
 
   private def alive(pid: Long): Boolean =
     java.lang.ProcessHandle.of(pid).map[Boolean](_.isAlive).orElse(false)
