@@ -88,24 +88,31 @@ def configure_spark_with_stretch(
                                        or not all(isinstance(p, str) for p in extra_packages)):
         raise TypeError("extra_packages must be a list of Maven coordinates "
                         f"('group:artifact:version'), got {extra_packages!r}")
-    from .shim import cache_dir, shim_jar
+    from .shim import shim_package
 
     options = builder._options  # (pyspark's Builder has no getter)
     packages = _merge(_split(options.get("spark.jars.packages")), [delta_package()],
                       list(extra_packages or []))
-    user_jars = _split(options.get("spark.jars"))
-    if user_jars:
-        ivy = Path(options.get("spark.jars.ivy") or cache_dir() / "ivy")
-        ivy_conf = {k: options[k] for k in _IVY_SETTINGS if k in options
-                    and k != "spark.jars.packages"}
-        options.pop("spark.jars.packages", None)
-        return _with_stretch(builder, jars=[*user_jars, str(shim_jar()),
-                                            *package_jars(ivy, packages, ivy_conf)])
-    from .shim import shim_package
-
+    if options.get("spark.jars"):
+        return _ship_as_jars(builder, packages)
     packages.append(shim_package(options.get("spark.jars.ivy")))
     builder = builder.config("spark.jars.packages", ",".join(packages))
     return _with_stretch(builder)
+
+
+def _ship_as_jars(builder: SparkSession.Builder, packages: List[str]) -> SparkSession.Builder:
+    """``builder`` with ``packages`` resolved here, once (:func:`package_jars`, with the
+    builder's own Ivy settings), and shipped through ``spark.jars`` after its own jars and the
+    shim jar; no ``spark.jars.packages`` left for spark-submit to resolve."""
+    from .shim import cache_dir, shim_jar
+
+    options = builder._options
+    options.pop("spark.jars.packages", None)
+    ivy = Path(options.get("spark.jars.ivy") or cache_dir() / "ivy")
+    ivy_conf = {k: options[k] for k in _IVY_SETTINGS if k in options}
+    jars = package_jars(ivy, packages, ivy_conf)
+    return _with_stretch(builder, jars=[*_split(options.get("spark.jars")), str(shim_jar()),
+                                        *jars])
 
 
 def _split(value: Optional[str]) -> List[str]:
@@ -129,8 +136,10 @@ def _with_stretch(builder: SparkSession.Builder, jars: List[str] = ()) -> SparkS
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
     for key, value in _DELTA_CONF.items():
-        mine = _split(builder._options.get(key)) if key == "spark.sql.extensions" else []
-        builder = builder.config(key, ",".join(_merge(mine, [value])) if mine else value)
+        if key == "spark.sql.extensions":  # (the user's own extensions are kept, Delta's added)
+            mine = _split(builder._options.get(key))
+            value = ",".join(mine if value in mine else [*mine, value])
+        builder = builder.config(key, value)
     return builder
 
 
@@ -198,33 +207,26 @@ def session(master: str = "local[2]", app_name: str = "spark-stretch",
         "spark.databricks.delta.snapshotPartitions": "2",
         "spark.sql.adaptive.enabled": "false",
     }
-    from .shim import cache_dir, shim_jar
+    from .shim import cache_dir
 
     # Our own Ivy directory: its jars/ then holds exactly the packages resolved for us.
-    ivy = cache_dir() / "ivy"
-    settings["spark.jars.ivy"] = str(ivy)
+    settings["spark.jars.ivy"] = str(cache_dir() / "ivy")
     if verbose is None:
         verbose = os.environ.get("SPARK_STRETCH_VERBOSE", "").lower() in ("1", "true", "yes")
     if not verbose:
         settings["spark.driver.extraJavaOptions"] = \
             f"-Dlog4j2.configurationFile={QUIET_LOG4J.as_uri()}"
     settings.update(conf or {})
-    builder = SparkSession.builder.master(master).appName(app_name)
     packages = _split(settings.pop("spark.jars.packages", None))
-    user_jars = _split(settings.pop("spark.jars", None))
-    for key, value in settings.items():
-        builder = builder.config(key, value)
-    if verbose and not user_jars:
+    builder = SparkSession.builder.master(master).appName(app_name).config(map=settings)
+    if verbose and not _split(settings.get("spark.jars")):
         # Spark's own resolution, with its report: the packages through spark.jars.packages
         if packages:
             builder = builder.config("spark.jars.packages", ",".join(packages))
         return configure_spark_with_stretch(builder).getOrCreate()
     # Quiet: every package resolved once by Spark's Ivy in a child process (its list cached),
     # all of them shipped through spark.jars as spark-submit --jars ships local jars.
-    ivy = Path(settings["spark.jars.ivy"])
-    ivy_conf = {k: settings[k] for k in _IVY_SETTINGS if k in settings}
-    jars = package_jars(ivy, _merge([delta_package()], packages), ivy_conf)
-    builder = _with_stretch(builder, jars=[*user_jars, str(shim_jar()), *jars])
+    builder = _ship_as_jars(builder, _merge([delta_package()], packages))
     with warnings.catch_warnings():
         # pyspark warns that pandas 3 is new to it when its first JVM call imports its test
         # utilities; only that warning, only here (the user's own calls still warn)

@@ -118,10 +118,6 @@ class StandaloneCluster:
                     {"SPARK_WORKER_DIR": str(work), "HOME": str(home),
                      "XDG_CACHE_HOME": str(home / ".cache")})
 
-    def home(self, host: str) -> Path:
-        """The home directory of ``host``'s worker (its executors' and engines' too)."""
-        return self._dir / f"home-{host}"
-
     def _wait_workers(self) -> None:
         deadline = time.monotonic() + self.start_timeout
         while self.workers_alive() < len(self.hosts):

@@ -56,9 +56,7 @@ KAFKA = "org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0"
 if part == "configure":
     from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.master(url).appName(f"stretch hosts {part}")
-    for k, v in conf.items():
-        builder = builder.config(k, v)
+    builder = SparkSession.builder.master(url).appName(f"stretch hosts {part}").config(map=conf)
     spark = spark_stretch.configure_spark_with_stretch(builder, [KAFKA]).getOrCreate()
 else:
     spark = spark_stretch.session(master=url, app_name=f"stretch hosts {part}", conf=conf)
@@ -230,9 +228,7 @@ try:
         subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv",
                         "--without-pip", str(bare)], check=True)
         os.environ["PYSPARK_PYTHON"] = str(bare / "bin" / "python")  # (pyspark's pythonExec)
-        builder = SparkSession.builder.master(url).appName("stretch hosts bare")
-        for k, v in conf.items():
-            builder = builder.config(k, v)
+        builder = SparkSession.builder.master(url).appName("stretch hosts bare").config(map=conf)
         spark = spark_stretch.configure_spark_with_stretch(builder).getOrCreate()
         try:
             q = (source(spark, src, files_per_batch=1).stretchAggregate(

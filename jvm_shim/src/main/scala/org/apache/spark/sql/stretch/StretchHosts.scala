@@ -116,8 +116,7 @@ object StretchHosts {
     pb.redirectError(new File(dir, "engine.log"))
     val proc = try pb.start() catch {
       case e: IOException =>
-        Option(dir.listFiles()).foreach(_.foreach(_.delete()))
-        dir.delete()
+        remove(dir)
         throw new IOException(cannotStart(host, cmd.head, s"its Python cannot be run here " +
           s"(${e.getMessage})") + ". " + Remedy, e)
     }
@@ -143,8 +142,7 @@ object StretchHosts {
             val log = new File(dir, "engine.log")
             val err = if (log.exists()) new String(Files.readAllBytes(log.toPath),
               StandardCharsets.UTF_8).takeRight(4000) else ""
-            Option(dir.listFiles()).foreach(_.foreach(_.delete()))  // (nothing to keep)
-            dir.delete()
+            remove(dir)  // (nothing to keep)
             throw new IOException(whyNotStarted(host, cmd.head, proc.exitValue(), err))
           }
           Thread.sleep(20)
@@ -152,9 +150,14 @@ object StretchHosts {
     }
     proc.destroyForcibly()
     proc.waitFor()
+    remove(dir)
+    throw new IOException(s"the stretch host engine on $host was not ready within $timeoutMs ms")
+  }
+
+  /** The engine's directory and what is in it (it has no subdirectories). */
+  private def remove(dir: File): Unit = {
     Option(dir.listFiles()).foreach(_.foreach(_.delete()))
     dir.delete()
-    throw new IOException(s"the stretch host engine on $host was not ready within $timeoutMs ms")
   }
 
   /** What to do when the executors' Python lacks the package (the README's "On a cluster"). */
