@@ -234,6 +234,97 @@ def recovery(spark, src: Path, tmp: Path, a, res: dict, want) -> dict:
     return out
 
 
+def write_growth(folder: Path, users_per_file: int, files: int, seed: int = 0) -> Path:
+    """``files`` files of one event for each of ``users_per_file`` users never seen before, so
+    the live keys grow by as many per batch; event time stays within the first ``files``
+    seconds (no session closes during the run: every batch is the same work)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for f in range(files):
+        k = users_per_file
+        users = pa.array(np.char.add("u", (f * k + rng.permutation(k)).astype("U10")))
+        pq.write_table(pa.table({
+            "ts": pa.array(((f + rng.uniform(0, 1.0, k)) * 1e6).astype(np.int64))
+                  .cast(pa.timestamp("us", tz="UTC")),
+            "user": users, "value": pa.array(rng.integers(0, 100, k), pa.int64())}),
+            folder / f"events-{f:05d}.parquet")
+    return folder
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _batch_ms(q) -> list:
+    return [p["durationMs"]["triggerExecution"] for p in q.recentProgress
+            if p["numInputRows"] > 0]
+
+
+def growth(spark, tmp: Path, a) -> dict:
+    """The live keys growing ``--files``-fold over the run (``--growth`` new users per batch,
+    one event each): per-batch time at the first and the last batches, state per key, and
+    checkpoint bytes, native (RocksDB) and the drop-in side by side."""
+    src = write_growth(tmp / "src", a.growth, a.files)
+    res = {"growth_users_per_batch": a.growth, "batches": a.files,
+           "live_keys_end": a.growth * a.files}
+
+    def write(batch, batch_id):
+        batch.write.format("delta").mode("append").option("txnAppId", "native") \
+            .option("txnVersion", batch_id).save(str(tmp / "native"))
+
+    t0 = time.perf_counter()
+    q = (source(spark, src).groupBy("user").applyInPandasWithState(*ARGS)
+         .writeStream.outputMode("update").foreachBatch(write)
+         .option("checkpointLocation", str(tmp / "native-ckpt"))
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    res["native_s"] = time.perf_counter() - t0
+    res["native_batch_ms"] = _batch_ms(q)
+    last = q.recentProgress[-1]["stateOperators"][0]
+    res["native_state_rows"] = last["numRowsTotal"]
+    res["native_state_memory_bytes"] = last["memoryUsedBytes"]
+    res["native_checkpoint_state_bytes"] = _dir_size(tmp / "native-ckpt" / "state")
+
+    t0 = time.perf_counter()
+    q = (source(spark, src).groupBy("user")
+         .stretchApplyInPandasWithState(*ARGS, parallelism=2, max_parallelism=2)
+         .writeStream.outputMode("update").format("delta")
+         .option("checkpointLocation", str(tmp / "stretch-ckpt"))
+         .trigger(availableNow=True).start(str(tmp / "stretch")))
+    hwm = {}
+    while q.isActive:  # the engine's processes' peak resident memory (VmHWM) while they live
+        try:
+            m = q.metrics()
+            for pid in m["engine"].get("instance_pids", []) + [m["engine"].get("pid")]:
+                if pid:
+                    with open(f"/proc/{pid}/status") as f:
+                        for ln in f:
+                            if ln.startswith("VmHWM"):
+                                hwm[pid] = int(ln.split()[1]) * 1024
+        except Exception:
+            pass
+        time.sleep(1.0)
+    q.awaitTermination()
+    res["stretch_s"] = time.perf_counter() - t0
+    res["stretch_batch_ms"] = _batch_ms(q)
+    m = q.metrics()
+    res["stretch_state_rows"] = m["engine"]["state_keys"]
+    res["stretch_state_disk_bytes"] = m["engine"].get("state_disk_bytes")
+    res["stretch_peak_rss_bytes"] = sum(hwm.values())
+    res["stretch_checkpoint_state_bytes"] = _dir_size(tmp / "stretch-ckpt" / "stretch" / "state")
+    nat = spark.read.format("delta").load(str(tmp / "native"))
+    got = spark.read.format("delta").load(str(tmp / "stretch"))
+    res["rows"] = nat.count()
+    res["equal"] = (got.count() == res["rows"] and nat.exceptAll(got).count() == 0
+                    and got.exceptAll(nat).count() == 0)
+    res["throughput_ratio"] = res["native_s"] / res["stretch_s"]
+    for side in ("native", "stretch"):
+        b = res[f"{side}_batch_ms"]
+        if len(b) >= 4:  # the second batch (live keys: one batch's) against the last
+            res[f"{side}_last_over_second_batch"] = b[-1] / b[1]
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1_000_000)
@@ -244,6 +335,8 @@ def main() -> None:
                     help="native state in RocksDB (needed by Spark's repartition)")
     ap.add_argument("--no-recovery", dest="recovery", action="store_false",
                     help="skip the recovery measurement (a killed worker / instance)")
+    ap.add_argument("--growth", type=int, default=0, metavar="USERS",
+                    help="instead: USERS new users per batch for --files batches (state grows)")
     ap.add_argument("--master", default="local[2]",
                     help="Spark master (local[2,4]: native Spark retries a failed task)")
     a = ap.parse_args()
@@ -256,6 +349,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-grouped-"))
     res = {"events": a.events, "users": a.users, "files": a.files, "master": a.master}
     try:
+        if a.growth:
+            res = growth(spark, tmp, a)
+            print(json.dumps(res), flush=True)
+            return
         src = write_events(tmp / "src", a.events, a.users, a.files)
         res["native_s"] = run_native(spark, src, tmp / "native", tmp / "native-ckpt")
         q, res["stretch_s"] = run_stretch(spark, src, tmp / "stretch", tmp / "stretch-ckpt")

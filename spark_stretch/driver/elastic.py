@@ -212,7 +212,8 @@ class ElasticRun:
             latency_p50_ms=p50, latency_p99_ms=p99, step_ms=step_ms, budget_ms=float(budget),
             tuples=tuples, epoch=int(f.get("epoch", 0)),
             live_windows=int(f.get("state_rows", f.get("live_windows", 0))),
-            state_bytes=int(f.get("state_bytes", 0)), rows_updated=int(f.get("rows_updated", 0)),
+            state_bytes=int(f.get("state_bytes", 0)),
+            state_disk_bytes=f.get("state_disk_bytes"), rows_updated=int(f.get("rows_updated", 0)),
             rows_removed=int(f.get("rows_removed", 0)), late_rows=int(f.get("late_rows", 0)),
             time_ms=int((written_at or time.time()) * 1e3), batches_since_switch=track.since,
             switched=None if switch is None else switch.get("cause"),
@@ -292,6 +293,8 @@ def merged(batch: int, hosts: List[BatchMetrics], max_parallelism: int, groups: 
         budget_ms=max((h.budget_ms for h in hosts), default=0.0),
         tuples=total_of("tuples"), epoch=max((h.epoch for h in hosts), default=0),
         live_windows=total_of("live_windows"), state_bytes=total_of("state_bytes"),
+        state_disk_bytes=(None if all(h.state_disk_bytes is None for h in hosts)
+                          else sum(h.state_disk_bytes or 0 for h in hosts)),
         rows_updated=total_of("rows_updated"), rows_removed=total_of("rows_removed"),
         late_rows=total_of("late_rows"), time_ms=max((h.time_ms for h in hosts), default=0),
         batches_since_switch=since, switched=switched,
@@ -341,6 +344,8 @@ def state_figures(m: Optional[BatchMetrics]) -> dict:
               "stepMs": round(m.step_ms), "busyMsMax": round(max(m.busy_ms, default=0.0))}
     if m.switch_ms is not None:
         custom["epochSwitchMicros"] = round(m.switch_ms * 1e3)
+    if m.state_disk_bytes is not None:  # the drop-in's store: its file (pages the kernel caches)
+        custom["stateOnDiskBytes"] = int(m.state_disk_bytes)
     return {"numRowsTotal": m.live_windows, "numRowsUpdated": m.rows_updated,
             "numRowsRemoved": m.rows_removed, "memoryUsedBytes": m.state_bytes,
             "numRowsDroppedByWatermark": m.late_rows, "allUpdatesTimeMs": round(m.step_ms),

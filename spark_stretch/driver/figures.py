@@ -80,6 +80,7 @@ class BatchMetrics:
     epoch: int = 0
     live_windows: int = 0
     state_bytes: int = 0
+    state_disk_bytes: Optional[int] = None  # (a state store on disk: the drop-in's)
     rows_updated: int = 0
     rows_removed: int = 0
     late_rows: int = 0

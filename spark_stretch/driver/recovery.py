@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..protocol import messages as M
 from ..protocol.layout import QUERY_FORMAT, QueryLayout, check_format, shm_prefix, shm_root, \
-    write_json
+    state_root, write_json
 from ..protocol.specs import Checkpointing, QuerySpec, spec_to_wire
 from .cluster import acquire_engine
 from .engine import EngineDiedError
@@ -90,10 +90,15 @@ def query_ids(layout: QueryLayout) -> Tuple[str, str]:
 
 
 def remove_shm(qid: str) -> None:
-    """Remove the query's state directories in shared memory (the drop-in's bucket files) left
-    by an engine that died; a live engine removes its own when the query closes."""
-    for d in Path(shm_root()).glob(f"{shm_prefix(qid)}*"):
-        shutil.rmtree(d, ignore_errors=True)
+    """Remove what an engine that died left of the query on this host: the drop-in's steps'
+    files in shared memory and its state store on local disk; a live engine removes its own
+    when the query closes."""
+    for root in {shm_root(), state_root()}:
+        for d in Path(root).glob(f"{shm_prefix(qid)}*"):
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
 
 
 class Recovery:

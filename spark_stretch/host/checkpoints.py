@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import pyarrow as pa
 
 from ..protocol.errors import StateError
-from ..protocol.layout import CHECKPOINT_FORMATS, check_format, lock_of
+from ..protocol.layout import CHECKPOINT_FORMATS, READABLE_FORMATS, check_format, lock_of
 from ..protocol.specs import Checkpointing
 from . import faults
 
@@ -120,7 +120,7 @@ class CheckpointStore:
             raise StateError(f"no engine state for batch {batch} under {self.dir}: the checkpoint "
                              "was not written by this stretch query or was cleaned")
         meta = json.loads(f.read_text())
-        check_format(meta.get("format"), self.format, f"engine checkpoint {f}")
+        check_format(meta.get("format"), READABLE_FORMATS[self.meta], f"engine checkpoint {f}")
         return meta
 
     def chain_of(self, batch: int) -> list:
@@ -149,7 +149,7 @@ class CheckpointStore:
         writer thread) gives the runtime's files, ``meta`` its meta (the store adds format,
         kind and parent); ``chain`` is kept with this checkpoint for the next
         :meth:`delta_due` (and readable as ``self.chain``). The next save and :meth:`join`
-        wait for it."""
+        wait for it. A file given as a :class:`~pathlib.Path` is moved into the checkpoint."""
         prev = self.chain
         meta = {"format": self.format, "kind": "delta" if delta else "full",
                 "parent": prev["parent"] if delta else None, **meta}
@@ -162,8 +162,10 @@ class CheckpointStore:
                 blobs = files()
                 blobs[self.meta] = json.dumps(meta).encode()  # last: marks a whole directory
                 t1 = time.perf_counter()
+                size = sum(b.stat().st_size if isinstance(b, Path) else len(b)
+                           for b in blobs.values())
                 self._write_dir(batch, blobs)
-                self.stats = {**stats, "bytes": sum(len(b) for b in blobs.values()),
+                self.stats = {**stats, "bytes": size,
                               "snapshot_ms": (t1 - t0) * 1e3,
                               "write_ms": (time.perf_counter() - t1) * 1e3}
             except BaseException as e:  # reported by join(), on the driver's request
@@ -198,6 +200,12 @@ class CheckpointStore:
         tmp.mkdir(parents=True)
         sync = self.config.fsync
         for name, blob in blobs.items():
+            if isinstance(blob, Path):
+                shutil.move(blob, tmp / name)
+                if sync:
+                    with open(tmp / name, "rb") as f:
+                        os.fsync(f.fileno())
+                continue
             with open(tmp / name, "wb") as f:
                 f.write(blob)
                 if sync:

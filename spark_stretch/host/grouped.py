@@ -10,21 +10,24 @@ applyInPandasWithState drop-in's runtime. The function itself runs in the instan
       owner map bucket -> instance  ────────────┼───────────────────────────▶ │ instance i:  │
                                                 │                             │ func per key,│
     output = concat(out-<s>-<i>.arrow) ◀────────┼──── out-<s>-<i>.arrow ───── │ then timeouts│
-    checkpoint: changed bucket files ◀──────────┘                             └──────┬───────┘
-                                                    /dev/shm/stretch-<q>-<pid>/b<bucket>.pkl
+    checkpoint: changes-<s>-<i>.arrow ◀─────────┘                             └──────┬───────┘
+                                  state store (LMDB, local disk): $TMPDIR/stretch-<q>-<pid>-state-*
 
-- **State** lives in one file per bucket on tmpfs: a pickled dict ``key tuple -> (state value in
-  Spark's internal form or None, timeout timestamp ms)``. Every instance can read every bucket;
-  an instance caches the buckets it owns and writes back the ones it changed at the end of each
-  batch, into the step's own directory; the pool moves them into place once every instance of
-  the step is done, so an instance that dies mid-step is started again and runs its share again
-  on the previous step's state (:meth:`~.instances.InstancePool.run`). A rescale or rebalance only swaps the owner map between two batches: nothing is
-  restarted, shuffled or copied; a new owner reads a bucket from shared memory the first time
-  it needs it.
+- **State** is in one :class:`~spark_stretch.engine.keyed.KeyedStore` (LMDB) per query on local
+  disk, shared by the engine and every instance: per key ``(key, value in Spark's internal form,
+  timeout)`` under its bucket, and a timer index. A batch reads and writes only the keys it
+  touches and the timers due, so its cost does not grow with the state; the state's pages are
+  the kernel's page cache, so more state than memory stays on disk. An instance applies its
+  share in one transaction at its end, so one that dies mid-step is started again and runs its
+  share again on the previous step's state (:meth:`~.instances.InstancePool.run`). A rescale or
+  rebalance only swaps the owner map between two batches: nothing is restarted, shuffled or
+  copied; a new owner reads the bucket's keys in the store.
 - **Placement**: a key's bucket and owner follow :mod:`spark_stretch.protocol.placement` (a
   SipHash of the key columns, then the engine's rule), as every runtime's do.
 - **Checkpoint** per batch under ``<checkpoint>/stretch/state/<N>/``: ``grouped.json`` plus the
-  bucket files, all of them (full) or those changed since the parent checkpoint (delta).
+  instances' changelogs of the batch (``changes-<i>.arrow``: a delta) or a compact copy of the
+  store (``state.mdb``: full, every ``min_deltas`` batches, Spark's ``minDeltasForSnapshot``).
+  Checkpoints of format 2 (pickled buckets, spark-stretch 0.18) are read and converted.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from ..protocol import instances as I
 from ..protocol import messages as M
 from ..protocol import placement
 from ..protocol.errors import BadRequest, InstanceDiedError, StateError, UserFunctionError
-from ..protocol.layout import GROUPED_META, bucket_file, shm_prefix, shm_root
+from ..engine.keyed import KeyedStore, encode_key
+from ..protocol.layout import GROUPED_META, shm_prefix, shm_root, state_root
 from ..protocol.specs import GroupedSpec
 from . import faults, load
 from .checkpoints import read_arrow
@@ -76,14 +80,20 @@ class GroupedRuntime(Runtime):
         self._seq = 0
         self.last_metrics: dict = {}
         self.pool: Optional[InstancePool] = None
+        self.kv: Optional[KeyedStore] = None
+        self._changes: list = []  # the last step's changelog files: its delta checkpoint
         self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
                                          dir=shm_root()))
+        self.state_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-state-",
+                                               dir=state_root()))
         try:
             if spec.resume_batch is not None:  # (a checkpoint every batch: exactly that one)
                 self._load(spec.resume_batch)
+            else:
+                self.kv = KeyedStore(self.state_dir)
             self.pool = InstancePool(self.n, self.shm, I.Init(
                 spec=replace(spec, func=""), func=base64.b64decode(spec.func),
-                shm=str(self.shm), index=0))
+                shm=str(self.shm), index=0, state=str(self.state_dir)))
         except BaseException:
             self.close()
             raise
@@ -117,7 +127,7 @@ class GroupedRuntime(Runtime):
                     table = table.filter(keep)
                     late = before - table.num_rows
         faults.inject("step", batch)
-        out, dirty, metrics = self._run(batch, table, ts_ms, evict_wm)
+        out, metrics = self._run(batch, table, ts_ms, evict_wm)
         self.watermark_ms = evict_wm
         if top is not None:
             self.max_event_ms = top if self.max_event_ms is None else max(self.max_event_ms, top)
@@ -126,7 +136,7 @@ class GroupedRuntime(Runtime):
         self.counters["late_rows"] += late
         self.counters["batches"] += 1
         self.last_batch = batch
-        self._save(batch, changed=dirty)
+        self._save(batch)
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late, "batch_ts_ms": ts_ms,
             "engine_ms": self._ms_since(t0), **metrics})
@@ -159,8 +169,7 @@ class GroupedRuntime(Runtime):
                 sub, starts, gb = parts[i]
                 with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, sub.schema) as w:
                     w.write_table(sub)
-            msgs[i] = I.Batch(batch=batch, seq=self._seq, owned=owned,
-                              reload=owned[self._prev_owner[owned] != i], batch_ts_ms=ts_ms,
+            msgs[i] = I.Batch(batch=batch, seq=self._seq, owned=owned, batch_ts_ms=ts_ms,
                               watermark_ms=evict_wm, input=None if path is None else str(path),
                               starts=starts, group_buckets=gb)
         what = f"batch {batch}"
@@ -185,12 +194,13 @@ class GroupedRuntime(Runtime):
             dirty.update(r.dirty)
             per.append({"instance": i, "pid": self.pool.instances[i].pid, **r.times,
                         "calls": r.calls, "timeout_calls": r.timeout_calls,
-                        "bucket_loads": r.bucket_loads})
+                        "changed_rows": r.changed_rows})
             if r.out:
                 tables.append(read_arrow(Path(r.out)))  # the mapping outlives the unlink
                 os.unlink(r.out)
-        # instances not active keep no state of their own: owned buckets are all counted above
-        self.state_keys = sum(r.state_keys for r in replies.values())
+            if r.changes:
+                self._changes.append((i, Path(r.changes), r.changed_rows))
+        self.state_keys = self.kv.rows()
         calls = sum(r.calls for r in replies.values())
         timeouts = sum(r.timeout_calls for r in replies.values())
         out = pa.concat_tables(tables) if tables else pa.table({})  # no rows: nothing to read
@@ -201,41 +211,61 @@ class GroupedRuntime(Runtime):
                               "rows_updated": sum(r.updated for r in replies.values()),
                               "rows_removed": sum(r.removed for r in replies.values())}
         m = {"calls": calls, "timeout_calls": timeouts, "state_keys": self.state_keys,
-             "changed_buckets": len(dirty), "split_ms": (t_split - t0) * 1e3,
+             "changed_buckets": len(dirty), "state_disk_bytes": self.kv.disk_bytes(),
+             "split_ms": (t_split - t0) * 1e3,
              "instances_ms": (t_run - t_split) * 1e3, "instances": per,
              "instance_retries": len(retries), **({"retries": retries} if retries else {})}
         self.last_metrics = m
-        return out, dirty, m
+        return out, m
 
     # -- checkpoints -------------------------------------------------------------------------
-    def _save(self, batch: int, full: bool = False, out=None, changed=()) -> None:
+    def _save(self, batch: int, full: bool = False, out=None) -> None:
+        changes, self._changes = self._changes, []
         if not self.store.enabled:
+            for _, f, _ in changes:
+                f.unlink(missing_ok=True)
             return
         self.store.join()
-        changed = sorted(changed)
-        delta = self.store.delta_due(batch, len(changed) / self.B, full)
-        names = [bucket_file(self.shm, b) for b in (changed if delta else range(self.B))]
+        changed = sum(n for _, _, n in changes) / max(1, self.state_keys)
+        delta = self.store.delta_due(batch, changed, full)
         meta = {**self._common_meta(batch), "max_event_ms": self.max_event_ms,
                 "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
                 "buckets": self.B, "state_keys": self.state_keys}
+        if delta:
+            def files():  # (moved into the checkpoint by the store's writer thread)
+                return {f"changes-{i}.arrow": f for i, f, _ in changes}
+        else:
+            for _, f, _ in changes:
+                f.unlink(missing_ok=True)
+            snap = self.state_dir.with_name(f"{self.state_dir.name}.snapshot")
 
-        def files():  # (in the store's writer thread; the next step waits for it)
-            empty = pickle.dumps({}, protocol=5)
-            return {f.name: f.read_bytes() if f.exists() else empty for f in names
-                    if delta or f.exists()}
+            def files():  # a consistent copy even while the next step writes (LMDB's MVCC)
+                return {"state.mdb": self.kv.snapshot(snap)}
 
-        self.store.save(batch, delta, meta, files, {"buckets": len(names)})
+        self.store.save(batch, delta, meta, files, {"changed_rows": int(changed * self.state_keys)
+                                                    if changes else 0})
 
     def _load(self, batch: int) -> None:
+        """The store as the checkpoint of ``batch`` left it: its full copy, then the deltas'
+        changelogs in order; a format-2 chain (pickled buckets) is converted."""
         chain = self.store.chain_of(batch)
-        for b in chain:  # full, then deltas in order: later bucket files replace earlier ones
-            for f in (self.store.dir / str(b)).iterdir():
-                if f.name.startswith("b") and f.name.endswith(".pkl"):
-                    shutil.copyfile(f, self.shm / f.name)
-        meta = self.store.read_meta(batch)
+        metas = [self.store.read_meta(b) for b in chain]
+        first = self.store.dir / str(chain[0])
+        if (first / "state.mdb").exists():
+            shutil.copyfile(first / "state.mdb", self.state_dir / "data.mdb")
+        self.kv = KeyedStore(self.state_dir)
+        self.kv.forget_steps()
+        meta = metas[-1]
         if int(meta["buckets"]) != self.B:
             raise StateError(f"the checkpoint has {meta['buckets']} buckets, the query "
                              f"{self.B}: keep buckets= the same across restarts")
+        converted = any(int(m.get("format", 1)) == 2 for m in metas)
+        if converted:
+            self.kv.load(_pickled_buckets(self.store.dir, chain))
+        else:
+            for b in chain[1:]:
+                for f in sorted((self.store.dir / str(b)).glob("changes-*.arrow")):
+                    self.kv.apply(read_arrow(f))
         self._restore_common(meta)
         self.max_event_ms = meta["max_event_ms"]
         self.owner = np.asarray(meta["owner_map"], dtype=np.int64)
@@ -244,8 +274,9 @@ class GroupedRuntime(Runtime):
             self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
         self._prev_owner = self.owner.copy()
         self.epoch = int(meta.get("epoch", 0))
-        self.state_keys = int(meta.get("state_keys", 0))
-        self.store.chain = {"parent": batch, "deltas": len(chain) - 1}
+        self.state_keys = self.kv.rows()
+        # a converted state is written whole at the next checkpoint, in this version's format
+        self.store.chain = None if converted else {"parent": batch, "deltas": len(chain) - 1}
         self.checkpoint = batch
 
     # -- control -----------------------------------------------------------------------------
@@ -285,12 +316,34 @@ class GroupedRuntime(Runtime):
                     "switches": list(self.switches), "state_keys": self.state_keys,
                     "checkpoint": dict(self.store.stats), "last_step": dict(self.last_metrics),
                     "instance_pids": self.pool.pids if self.pool else [],
-                    "shm_dir": str(self.shm)}
+                    "pid": os.getpid(), "shm_dir": str(self.shm),
+                    "state_dir": str(self.state_dir),
+                    "state_disk_bytes": self.kv.disk_bytes() if self.kv else 0}
 
     def _close(self) -> None:
         if self.pool is not None:
             self.pool.stop()
+        if self.kv is not None:
+            self.kv.close()
         shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.state_dir.with_name(f"{self.state_dir.name}.snapshot").unlink(missing_ok=True)
+
+
+def _pickled_buckets(root: Path, chain: list) -> dict:
+    """The state of a format-2 checkpoint chain (one pickled dict ``key -> (value, timeout)``
+    per bucket file ``b<bucket>.pkl``; a later checkpoint's file replaces an earlier one's) as
+    store entries."""
+    files = {}
+    for b in chain:
+        for f in (root / str(b)).glob("b*.pkl"):
+            files[f.name] = f
+    entries = {}
+    for name, f in files.items():
+        bucket = int(name[1:-4])
+        for key, (value, timeout) in pickle.loads(f.read_bytes()).items():
+            entries[encode_key(bucket, key)] = (key, value, int(timeout))
+    return entries
 
 
 def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:

@@ -137,7 +137,8 @@ class InstancePool:
             raise
 
     def _init(self, index: int) -> I.Init:
-        return I.Init(spec=self.init.spec, func=self.init.func, shm=self.init.shm, index=index)
+        return I.Init(spec=self.init.spec, func=self.init.func, shm=self.init.shm, index=index,
+                      state=self.init.state)
 
     @property
     def pids(self) -> List[int]:
@@ -153,16 +154,18 @@ class InstancePool:
 
     def run(self, msgs: Dict[int, I.Batch], what: str, max_deaths: int = 1,
             max_raises: int = 1) -> Tuple[Dict[int, I.BatchDone], list]:
-        """Run one step: send each instance its message, wait for every reply, then put the
-        bucket files the step changed in place (``what``: the step, for errors).
+        """Run one step: send each instance its message, wait for every reply (``what``: the
+        step, for errors).
 
         An instance that dies is started again and sent its message again, up to
         ``max_deaths`` runs of its share; a function that raises is run again up to
-        ``max_raises`` times in the same process (which dropped its cache). A failed run's
-        files are removed, and no bucket file of the step is in place before every share is
-        done, so a share always runs again on the state the previous step left. Past those
-        bounds the step fails, with nothing of it applied, with a :class:`InstanceDiedError`
-        or :class:`UserFunctionError` (never a hang).
+        ``max_raises`` times in the same process (which dropped the half-run step). A share
+        is applied to the state store in one transaction at its end, with a marker: a share
+        whose process died before it runs again on the state the previous step left, one
+        whose process died after it is answered from the marker (never applied twice). Past
+        those bounds the step fails with a :class:`InstanceDiedError` or
+        :class:`UserFunctionError` (never a hang); the shares that finished are applied, so
+        the runtime is unusable after it and the query restarts from its checkpoint.
 
         Returns the replies and the retries made (``instance``, ``attempt``, ``cause``,
         ``died``, the new ``pid``, ``restart_ms``: to send it again, ``recovered_ms``: to
@@ -175,8 +178,8 @@ class InstancePool:
         to_send = list(msgs)
 
         def clean(i: int) -> None:  # what a failed run of instance i's share left
-            shutil.rmtree(I.pending_dir(self.shm, msgs[i].seq, i), ignore_errors=True)
             I.output_file(self.shm, msgs[i].seq, i).unlink(missing_ok=True)
+            I.changes_file(self.shm, msgs[i].seq, i).unlink(missing_ok=True)
 
         def failed(i: int, died: bool, cause: str) -> None:
             t0 = time.perf_counter()
@@ -191,9 +194,10 @@ class InstancePool:
                         cause if most == 1 else f"{cause}\n(instance {i} died {n[i]} times "
                         f"running its share of {what}: spark.stretch.instanceMaxFailures={most})")
                 raise UserFunctionError(cause)
-            clean(i)
-            if died:
+            if died:  # (its files stay: a share it committed is answered with them)
                 self.restart(i)
+            else:
+                clean(i)
             retries.append({"instance": i, "attempt": runs + 1, "cause": cause.split("\n")[0],
                             "died": died, "pid": self.instances[i].pid,
                             "restart_ms": (time.perf_counter() - t0) * 1e3, "t0": t0})
@@ -244,12 +248,6 @@ class InstancePool:
                 runs = deaths[i] + raises[i] + 1
                 failed(i, True, self.instances[i].death(
                     what if max_deaths == 1 else f"{what} (run {runs})"))
-        for i, r in replies.items():
-            if r.dirty:
-                pending = I.pending_dir(self.shm, msgs[i].seq, i)
-                for b in r.dirty:
-                    os.replace(bucket_file(pending, b), bucket_file(self.shm, b))
-                pending.rmdir()
         return replies, retries
 
     def stop(self) -> None:

@@ -33,7 +33,6 @@ True
 
 from __future__ import annotations
 
-import os
 import time
 from typing import List, Optional
 
@@ -135,7 +134,8 @@ def engine_figures(rt, t0: float, since_ms: Optional[float]) -> dict:
 
 def grouped_figures(rt, t0: float, since_ms: Optional[float], bucket_rows) -> dict:
     """The figures of a step of the drop-in's runtime (``rt``: its instances' last figures,
-    owner map, shared-memory directory); ``bucket_rows``: the step's rows per bucket."""
+    owner map, state store: its bytes in use, on disk and in the kernel's page cache as
+    touched); ``bucket_rows``: the step's rows per bucket."""
     step_ms = (time.perf_counter() - t0) * 1e3
     per = {p["instance"]: p for p in rt.last_metrics.get("instances", [])}
     om = np.asarray(rt.owner, np.int64)
@@ -146,14 +146,8 @@ def grouped_figures(rt, t0: float, since_ms: Optional[float], bucket_rows) -> di
     rows = np.zeros(rt.B, np.int64) if bucket_rows is None else np.asarray(bucket_rows)
     load = np.bincount(om, weights=rows, minlength=rt.n)[active]
     fig = _common(step_ms, since_ms, active, busy, load, rt.parallelism, rt.epoch, rt._last_out)
+    disk = rt.kv.disk_bytes() if rt.kv is not None else 0
     fig.update(tuples=int(rows.sum()), live_windows=int(rt.state_keys),
-               state_bytes=_dir_bytes(rt.shm), bucket_load=rows.tolist(), owner_map=om.tolist())
+               state_bytes=disk, state_disk_bytes=disk, bucket_load=rows.tolist(),
+               owner_map=om.tolist())
     return fig
-
-
-def _dir_bytes(path) -> int:
-    try:
-        with os.scandir(path) as it:
-            return sum(e.stat().st_size for e in it if e.is_file() and e.name.startswith("b"))
-    except OSError:
-        return 0

@@ -12,8 +12,8 @@ Examples
 'x'
 >>> input_file("/dev/shm/x", 3, 1).name
 'in-3-1.arrow'
->>> pending_dir("/dev/shm/x", 3, 1).name
-'new-3-1'
+>>> changes_file("/dev/shm/x", 3, 1).name
+'changes-3-1.arrow'
 """
 
 from __future__ import annotations
@@ -27,31 +27,32 @@ import numpy as np
 from .specs import GroupedSpec
 
 __all__ = ["Init", "Batch", "Exit", "Ready", "BatchDone", "Failed", "input_file", "output_file",
-           "pending_dir"]
+           "changes_file"]
 
 
 @dataclass(frozen=True)
 class Init:
     """Start: the query's spec (its ``func`` left out), the function (cloudpickled), the
-    shared-memory directory, this instance's index."""
+    shared-memory directory (the steps' files), the state store's directory
+    (:class:`~spark_stretch.engine.keyed.KeyedStore`), this instance's index."""
 
     spec: GroupedSpec
     func: bytes
     shm: str
     index: int
+    state: str = ""
 
 
 @dataclass(frozen=True)
 class Batch:
     """Run one step on the buckets this instance owns: the keys with data (``input``: an Arrow
     file sorted by (bucket, key), ``starts`` the first row of each key, ``group_buckets`` each
-    key's bucket), then the keys whose timeout passed. ``reload``: buckets that just became
-    this instance's (read them from shared memory again)."""
+    key's bucket), then the keys whose timeout passed, in the buckets it ``owned`` (any
+    bucket's state is in the shared store: a new owner reads it there)."""
 
     batch: int
     seq: int
     owned: np.ndarray
-    reload: np.ndarray
     batch_ts_ms: int
     watermark_ms: int
     input: Optional[str] = None
@@ -71,16 +72,17 @@ class Ready:
 
 @dataclass(frozen=True)
 class BatchDone:
-    """A step done: its output file (None: no rows), the buckets it changed (their new files in
-    :func:`pending_dir`, for the engine to put in place), and figures."""
+    """A step done and committed to the state store: its output file (None: no rows), the
+    buckets it changed, its changelog file (:func:`changes_file`; None: no change), and
+    figures."""
 
     out: Optional[str]
     rows: int
     dirty: List[int]
     calls: int
     timeout_calls: int
-    bucket_loads: int
-    state_keys: int
+    changes: Optional[str] = None
+    changed_rows: int = 0
     times: Dict[str, float] = field(default_factory=dict)
     updated: int = 0  # keys whose state the batch wrote
     removed: int = 0  # keys whose state it deleted
@@ -103,8 +105,6 @@ def output_file(shm, seq: int, index: int) -> Path:
     return Path(shm) / f"out-{seq}-{index}.arrow"
 
 
-def pending_dir(shm, seq: int, index: int) -> Path:
-    """Where instance ``index`` writes the bucket files it changed in step ``seq``. The engine
-    moves them over the live ones only once every instance of the step is done, so an instance
-    that dies mid-step leaves the step's state untouched (its share can be run again)."""
-    return Path(shm) / f"new-{seq}-{index}"
+def changes_file(shm, seq: int, index: int) -> Path:
+    """Step ``seq``'s changelog of instance ``index`` (Arrow: ``key``, ``value``)."""
+    return Path(shm) / f"changes-{seq}-{index}.arrow"

@@ -10,8 +10,9 @@ Under the query's ``checkpointLocation`` (beside Spark's own ``offsets/``, ``com
     stretch/operators/<op>/   a query with several stretch aggregations (``stretch(df)``):
                               each one's own files as above, by its Spark state operator id
 
-and, in shared memory, the drop-in's bucket files ``stretch-<query>-<pid>-*/b<bucket>.pkl``
-(host and worker). Each JSON file and the input log carry a format version; a reader refuses a
+and, on the engine's host, the drop-in's steps' files in shared memory
+(``stretch-<query>-<pid>-*/``) and its state store on local disk
+(``$TMPDIR/stretch-<query>-<pid>-state-*/``) (host and worker). Each JSON file and the input log carry a format version; a reader refuses a
 version it does not know with a :class:`~.errors.StateError` naming the file.
 
 Examples
@@ -34,9 +35,9 @@ from typing import Optional
 
 from .errors import StateError
 
-__all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS",
+__all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS", "READABLE_FORMATS",
            "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "check_format",
-           "input_log_of", "lock_of", "shm_root",
+           "input_log_of", "lock_of", "shm_root", "state_root",
            "shm_prefix", "bucket_file", "write_json"]
 
 # A checkpoint directory's meta file, written last (its presence marks a whole directory), per
@@ -44,9 +45,11 @@ __all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS"
 # name it was first written under, so older checkpoints stay readable.
 AGGREGATE_META = "bridge.json"
 GROUPED_META = "grouped.json"
-# The format each meta file is written in. The drop-in's is 2: its buckets are placed by
-# protocol.placement (SipHash, then the engine's range rule) where format 1 took SipHash mod B.
-CHECKPOINT_FORMATS = {AGGREGATE_META: 1, GROUPED_META: 2}
+# The format each meta file is written in. The drop-in's is 3: its state store (LMDB) copied whole
+# or as changelogs. Format 2 (pickled buckets placed by protocol.placement) is read and converted;
+# format 1 took SipHash mod B and is refused.
+CHECKPOINT_FORMATS = {AGGREGATE_META: 1, GROUPED_META: 3}
+READABLE_FORMATS = {AGGREGATE_META: (1,), GROUPED_META: (2, 3)}
 INPUT_LOG_FORMAT = 1
 INPUT_LOG_KEY = b"stretch.input_log.format"  # in each logged file's Arrow schema metadata
 QUERY_FORMAT = 1
@@ -100,13 +103,15 @@ def lock_of(state_dir) -> Path:
     return Path(state_dir).parent / "engine.lock"
 
 
-def check_format(found, known: int, where) -> None:
-    """Refuse a file whose format version is not ``known`` (a missing one counts as 1, the
-    format written before versions were checked)."""
+def check_format(found, known, where) -> None:
+    """Refuse a file whose format version is not ``known`` (one version, or a tuple of those
+    read; a missing one counts as 1, the format written before versions were checked)."""
     v = 1 if found is None else found
-    if v != known:
+    ok = known if isinstance(known, tuple) else (known,)
+    if v not in ok:
+        said = " or ".join(str(k) for k in ok)
         raise StateError(f"{where} has format {v!r}; this version of spark-stretch reads format "
-                         f"{known}. Restart the query with a new checkpointLocation, or run it "
+                         f"{said}. Restart the query with a new checkpointLocation, or run it "
                          "with the spark-stretch version that wrote it")
 
 
@@ -121,6 +126,12 @@ def shm_root() -> str:
     """Where the drop-in's bucket files live: tmpfs (``/dev/shm``) when there is one."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
         else tempfile.gettempdir()
+
+
+def state_root() -> str:
+    """Where the drop-in's state store lives: local disk, the engine process's temporary
+    directory (on an executor host, the executor's ``java.io.tmpdir``)."""
+    return tempfile.gettempdir()
 
 
 def shm_prefix(query: str) -> str:

@@ -130,6 +130,7 @@ class SaveStats(Reply):
     kind: Optional[str] = None
     checkpoint: Optional[int] = None
     buckets: Optional[int] = None
+    changed_rows: Optional[int] = None  # (the drop-in's: rows its changelogs hold)
     bytes: Optional[int] = None
     snapshot_ms: Optional[float] = None
     write_ms: Optional[float] = None

@@ -50,9 +50,8 @@ def serve(fd: int, parent: int) -> int:
                 raise TypeError(f"unexpected instance request {type(msg).__name__}")
         except BaseException:
             reply = I.Failed(traceback.format_exc())
-            if inst is not None:  # a half-run batch: nothing cached may be trusted again
-                inst.cache.clear()
-                inst.min_ts.clear()
+            if inst is not None:  # a half-run batch: nothing of it was committed
+                inst.reset()
         try:
             conn.send(reply)
         except (OSError, EOFError):

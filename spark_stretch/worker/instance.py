@@ -13,18 +13,17 @@ from __future__ import annotations
 import pickle
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List, Optional
 
 import numpy as np
 import pyarrow as pa
 
+from ..engine.keyed import NO_TIMEOUT as NO_TIMESTAMP
+from ..engine.keyed import KeyedStore, Step, encode_key
 from ..protocol import instances as I
-from ..protocol.layout import bucket_file
 from .output import OutputBuffer
 
 __all__ = ["Instance", "NO_TIMESTAMP"]
-
-NO_TIMESTAMP = -1
 
 
 class Instance:
@@ -75,44 +74,25 @@ class Instance:
         self.key_columns = list(s.key_columns)
         self.timeout_conf = s.timeout_conf
         self.watermark_present = s.watermark_present
-        self.cache: Dict[int, dict] = {}
-        self.min_ts: Dict[int, int] = {}
+        self.kv = KeyedStore(init.state)
+        self.step: Optional[Step] = None
 
-    # -- state buckets -----------------------------------------------------------------------
-    def _bucket(self, b: int) -> dict:
-        d = self.cache.get(b)
-        if d is None:
-            f = bucket_file(self.shm, b)
-            d = pickle.loads(f.read_bytes()) if f.exists() else {}
-            self.cache[b] = d
-            self.loads += 1
-            self.min_ts[b] = min((v[1] for v in d.values() if v[1] != NO_TIMESTAMP),
-                                 default=NO_TIMESTAMP)
-        return d
-
-    def _write_bucket(self, b: int, pending: Path) -> None:
-        """Bucket ``b`` as this step left it, into the step's ``pending`` directory: the engine
-        puts it in place once the whole step is done (never half a step's buckets)."""
-        d = self.cache[b]
-        with open(bucket_file(pending, b), "wb") as f:
-            f.write(pickle.dumps(d, protocol=5))
-        self.min_ts[b] = min((v[1] for v in d.values() if v[1] != NO_TIMESTAMP),
-                             default=NO_TIMESTAMP)
+    def reset(self) -> None:
+        """Drop a half-run step (nothing of it was committed)."""
+        if self.step is not None:
+            self.step.abort()
+            self.step = None
 
     # -- one batch ---------------------------------------------------------------------------
     def batch(self, msg: I.Batch) -> I.BatchDone:
         import pandas as pd
 
         t0 = time.perf_counter()
-        owned = set(int(b) for b in msg.owned)
-        for b in list(self.cache):
-            if b not in owned:
-                del self.cache[b]
-                self.min_ts.pop(b, None)
-        for b in msg.reload:
-            self.cache.pop(int(b), None)
-            self.min_ts.pop(int(b), None)
-        self.loads = 0
+        done = self.kv.applied(self.index, msg.seq)
+        if done is not None:  # this process's predecessor applied the step, then died
+            return done
+        owned = sorted(int(b) for b in msg.owned)
+        self.step = self.kv.step()
         self.dirty = set()
         self.updated = self.removed = 0  # (keys whose state was written, or deleted)
         self.ts_ms = int(msg.batch_ts_ms)
@@ -131,8 +111,9 @@ class Instance:
             for g in range(len(starts)):
                 a, z = int(starts[g]), int(ends[g])
                 key = tuple(v[a] for v in kvals)
+                b = int(gb[g])
                 values = self._chunks(pdf, a, z)
-                self._call(key, values, int(gb[g]), False, out)
+                self._call(key, encode_key(b, key), values, b, False, out)
                 calls += 1
             batches += out.finish()
         t1 = time.perf_counter()
@@ -140,25 +121,15 @@ class Instance:
             threshold = self.ts_ms if self.timeout_conf == "ProcessingTimeTimeout" else self.wm_ms
             empty = None
             out = OutputBuffer(self)
-            for b in sorted(owned):
-                d = self._bucket(b)
-                mt = self.min_ts.get(b, NO_TIMESTAMP)
-                if b not in self.dirty and (mt == NO_TIMESTAMP or mt >= threshold):
-                    continue
-                due = [k for k, v in d.items() if v[1] != NO_TIMESTAMP and v[1] < threshold]
-                for key in due:
+            for b in owned:
+                for kb in self.step.due(b, threshold):
                     if empty is None:
                         empty = pd.DataFrame(columns=self.columns)
                     # as pyspark's wrapper: a list with one empty DataFrame of the data columns
-                    self._call(key, [empty], b, True, out)
+                    self._call(self.step.get(kb)[0], kb, [empty], b, True, out)
                     tcalls += 1
             batches += out.finish()
         t2 = time.perf_counter()
-        if self.dirty:
-            pending = I.pending_dir(self.shm, msg.seq, self.index)
-            pending.mkdir(exist_ok=True)
-            for b in self.dirty:
-                self._write_bucket(b, pending)
         out_path = None
         rows = sum(x.num_rows for x in batches)
         if batches:
@@ -167,13 +138,21 @@ class Instance:
                 with pa.ipc.new_file(f, batches[0].schema) as w:
                     for rb in batches:
                         w.write_batch(rb)
+        log = self.step.changelog()
+        changes = None
+        if log.num_rows:  # the step's changelog: the engine's incremental checkpoint
+            changes = str(I.changes_file(self.shm, msg.seq, self.index))
+            with pa.OSFile(changes, "wb") as f, pa.ipc.new_file(f, log.schema) as w:
+                w.write_table(log)
         t3 = time.perf_counter()
-        return I.BatchDone(out=out_path, rows=rows, dirty=sorted(self.dirty), calls=calls,
-                           timeout_calls=tcalls, bucket_loads=self.loads,
-                           state_keys=sum(len(self._bucket(b)) for b in owned),
-                           updated=self.updated, removed=self.removed,
-                           times={"data_ms": (t1 - t0) * 1e3, "timeouts_ms": (t2 - t1) * 1e3,
-                                  "write_ms": (t3 - t2) * 1e3})
+        reply = I.BatchDone(out=out_path, rows=rows, dirty=sorted(self.dirty), calls=calls,
+                            timeout_calls=tcalls, changes=changes, changed_rows=log.num_rows,
+                            updated=self.updated, removed=self.removed,
+                            times={"data_ms": (t1 - t0) * 1e3, "timeouts_ms": (t2 - t1) * 1e3,
+                                   "write_ms": (t3 - t2) * 1e3})
+        self.step.commit(self.index, msg.seq, reply, log)
+        self.step = None
+        return reply
 
     def _to_pandas(self, table: pa.Table):
         import pandas as pd
@@ -216,18 +195,18 @@ class Instance:
             table, timezone=self.tz, schema=None, struct_in_pandas="dict", ndarray_as_list=False,
             prefer_int_ext_dtype=self.prefer_int_ext_dtype, df_for_struct=False), axis=1)
 
-    def _call(self, key: tuple, values, b: int, timed_out: bool, out: OutputBuffer) -> None:
+    def _call(self, key: tuple, kb: bytes, values, b: int, timed_out: bool,
+              out: OutputBuffer) -> None:
         """One call of the function, as pyspark's ``wrap_grouped_map_pandas_udf_with_state``,
         then Spark's rules for what is stored."""
         import pandas as pd
         from pyspark.errors import PySparkRuntimeError, PySparkTypeError
         from pyspark.sql.streaming.state import GroupState
 
-        d = self._bucket(b)
-        old = d.get(key)
+        old = self.step.get(kb)
         value = None
-        if old is not None and old[0] is not None:
-            value = self.state_schema.fromInternal(old[0])
+        if old is not None and old[1] is not None:
+            value = self.state_schema.fromInternal(old[1])
         state = GroupState(
             optionalValue=value, batchProcessingTimeMs=self.ts_ms,
             eventTimeWatermarkMs=self.wm_ms, timeoutConf=self.timeout_conf,
@@ -264,8 +243,8 @@ class Instance:
         timeout = state._timeout_timestamp
         if state._removed and timeout == NO_TIMESTAMP:
             self.removed += 1  # (counted as native counts them: numRemovedStateRows)
-            if key in d:
-                del d[key]
+            if old is not None:
+                self.step.delete(kb)
                 self.dirty.add(b)
         elif state._updated or state._removed or timeout != state.oldTimeoutTimestamp:
             stored = None
@@ -277,7 +256,7 @@ class Instance:
                         f"{self.state_schema.simpleString()} has {len(self.state_schema.fields)}")
                 stored = tuple(self.state_schema.toInternal(v)) if self.state_needs_conversion \
                     else tuple(v)
-            d[key] = (stored, int(timeout))
+            self.step.put(kb, (key, stored, int(timeout)))
             self.dirty.add(b)
             self.updated += 1
 

@@ -392,6 +392,90 @@ def test_restart_from_checkpoint_mid_stream_equals_native(spark, stream, tmp_pat
     assert committed[0] == committed[1] and len(committed[0]) >= 4, committed
 
 
+def _to_format_2(checkpoint: Path, tmp: Path) -> int:
+    """Rewrite a drop-in checkpoint's engine state as spark-stretch 0.18 wrote it (format 2: one
+    pickled dict ``key -> (value, timeout)`` per bucket file, a full checkpoint of the last
+    batch only); returns that batch."""
+    import pickle
+    import shutil
+
+    from spark_stretch.engine.keyed import KeyedStore
+
+    state = checkpoint / "stretch" / "state"
+    last = max(int(d.name) for d in state.iterdir() if d.name.isdigit())
+    chain = [last]
+    while json.loads((state / str(chain[0]) / "grouped.json").read_text())["kind"] == "delta":
+        chain.insert(0, json.loads((state / str(chain[0]) / "grouped.json").read_text())["parent"])
+    (tmp / "kv").mkdir()
+    shutil.copyfile(state / str(chain[0]) / "state.mdb", tmp / "kv" / "data.mdb")
+    kv = KeyedStore(tmp / "kv")
+    import pyarrow.ipc as ipc
+    for b in chain[1:]:
+        for f in sorted((state / str(b)).glob("changes-*.arrow")):
+            kv.apply(ipc.open_file(str(f)).read_all())
+    buckets = {}
+    for kb, (key, value, timeout) in kv.entries():
+        buckets.setdefault(int.from_bytes(kb[:2], "big"), {})[key] = (value, timeout)
+    kv.close()
+    meta = json.loads((state / str(last) / "grouped.json").read_text())
+    for d in state.iterdir():
+        shutil.rmtree(d)
+    (state / str(last)).mkdir()
+    for b, d in buckets.items():
+        (state / str(last) / f"b{b:05d}.pkl").write_bytes(pickle.dumps(d, protocol=5))
+    meta.update(format=2, kind="full", parent=None)
+    (state / str(last) / "grouped.json").write_text(json.dumps(meta))
+    return last
+
+
+@pytest.mark.slow  # 4 query runs; with -m slow
+def test_a_checkpoint_of_pickled_buckets_is_converted_and_goes_on_equal_to_native(
+        spark, stream, tmp_path):
+    # A query checkpointed by spark-stretch 0.18 (format 2) restarts on this version: its state
+    # is converted into the store (timeouts included: the sessions close), the next checkpoint
+    # is written whole in format 3, and the table equals native's, run the same way.
+    src, args, _ = stream
+    live = tmp_path / "live"
+    live.mkdir()
+    files = sorted(Path(src).glob("*.parquet"))
+    for phase, fs in enumerate((files[:3], files[3:])):
+        for f in fs:
+            publish(f, live)
+        run_native(source(spark, live).groupBy("user").applyInPandasWithState(*args),
+                   tmp_path / "n")
+        if phase == 1:
+            last = _to_format_2(tmp_path / "o-ckpt", tmp_path)
+        run_stretch(source(spark, live).groupBy("user").stretchApplyInPandasWithState(*args),
+                    tmp_path / "o")
+    equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
+    state = tmp_path / "o-ckpt" / "stretch" / "state"
+    after = sorted(int(d.name) for d in state.iterdir() if d.name.isdigit() and int(d.name) > last)
+    meta = json.loads((state / str(after[0]) / "grouped.json").read_text())
+    assert (meta["format"], meta["kind"]) == (3, "full")
+    assert (state / str(after[0]) / "state.mdb").exists()
+
+
+def test_a_checkpoint_of_an_unknown_format_is_refused_saying_how_to_go_on(spark, stream,
+                                                                         tmp_path):
+    src, args, _ = stream
+    live = tmp_path / "live"
+    live.mkdir()
+    publish(sorted(Path(src).glob("*.parquet"))[0], live)
+    g = lambda: source(spark, live).groupBy("user").stretchApplyInPandasWithState(*args)  # noqa
+    run_stretch(g(), tmp_path / "o")
+    state = tmp_path / "o-ckpt" / "stretch" / "state"
+    for d in state.iterdir():
+        if d.name.isdigit():
+            meta = json.loads((d / "grouped.json").read_text())
+            (d / "grouped.json").write_text(json.dumps({**meta, "format": 1}))
+    publish(sorted(Path(src).glob("*.parquet"))[1], live)
+    q = start_stretch(g(), tmp_path / "o")
+    with pytest.raises(StreamingQueryException, match=r"(?s)has format 1; this version of "
+                       r"spark-stretch reads format 2 or 3\. Restart the query with a new "
+                       r"checkpointLocation"):
+        q.awaitTermination(300)
+
+
 def test_user_function_raises_fails_query_with_the_cause(spark, stream, tmp_path):
     # The function misuses GroupState in batch 2 (get after remove): the query fails with a
     # StreamingQueryException carrying the Python traceback, the same exception type and message

@@ -6,7 +6,6 @@ Oracle: a sequential run of the same function over the same keys in plain Python
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -18,10 +17,10 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
+from spark_stretch.engine.keyed import KeyedStore
 from spark_stretch.host.instances import InstancePool
 from spark_stretch.protocol import instances as I
 from spark_stretch.protocol.errors import InstanceDiedError, UserFunctionError
-from spark_stretch.protocol.layout import bucket_file
 from spark_stretch.protocol.specs import GroupedSpec
 
 OUT = StructType([StructField("k", StringType()), StructField("n", LongType())])
@@ -42,12 +41,13 @@ def running_count(key, pdfs, state):
 
 def _pool(func):
     shm = Path(tempfile.mkdtemp(prefix="stretch-test-worker-", dir="/dev/shm"))
+    (shm / "state").mkdir()
     spec = GroupedSpec(key_columns=["k"], columns=["k", "x"], out_schema=OUT.json(),
                        state_schema=STATE.json(), output_mode="Update",
                        timeout_conf="NoTimeout", buckets=4, max_parallelism=1,
                        runner_conf={"timezone": "UTC"})
     return InstancePool(1, shm, I.Init(spec=spec, func=cloudpickle.dumps(func), shm=str(shm),
-                                       index=0)), shm
+                                       index=0, state=str(shm / "state"))), shm
 
 
 def _gone(p, shm):
@@ -75,7 +75,7 @@ def _batch(shm, seq, rows):
     path = I.input_file(shm, seq, 0)
     with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, t.schema) as w:
         w.write_table(t)
-    return I.Batch(batch=seq, seq=seq, owned=np.arange(4), reload=np.arange(0),
+    return I.Batch(batch=seq, seq=seq, owned=np.arange(4),
                    batch_ts_ms=0, watermark_ms=0, input=str(path),
                    starts=np.asarray(starts, np.int64),
                    group_buckets=np.asarray([_bucket(rows[i][0]) for i in starts], np.int64))
@@ -86,7 +86,7 @@ def _rows(done: I.BatchDone):
         return sorted(pa.ipc.open_file(src).read_all().to_pylist(), key=lambda r: r["k"])
 
 
-def test_keys_are_called_in_order_and_their_state_kept_in_bucket_files(pool):
+def test_keys_are_called_in_order_and_their_state_kept_in_the_store(pool):
     p, shm = pool
     batches = [[("a", 1), ("b", 2), ("a", 3)], [("b", 1), ("c", 5)], [("a", 0)]]
     counts = {}
@@ -97,12 +97,12 @@ def test_keys_are_called_in_order_and_their_state_kept_in_bucket_files(pool):
         want = sorted({k: counts[k] for k, _ in rows}.items())
         assert [(r["k"], r["n"]) for r in _rows(done)] == want
         assert done.calls == len({k for k, _ in rows})
-    # every key's state is in its bucket's file, as Spark's internal row
-    stored = {}
-    for b in range(4):
-        if bucket_file(shm, b).exists():
-            stored.update(pickle.loads(bucket_file(shm, b).read_bytes()))
-    assert {k[0]: v[0][0] for k, v in stored.items()} == counts
+    # every key's state is in the store under its bucket, as Spark's internal row
+    assert _stored(shm) == counts
+    kv = KeyedStore(shm / "state")
+    assert sorted((int.from_bytes(kb[:2], "big"), e[0][0]) for kb, e in kv.entries()) == \
+        sorted((_bucket(k), k) for k in counts)
+    kv.close()
 
 
 def test_a_failing_function_fails_the_batch_with_its_traceback(pool):
@@ -120,39 +120,41 @@ def test_a_killed_instance_is_reported_not_waited_for(pool):
 
 
 def _stored(shm):
-    stored = {}
-    for b in range(4):
-        if bucket_file(shm, b).exists():
-            stored.update(pickle.loads(bucket_file(shm, b).read_bytes()))
-    return {k[0]: v[0][0] for k, v in stored.items()}
+    kv = KeyedStore(shm / "state")
+    try:
+        return {e[0][0]: e[1][0] for _, e in kv.entries()}
+    finally:
+        kv.close()
 
 
 def _leftovers(shm):
-    """What a step may not leave in the shared-memory directory."""
+    """What a step may leave in the shared-memory directory: its input (the engine's), and
+    outputs and changelogs of replies (the engine takes them)."""
     return sorted(f.name for f in shm.iterdir()
-                  if not (f.name.startswith("b") or f.name.endswith(".log")))
+                  if f.name != "state" and not f.name.endswith(".log"))
 
 
-def dies_in_write_back(marker):
-    """A running count whose instance, once (``marker``), dies while it writes back the
-    buckets it changed: after the first bucket file, in the middle of the second."""
+def dies_in_commit(marker, after: bool):
+    """A running count whose instance, once (``marker``), dies while it applies its step to the
+    store: just before its write transaction (``after`` False) or just after it committed,
+    before its reply."""
     def count(key, pdfs, state):
         import pandas as pd
 
         if not os.path.exists(marker):
             open(marker, "w").close()
-            import spark_stretch.worker.instance as instance
+            from spark_stretch.engine import keyed
 
-            dumps, calls = instance.pickle.dumps, []
+            commit = keyed.Step.commit
 
-            class Dying:  # the module's pickle, as write-back uses it
-                def dumps(self, obj, **kw):
-                    calls.append(1)
-                    if len(calls) == 2:
-                        os._exit(9)
-                    return dumps(obj, **kw)
+            def dying(self, *a, **kw):
+                if not after:
+                    os._exit(9)
+                r = commit(self, *a, **kw)
+                os._exit(9)
+                return r
 
-            instance.pickle = Dying()
+            keyed.Step.commit = dying
         n = state.get[0] if state.exists else 0
         n += sum(len(pdf) for pdf in pdfs)
         state.update((n,))
@@ -160,16 +162,18 @@ def dies_in_write_back(marker):
     return count
 
 
-def test_an_instance_dying_mid_write_back_runs_its_share_again_on_the_old_state(tmp_path):
-    # Batch 2's run dies after writing one of its changed buckets and in the middle of another:
-    # a new process runs the share again on batch 1's state, and every count is counted once.
-    p, shm = _pool(dies_in_write_back(str(tmp_path / "died")))
+@pytest.mark.parametrize("after", [False, True], ids=["before-commit", "after-commit"])
+def test_an_instance_dying_in_its_commit_leaves_each_count_counted_once(tmp_path, after):
+    # Batch 2's run dies just before (its share runs again on batch 1's state) or just after
+    # (the new process answers from the step's marker, without running it twice) its commit.
+    p, shm = _pool(dies_in_commit(str(tmp_path / "died"), after))
     try:
         keys = ["a", "b", "c", "d", "e", "f"]
         assert len({_bucket(k) for k in keys}) == 4  # several buckets change in each batch
         open(tmp_path / "died", "w").close()  # batch 1 runs as is
         done = p.run({0: _batch(shm, 1, [(k, 1) for k in keys])}, "batch 1", max_deaths=4)
         os.unlink(done[0][0].out)
+        os.unlink(done[0][0].changes)
         os.unlink(tmp_path / "died")
         pid = p.pids[0]
         replies, retries = p.run({0: _batch(shm, 2, [(k, 1) for k in keys] + [("a", 2)])},
@@ -181,7 +185,9 @@ def test_an_instance_dying_mid_write_back_runs_its_share_again_on_the_old_state(
         assert [(r["k"], r["n"]) for r in _rows(replies[0])] == \
             [("a", 3)] + [(k, 2) for k in keys[1:]]
         assert _stored(shm) == {"a": 3, **{k: 2 for k in keys[1:]}}
+        assert replies[0].changed_rows == len(keys)
         os.unlink(replies[0].out)
+        os.unlink(replies[0].changes)
         assert _leftovers(shm) == [f"in-{s}-0.arrow" for s in (1, 2)]  # (the engine's)
     finally:
         _gone(p, shm)

@@ -1,0 +1,254 @@
+"""The drop-ins' keyed state store: one LMDB environment per query and host, on local disk, shared
+by the host engine and its instance processes.
+
+Chosen by measurement (``python/bench/state_store.py``, BENCHMARKS.md): a batch touching 50k keys
+costs the same at 1M and 4M live keys, less than RocksDB (``rocksdict``) and the pickled buckets
+it replaces; several processes read it at once, so any instance can own any bucket after an
+epoch switch with no byte moved (VSN); its pages are the operating system's page cache, so state
+larger than memory stays on disk and comes back when touched.
+
+Layout (LMDB sub-databases)::
+
+    state   bucket (2 bytes, big-endian) + pickle(key)             -> pickle((key, value, timeout))
+    timers  bucket (2) + timeout + 2**63 (8, big-endian) + pickle(key) -> b""   (timeout != -1)
+    done    instance index (decimal)                               -> pickle((seq, reply))
+
+``key`` is the grouping key as the function saw it, ``value`` the state in Spark's internal form
+(or None), ``timeout`` the timeout timestamp in ms (-1: none). The key's bytes are its pickle with
+numpy scalars made Python's, so one key is one entry whatever dtype carried it.
+
+An instance reads through a :class:`Step` (its own writes first, then a read transaction) and
+applies the step in one write transaction at its end (:meth:`Step.commit`), with a ``done``
+marker: an instance killed after the commit and before its reply finds the step applied and
+answers again without running it twice. Each step's changes are also a *changelog* (an Arrow
+table ``key, value``; a null value deletes), the drop-in's incremental checkpoint; a full
+checkpoint is a compact copy of the environment (:meth:`KeyedStore.snapshot`).
+
+Examples
+--------
+>>> import tempfile
+>>> kv = KeyedStore(tempfile.mkdtemp())
+>>> s = kv.step()
+>>> kb = encode_key(3, ("a", 1))
+>>> s.put(kb, (("a", 1), (5,), 1000))
+>>> s.get(kb)
+(('a', 1), (5,), 1000)
+>>> s.due(3, 2000) == [kb]
+True
+>>> log = s.commit(0, 1, "reply")
+>>> kv.rows(), log.num_rows, kv.applied(0, 1)
+(1, 1, 'reply')
+>>> kv.close()
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pyarrow as pa
+
+__all__ = ["KeyedStore", "Step", "encode_key", "NO_TIMEOUT", "CHANGELOG_SCHEMA"]
+
+NO_TIMEOUT = -1
+MAP_SIZE = 1 << 40  # address space only: the file grows as state does
+CHANGELOG_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
+_TS = struct.Struct(">Q")
+_OFFSET = 1 << 63
+
+Entry = Tuple[object, object, int]  # (key, value in Spark's internal form or None, timeout)
+
+
+def _plain(v):
+    item = getattr(v, "item", None)  # numpy scalars (np.str_, np.int64, ...) -> Python's
+    return item() if item is not None and type(v).__module__ == "numpy" else v
+
+
+def encode_key(bucket: int, key: tuple) -> bytes:
+    """The store's key of grouping key ``key`` (a tuple) in ``bucket``."""
+    return bucket.to_bytes(2, "big") + pickle.dumps(tuple(_plain(v) for v in key), protocol=5)
+
+
+def _timer(kb: bytes, timeout: int) -> bytes:
+    return kb[:2] + _TS.pack(timeout + _OFFSET) + kb[2:]
+
+
+class KeyedStore:
+    """One LMDB environment in directory ``path`` (made if missing), opened by each process that
+    uses it (the engine, every instance)."""
+
+    def __init__(self, path):
+        import lmdb
+
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        # sync=False: a process crash loses nothing (the pages are the kernel's); the checkpoint
+        # under checkpointLocation is what survives a machine's. readahead=False: lookups are
+        # random, and state larger than memory should not pull in its neighbours.
+        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=3, sync=False,
+                             metasync=False, readahead=False, max_readers=1024)
+        self.state = self.env.open_db(b"state")
+        self.timers = self.env.open_db(b"timers")
+        self.done = self.env.open_db(b"done")
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- figures ------------------------------------------------------------------------------
+    def rows(self) -> int:
+        """Keys with state."""
+        with self.env.begin() as t:
+            return int(t.stat(self.state)["entries"])
+
+    def entries(self):
+        """Every ``(store key, entry)``, in key order (bucket first)."""
+        with self.env.begin(buffers=False) as t:
+            for kb, raw in t.cursor(db=self.state):
+                yield kb, pickle.loads(raw)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the environment's file in use (its last page)."""
+        info, st = self.env.info(), self.env.stat()
+        return int((info["last_pgno"] + 1) * st["psize"])
+
+    # -- an instance's step -------------------------------------------------------------------
+    def step(self) -> "Step":
+        return Step(self)
+
+    def applied(self, index: int, seq: int):
+        """The reply instance ``index`` stored with step ``seq`` if it applied it (else None)."""
+        with self.env.begin() as t:
+            raw = t.get(str(index).encode(), db=self.done)
+        if raw is None:
+            return None
+        s, reply = pickle.loads(raw)
+        return reply if s == seq else None
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def snapshot(self, dest: Path) -> Path:
+        """A compact copy of the whole store, consistent as of now, as file ``dest``."""
+        tmp = Path(f"{dest}.d")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.env.copy(str(tmp), compact=True)
+        os.replace(tmp / "data.mdb", dest)
+        tmp.rmdir()
+        return dest
+
+    def apply(self, log: pa.Table) -> None:
+        """Apply a changelog (restoring a checkpoint)."""
+        keys = log.column("key").to_pylist()
+        values = log.column("value").to_pylist()
+        with self.env.begin(write=True) as w:
+            for kb, raw in zip(keys, values):
+                old = w.get(kb, db=self.state)
+                if old is not None:
+                    t = pickle.loads(old)[2]
+                    if t != NO_TIMEOUT:
+                        w.delete(_timer(kb, t), db=self.timers)
+                if raw is None:
+                    w.delete(kb, db=self.state)
+                else:
+                    w.put(kb, raw, db=self.state)
+                    t = pickle.loads(raw)[2]
+                    if t != NO_TIMEOUT:
+                        w.put(_timer(kb, t), b"", db=self.timers)
+
+    def load(self, entries: Dict[bytes, Entry]) -> None:
+        """Put ``entries`` (store key -> entry), e.g. converted from an older checkpoint."""
+        log = pa.table({"key": list(entries),
+                        "value": [pickle.dumps(e, protocol=5) for e in entries.values()]},
+                       schema=CHANGELOG_SCHEMA)
+        self.apply(log)
+
+    def forget_steps(self) -> None:
+        """Drop the ``done`` markers (a restored store starts counting steps again)."""
+        with self.env.begin(write=True) as w:
+            w.drop(self.done, delete=False)
+
+
+class Step:
+    """One instance's changes in one step, read back before they are committed."""
+
+    def __init__(self, store: KeyedStore):
+        self.store = store
+        self.txn = store.env.begin(buffers=False)
+        self.pending: Dict[bytes, Optional[Entry]] = {}
+        self.committed_timeout: Dict[bytes, int] = {}
+
+    def get(self, kb: bytes) -> Optional[Entry]:
+        if kb in self.pending:
+            return self.pending[kb]
+        raw = self.txn.get(kb, db=self.store.state)
+        e = None if raw is None else pickle.loads(raw)
+        self.committed_timeout.setdefault(kb, NO_TIMEOUT if e is None else e[2])
+        return e
+
+    def put(self, kb: bytes, entry: Entry) -> None:
+        if kb not in self.committed_timeout:
+            self.get(kb)
+        self.pending[kb] = entry
+
+    def delete(self, kb: bytes) -> None:
+        if kb not in self.committed_timeout:
+            self.get(kb)
+        self.pending[kb] = None
+
+    def due(self, bucket: int, threshold: int) -> List[bytes]:
+        """The keys of ``bucket`` whose timeout is set and earlier than ``threshold``, this
+        step's writes included, in timeout order."""
+        prefix = bucket.to_bytes(2, "big")
+        found = []
+        cur = self.txn.cursor(db=self.store.timers)
+        if cur.set_range(prefix):
+            limit = _TS.pack(threshold + _OFFSET) if threshold > -_OFFSET else b""
+            for tk in cur.iternext(values=False):
+                if tk[:2] != prefix or tk[2:10] >= limit:
+                    break
+                kb = prefix + tk[10:]
+                if kb not in self.pending:
+                    found.append((_TS.unpack(tk[2:10])[0] - _OFFSET, kb))
+        cur.close()
+        for kb, e in self.pending.items():
+            if e is not None and kb[:2] == prefix and e[2] != NO_TIMEOUT and e[2] < threshold:
+                found.append((e[2], kb))
+        found.sort()
+        return [kb for _, kb in found]
+
+    def abort(self) -> None:
+        self.txn.abort()
+        self.pending.clear()
+
+    def changelog(self) -> pa.Table:
+        """This step's changes as an Arrow table (``value`` null: deleted)."""
+        return pa.table({"key": list(self.pending),
+                         "value": [None if e is None else pickle.dumps(e, protocol=5)
+                                   for e in self.pending.values()]}, schema=CHANGELOG_SCHEMA)
+
+    def commit(self, index: int, seq: int, reply, log: Optional[pa.Table] = None) -> pa.Table:
+        """Apply the step in one write transaction, marked done with ``reply`` for instance
+        ``index``'s step ``seq``; return its changelog (``log``, if already made)."""
+        self.txn.abort()  # (a reader slot; the write below sees the latest state anyway)
+        if log is None:
+            log = self.changelog()
+        st, tm = self.store.state, self.store.timers
+        with self.store.env.begin(write=True) as w:
+            for kb, raw in zip(log.column("key").to_pylist(), log.column("value").to_pylist()):
+                old = self.committed_timeout.get(kb, NO_TIMEOUT)
+                if old != NO_TIMEOUT:
+                    w.delete(_timer(kb, old), db=tm)
+                if raw is None:
+                    w.delete(kb, db=st)
+                else:
+                    w.put(kb, raw, db=st)
+                    t = self.pending[kb][2]
+                    if t != NO_TIMEOUT:
+                        w.put(_timer(kb, t), b"", db=tm)
+            w.put(str(index).encode(), pickle.dumps((seq, reply), protocol=5),
+                  db=self.store.done)
+        self.pending.clear()
+        return log
