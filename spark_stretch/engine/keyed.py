@@ -129,12 +129,17 @@ class KeyedStore:
         return reply if s == seq else None
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def snapshot(self, dest: Path) -> Path:
-        """A compact copy of the whole store, consistent as of now, as file ``dest``."""
+    def snapshot(self, dest: Path, txn=None) -> Path:
+        """A compact copy of the whole store as file ``dest``: as of read transaction ``txn``
+        (begun when the state was the one to copy; ended here), else as of now."""
         tmp = Path(f"{dest}.d")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.env.copy(str(tmp), compact=True)
+        try:
+            self.env.copy(str(tmp), compact=True, txn=txn)
+        finally:
+            if txn is not None:
+                txn.abort()
         os.replace(tmp / "data.mdb", dest)
         tmp.rmdir()
         return dest

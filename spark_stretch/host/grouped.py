@@ -71,7 +71,6 @@ class GroupedRuntime(Runtime):
         super().__init__(qid, spec, receiver)
         self.B, self.n = spec.buckets, spec.max_parallelism
         self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
-        self._prev_owner = self.owner.copy()
         self.epoch = 0
         self.counters.update(calls=0, timeout_calls=0, instance_retries=0)
         self.max_event_ms: Optional[int] = None
@@ -152,8 +151,9 @@ class GroupedRuntime(Runtime):
                              f"({self._broken}); restart the query from its checkpoint")
 
     def _run(self, batch: int, table: Optional[pa.Table], ts_ms: int, evict_wm: int):
-        """One step on the instances: the keys with data, then the timed-out keys."""
-        self.store.join()  # the previous checkpoint read its bucket files already; be sure
+        """One step on the instances: the keys with data, then the timed-out keys. (The
+        previous batch's checkpoint may still be copying the store: it reads the version of
+        its own read transaction.)"""
         t0 = time.perf_counter()
         self._seq += 1
         parts = {}
@@ -186,7 +186,8 @@ class GroupedRuntime(Runtime):
             for msg in msgs.values():
                 if msg.input:
                     Path(msg.input).unlink(missing_ok=True)
-        self._prev_owner = self.owner.copy()
+        if retries:  # a killed instance's read slot would keep old pages from being reused
+            self.kv.env.reader_check()
         t_run = time.perf_counter()
         tables, dirty, per = [], set(), []
         for i in sorted(replies):
@@ -238,9 +239,10 @@ class GroupedRuntime(Runtime):
             for _, f, _ in changes:
                 f.unlink(missing_ok=True)
             snap = self.state_dir.with_name(f"{self.state_dir.name}.snapshot")
+            txn = self.kv.env.begin()  # this batch's version, whatever the next step writes
 
-            def files():  # a consistent copy even while the next step writes (LMDB's MVCC)
-                return {"state.mdb": self.kv.snapshot(snap)}
+            def files():
+                return {"state.mdb": self.kv.snapshot(snap, txn)}
 
         self.store.save(batch, delta, meta, files, {"changed_rows": int(changed * self.state_keys)
                                                     if changes else 0})
@@ -272,7 +274,6 @@ class GroupedRuntime(Runtime):
         if self.owner.max() >= self.n:  # fewer instances than when it was written
             self.parallelism = min(self.parallelism, self.n)
             self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
-        self._prev_owner = self.owner.copy()
         self.epoch = int(meta.get("epoch", 0))
         self.state_keys = self.kv.rows()
         # a converted state is written whole at the next checkpoint, in this version's format

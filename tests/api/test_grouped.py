@@ -64,6 +64,9 @@ def sessions(key, pdfs, state):
                         "closed": [False], "wm": [wm]})
 
 
+SESSION_ARGS = (sessions, SESSION_OUT, SESSION_STATE, "Update", GroupStateTimeout.EventTimeTimeout)
+
+
 def running_count(key, pdfs, state):
     n = state.get[0] if state.exists else 0
     words = 0
@@ -141,7 +144,7 @@ def stream(spark, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grouped")
     src = write_tweets(tmp / "src", 720, files=6, rate=12.0, users=150, vocab=30,
                        late_fraction=0.04, late_by_s=20.0, jitter_s=4.0, seed=7)
-    args = (sessions, SESSION_OUT, SESSION_STATE, "Update", GroupStateTimeout.EventTimeTimeout)
+    args = SESSION_ARGS
     run_native(source(spark, src).groupBy("user").applyInPandasWithState(*args), tmp / "native")
     return src, args, read(spark, tmp / "native")
 
@@ -592,6 +595,37 @@ def test_engine_killed_mid_batch_is_restarted_from_checkpoint(spark, stream, tmp
     restarts = q.metrics()["engine_restarts"]
     assert len(restarts) == 1 and restarts[0]["resumed_from"] == 2, restarts
     assert f"died (exit status -{int(signal.SIGKILL)}) during batch 3" in restarts[0]["cause"]
+    equal(read(spark, tmp_path / "o"), want)
+
+
+@pytest.mark.slow  # a driver process started and killed, then a restart; with -m slow
+def test_driver_killed_mid_stream_then_restart_is_exact(spark, stream, tmp_path):
+    # The drop-in runs in a driver process killed (-9, its JVM too) once its engine checkpointed
+    # batch 2; its engine and instances die with it, and a restart from the checkpoint gives
+    # native's table: nothing lost, nothing written twice.
+    import subprocess
+
+    src, args, want = stream
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grouped_driver_job.py")),
+                             str(src), str(tmp_path / "o"), str(tmp_path / "o-ckpt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    saved = tmp_path / "o-ckpt" / "stretch" / "state" / "2" / "grouped.json"
+    deadline = time.time() + 300
+    while not saved.exists():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "the driver never checkpointed batch 2"
+        time.sleep(0.02)
+    jvms = subprocess.run(["pgrep", "-P", str(proc.pid), "java"], capture_output=True,
+                          text=True).stdout.split()
+    for pid in jvms:
+        os.kill(int(pid), signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    assert _committed(tmp_path / "o-ckpt")[-1] < 5, "the run ended before the kill"
+    run_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(*args),
+                tmp_path / "o")
     equal(read(spark, tmp_path / "o"), want)
 
 

@@ -238,3 +238,24 @@ def test_a_function_that_raises_runs_again_in_the_same_process_when_attempts_all
         assert _stored(shm) == {"a": 2, "b": 1}
     finally:
         _gone(p, shm)
+
+
+def test_a_batch_costs_the_keys_it_touches_not_the_state_it_holds(pool):
+    # The live keys grow tenfold over ten batches of as many new keys: each batch writes its own
+    # keys only (its changelog, the checkpoint's delta, the same size), and takes as long at the
+    # end as at the start (the pickled buckets before the store rewrote every bucket touched).
+    p, shm = pool
+    per, sizes, ms = 2000, [], []
+    for seq in range(1, 11):
+        done = p.run({0: _batch(shm, seq, [(f"u{seq:02d}-{i:05d}", 1) for i in range(per)])},
+                     f"batch {seq}")[0][0]
+        assert done.changed_rows == per and done.calls == per
+        sizes.append(os.path.getsize(done.changes))
+        ms.append(done.times["data_ms"] + done.times["write_ms"])
+        for f in (done.out, done.changes, I.input_file(shm, seq, 0)):
+            os.unlink(f)
+    kv = KeyedStore(shm / "state")
+    assert kv.rows() == 10 * per
+    kv.close()
+    assert max(sizes) <= 1.02 * min(sizes), sizes
+    assert min(ms[-3:]) <= 1.5 * max(ms[1:4]) + 20, ms  # (noise: the best of the last three)

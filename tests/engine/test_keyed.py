@@ -1,0 +1,103 @@
+"""The drop-ins' keyed state store (``engine/keyed.py``) against a plain dict of the same steps.
+
+Oracle: a dict ``(bucket, key) -> (value, timeout)`` updated by the same operations; the due
+timers are the dict's keys whose timeout is set and earlier than the threshold.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spark_stretch.engine.keyed import NO_TIMEOUT, KeyedStore, encode_key
+
+BUCKETS = 3
+op = st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, BUCKETS - 1),
+               st.integers(0, 12), st.integers(-1, 50))
+steps = st.lists(st.lists(op, max_size=12), min_size=1, max_size=6)
+
+
+def _model_due(model, bucket, threshold):
+    """(timeout, key) of the due keys, in timeout order, then the store's key order."""
+    return sorted(((t, k) for (b, k), (_, t) in model.items()
+                   if b == bucket and t != NO_TIMEOUT and t < threshold),
+                  key=lambda x: (x[0], encode_key(bucket, (x[1],))))
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=steps, threshold=st.integers(0, 60))
+def test_steps_and_their_changelogs_rebuild_the_same_state_as_a_dict(tmp_path_factory, steps,
+                                                                     threshold):
+    d = tmp_path_factory.mktemp("kv")
+    kv = KeyedStore(d / "live")
+    model, logs = {}, []
+    for seq, ops in enumerate(steps):
+        s = kv.step()
+        for what, b, k, t in ops:
+            kb = encode_key(b, (f"k{k}",))
+            if what == "put":
+                s.put(kb, ((f"k{k}",), (k * 10,), t))
+                model[(b, f"k{k}")] = ((k * 10,), t)
+            else:
+                s.delete(kb)
+                model.pop((b, f"k{k}"), None)
+        # read-your-writes, before the commit: values and due timers
+        for (b, k), (v, t) in model.items():
+            assert s.get(encode_key(b, (k,))) == ((k,), v, t)
+        for b in range(BUCKETS):
+            want = [encode_key(b, (k,)) for _, k in _model_due(model, b, threshold)]
+            assert sorted(s.due(b, threshold)) == sorted(want)
+        logs.append(s.commit(0, seq, "done"))
+        assert kv.applied(0, seq) == "done" and kv.applied(0, seq + 1) is None
+    got = {(int.from_bytes(kb[:2], "big"), e[0][0]): (e[1], e[2]) for kb, e in kv.entries()}
+    assert got == model and kv.rows() == len(model)
+    for b in range(BUCKETS):  # committed timers, in timeout order
+        s = kv.step()
+        assert s.due(b, threshold) == [encode_key(b, (k,))
+                                       for _, k in _model_due(model, b, threshold)]
+        s.abort()
+    # a restore: the first step's copy, then the other steps' changelogs
+    first = KeyedStore(d / "first")
+    first.apply(logs[0])
+    snap = first.snapshot(d / "snap.mdb")
+    first.close()
+    (d / "restored").mkdir()
+    os.replace(snap, d / "restored" / "data.mdb")
+    restored = KeyedStore(d / "restored")
+    for log in logs[1:]:
+        restored.apply(log)
+    assert dict(restored.entries()) == dict(kv.entries())
+    s = restored.step()
+    for b in range(BUCKETS):
+        assert s.due(b, threshold) == [encode_key(b, (k,))
+                                       for _, k in _model_due(model, b, threshold)]
+    s.abort()
+    restored.close()
+    kv.close()
+
+
+def test_numpy_and_python_scalars_are_one_key():
+    import numpy as np
+
+    assert encode_key(1, (np.int64(5), np.str_("a"))) == encode_key(1, (5, "a"))
+    assert encode_key(1, (5,)) != encode_key(2, (5,))
+
+
+def test_a_snapshot_is_the_state_of_its_read_transaction(tmp_path):
+    kv = KeyedStore(tmp_path / "kv")
+    s = kv.step()
+    s.put(encode_key(0, ("a",)), (("a",), (1,), NO_TIMEOUT))
+    s.commit(0, 1, None)
+    txn = kv.env.begin()  # the batch's version
+    s = kv.step()
+    s.put(encode_key(0, ("b",)), (("b",), (2,), NO_TIMEOUT))
+    s.commit(0, 2, None)  # the next step, while the copy has not begun
+    kv.snapshot(tmp_path / "snap.mdb", txn)
+    (tmp_path / "r").mkdir()
+    os.replace(tmp_path / "snap.mdb", tmp_path / "r" / "data.mdb")
+    r = KeyedStore(tmp_path / "r")
+    assert [e[0] for _, e in r.entries()] == [("a",)]
+    r.close()
+    kv.close()
