@@ -52,7 +52,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pyarrow as pa
 
-__all__ = ["KeyedStore", "Step", "encode_key", "NO_TIMEOUT", "CHANGELOG_SCHEMA"]
+__all__ = ["KeyedStore", "Step", "encode_key", "pickled_bucket_entries", "NO_TIMEOUT",
+           "CHANGELOG_SCHEMA"]
 
 NO_TIMEOUT = -1
 MAP_SIZE = 1 << 40  # address space only: the file grows as state does
@@ -75,6 +76,17 @@ def encode_key(bucket: int, key: tuple) -> bytes:
 
 def _timer(kb: bytes, timeout: int) -> bytes:
     return kb[:2] + _TS.pack(timeout + _OFFSET) + kb[2:]
+
+
+def pickled_bucket_entries(files) -> Dict[bytes, Entry]:
+    """The entries of the drop-in's format-2 checkpoint files (spark-stretch 0.18): one pickled
+    dict ``key -> (value, timeout)`` per bucket, in ``b<bucket>.pkl``."""
+    entries = {}
+    for f in files:
+        bucket = int(Path(f).name[1:-4])
+        for key, (value, timeout) in pickle.loads(Path(f).read_bytes()).items():
+            entries[encode_key(bucket, key)] = (key, value, int(timeout))
+    return entries
 
 
 class KeyedStore:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import base64
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -50,7 +49,7 @@ from ..protocol import instances as I
 from ..protocol import messages as M
 from ..protocol import placement
 from ..protocol.errors import BadRequest, InstanceDiedError, StateError, UserFunctionError
-from ..engine.keyed import KeyedStore, encode_key
+from ..engine.keyed import KeyedStore, pickled_bucket_entries
 from ..protocol.layout import GROUPED_META, shm_prefix, shm_root, state_root
 from ..protocol.specs import GroupedSpec
 from . import faults, load
@@ -262,8 +261,9 @@ class GroupedRuntime(Runtime):
             raise StateError(f"the checkpoint has {meta['buckets']} buckets, the query "
                              f"{self.B}: keep buckets= the same across restarts")
         converted = any(int(m.get("format", 1)) == 2 for m in metas)
-        if converted:
-            self.kv.load(_pickled_buckets(self.store.dir, chain))
+        if converted:  # a later checkpoint's bucket file replaces an earlier one's
+            files = {f.name: f for b in chain for f in (self.store.dir / str(b)).glob("b*.pkl")}
+            self.kv.load(pickled_bucket_entries(files.values()))
         else:
             for b in chain[1:]:
                 for f in sorted((self.store.dir / str(b)).glob("changes-*.arrow")):
@@ -329,22 +329,6 @@ class GroupedRuntime(Runtime):
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.state_dir, ignore_errors=True)
         self.state_dir.with_name(f"{self.state_dir.name}.snapshot").unlink(missing_ok=True)
-
-
-def _pickled_buckets(root: Path, chain: list) -> dict:
-    """The state of a format-2 checkpoint chain (one pickled dict ``key -> (value, timeout)``
-    per bucket file ``b<bucket>.pkl``; a later checkpoint's file replaces an earlier one's) as
-    store entries."""
-    files = {}
-    for b in chain:
-        for f in (root / str(b)).glob("b*.pkl"):
-            files[f.name] = f
-    entries = {}
-    for name, f in files.items():
-        bucket = int(name[1:-4])
-        for key, (value, timeout) in pickle.loads(f.read_bytes()).items():
-            entries[encode_key(bucket, key)] = (key, value, int(timeout))
-    return entries
 
 
 def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:

@@ -11,7 +11,6 @@ costs Spark a retry of that task, not of the job), a bounded number of times.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +21,6 @@ from typing import Dict, List, Tuple
 
 from ..protocol import instances as I
 from ..protocol.errors import InstanceDiedError, StretchError, UserFunctionError
-from ..protocol.layout import bucket_file
 from ..protocol.lifecycle import spawn_child
 
 __all__ = ["InstanceHandle", "InstancePool"]

@@ -38,7 +38,7 @@ from .errors import StateError
 __all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS", "READABLE_FORMATS",
            "INPUT_LOG_FORMAT", "INPUT_LOG_KEY", "QUERY_FORMAT", "check_format",
            "input_log_of", "lock_of", "shm_root", "state_root",
-           "shm_prefix", "bucket_file", "write_json"]
+           "shm_prefix", "write_json"]
 
 # A checkpoint directory's meta file, written last (its presence marks a whole directory), per
 # runtime: the aggregate runtime's (the built-in aggregations and engine operators) keeps the
@@ -138,7 +138,3 @@ def shm_prefix(query: str) -> str:
     """The name prefix of a query's directories in :func:`shm_root` (one per engine pid)."""
     return f"stretch-{query}-"
 
-
-def bucket_file(d: Path, b: int) -> Path:
-    """Bucket ``b``'s state file of the drop-in, in its shared-memory directory ``d``."""
-    return Path(d) / f"b{b:05d}.pkl"

@@ -10,7 +10,6 @@ exactly what it sees under native Spark; it never starts or talks to a JVM.
 
 from __future__ import annotations
 
-import pickle
 import time
 from pathlib import Path
 from typing import List, Optional

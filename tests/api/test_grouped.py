@@ -26,6 +26,7 @@ from pyspark.sql.streaming.state import GroupStateTimeout
 import spark_stretch.api
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import TWEETS, publish, write_tweets
+from spark_stretch.testing.processes import kill_driver
 
 
 # The functions below are shipped by value (Python workers and stretch instances cannot import
@@ -616,13 +617,7 @@ def test_driver_killed_mid_stream_then_restart_is_exact(spark, stream, tmp_path)
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline, "the driver never checkpointed batch 2"
         time.sleep(0.02)
-    jvms = subprocess.run(["pgrep", "-P", str(proc.pid), "java"], capture_output=True,
-                          text=True).stdout.split()
-    for pid in jvms:
-        os.kill(int(pid), signal.SIGKILL)
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
+    kill_driver(proc)
     assert _committed(tmp_path / "o-ckpt")[-1] < 5, "the run ended before the kill"
     run_stretch(source(spark, src).groupBy("user").stretchApplyInPandasWithState(*args),
                 tmp_path / "o")

@@ -25,6 +25,7 @@ from spark_stretch.driver import recovery
 from spark_stretch.driver.engine import EngineDiedError
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import publish, run_native, run_script, run_stretch, write_tweets
+from spark_stretch.testing.processes import kill_driver
 from spark_stretch.testing import tweet_source as source
 
 FILES = 5
@@ -368,27 +369,6 @@ def _native_on_the_batches_spark_ran(spark, ckpt: Path, tmp: Path):
     return run_native(spark, _agg(spark, live), tmp / "native")
 
 
-def _kill_driver(proc) -> None:
-    """kill -9 a driver: its Python process and the Spark JVM it launched, as a crash of its
-    machine would (a JVM outliving its Python for a moment could still commit a batch and plan
-    the next one, beside the restarted query). Its engine is left to notice its parent died."""
-    jvms = subprocess.run(["pgrep", "-P", str(proc.pid), "java"], capture_output=True,
-                          text=True).stdout.split()
-    for pid in jvms:
-        os.kill(int(pid), signal.SIGKILL)
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
-    _wait(lambda: not any(_running(int(pid)) for pid in jvms), "the JVM's exit", 30)
-
-
-def _running(pid: int) -> bool:
-    try:  # (a zombie has exited: it only waits to be reaped)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
     # The query runs in a driver process that is killed (-9) in the middle of the run; its engine
     # dies with it (no orphan), and a restart from the checkpoint gives the exact table.
@@ -405,7 +385,7 @@ def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline, "the driver never reached batch 2"
         time.sleep(0.02)
-    _kill_driver(proc)  # batch 2 logged; Spark may or may not have committed it
+    kill_driver(proc)  # batch 2 logged; Spark may or may not have committed it
     committed = sorted(int(f.name) for f in (tmp_path / "c" / "commits").iterdir()
                        if f.name.isdigit())
     assert committed and committed[-1] < FILES - 1, "the run ended before the kill"
@@ -446,7 +426,7 @@ def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
         time.sleep(0.05)
     assert (ckpt / "stretch" / "input" / "2.arrow").exists()
     assert not (ckpt / "stretch" / "state" / "2").exists()
-    _kill_driver(proc)
+    kill_driver(proc)
     # Its engine exits within seconds (it does not wait for the stalled step).
     _wait(lambda: subprocess.run(["pgrep", "-f", "spark_stretch.host.daemon"],
                                  capture_output=True).returncode != 0, "the engine's exit", 30)

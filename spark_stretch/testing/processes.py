@@ -1,0 +1,49 @@
+"""Killing a driver as a crash of its machine would, for recovery tests.
+
+Examples
+--------
+>>> import subprocess, sys
+>>> p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+...                      stdout=subprocess.PIPE, text=True)
+>>> kill_driver(p)
+>>> running(p.pid)
+False
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["kill_driver", "running"]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has exited: it only waits to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def kill_driver(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """kill -9 a driver started as ``proc`` (its output piped): its Python process and the
+    Spark JVM it launched, as a crash of its machine would (a JVM outliving its Python for a
+    moment could still commit a batch and plan the next one, beside a restarted query). Its
+    engine is left to notice that its parent died."""
+    jvms = subprocess.run(["pgrep", "-P", str(proc.pid), "java"], capture_output=True,
+                          text=True).stdout.split()
+    for pid in jvms:
+        os.kill(int(pid), signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    deadline = time.time() + timeout
+    while any(running(int(pid)) for pid in jvms):
+        if time.time() > deadline:
+            raise TimeoutError(f"the driver's JVM {jvms} still runs {timeout:.0f} s after kill -9")
+        time.sleep(0.1)
