@@ -1,4 +1,4 @@
-"""Which embedded store holds the drop-in's state: LMDB, RocksDB (rocksdict), or the pickled buckets.
+"""Which embedded store holds the drop-in's state: LMDB, RocksDB (rocksdict) or pickled buckets.
 
     python python/bench/state_store.py [--sizes 1000000,4000000] [--touch 50000] [--value 100]
                                        [--json]
@@ -186,7 +186,8 @@ def main(argv=None) -> dict:
             finally:
                 shutil.rmtree(d, ignore_errors=True)
             res[f"{name}@{n}"] = r
-            print(f"{name:10s} {n:>10,d} keys: batch of {a.touch:,d} keys {r['batch_ms']:8.1f} ms, "
+            print(f"{name:10s} {n:>10,d} keys: batch of {a.touch:,d} keys "
+                  f"{r['batch_ms']:8.1f} ms, "
                   f"checkpoint {r['checkpoint_bytes'] / 1e6:8.2f} MB, "
                   f"disk {r['disk_bytes_per_key']:6.1f} B/key", flush=True)
     if a.json:

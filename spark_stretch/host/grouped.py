@@ -25,8 +25,9 @@ applyInPandasWithState drop-in's runtime. The function itself runs in the instan
 - **Placement**: a key's bucket and owner follow :mod:`spark_stretch.protocol.placement` (a
   SipHash of the key columns, then the engine's rule), as every runtime's do.
 - **Checkpoint** per batch under ``<checkpoint>/stretch/state/<N>/``: ``grouped.json`` plus the
-  instances' changelogs of the batch (``changes-<i>.arrow``: a delta) or a compact copy of the
-  store (``state.mdb``: full, every ``min_deltas`` batches, Spark's ``minDeltasForSnapshot``).
+  instances' changelogs of the batch (``changes-<step>-<i>.arrow``: a delta) or a compact copy
+  of the store (``state.mdb``: full, every ``min_deltas`` batches, Spark's
+  ``minDeltasForSnapshot``).
   Checkpoints of format 2 (pickled buckets, spark-stretch 0.18) are read and converted.
 """
 
@@ -226,14 +227,14 @@ class GroupedRuntime(Runtime):
                 f.unlink(missing_ok=True)
             return
         self.store.join()
-        changed = sum(n for _, _, n in changes) / max(1, self.state_keys)
-        delta = self.store.delta_due(batch, changed, full)
+        rows = sum(n for _, _, n in changes)
+        delta = self.store.delta_due(batch, rows / max(1, self.state_keys), full)
         meta = {**self._common_meta(batch), "max_event_ms": self.max_event_ms,
                 "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
                 "buckets": self.B, "state_keys": self.state_keys}
         if delta:
             def files():  # (moved into the checkpoint by the store's writer thread)
-                return {f"changes-{i}.arrow": f for i, f, _ in changes}
+                return {f.name: f for _, f, _ in changes}  # changes-<step>-<instance>.arrow
         else:
             for _, f, _ in changes:
                 f.unlink(missing_ok=True)
@@ -243,8 +244,7 @@ class GroupedRuntime(Runtime):
             def files():
                 return {"state.mdb": self.kv.snapshot(snap, txn)}
 
-        self.store.save(batch, delta, meta, files, {"changed_rows": int(changed * self.state_keys)
-                                                    if changes else 0})
+        self.store.save(batch, delta, meta, files, {"changed_rows": rows})
 
     def _load(self, batch: int) -> None:
         """The store as the checkpoint of ``batch`` left it: its full copy, then the deltas'
@@ -265,8 +265,9 @@ class GroupedRuntime(Runtime):
             files = {f.name: f for b in chain for f in (self.store.dir / str(b)).glob("b*.pkl")}
             self.kv.load(pickled_bucket_entries(files.values()))
         else:
-            for b in chain[1:]:
-                for f in sorted((self.store.dir / str(b)).glob("changes-*.arrow")):
+            for b in chain[1:]:  # in step order (a batch's instances change other buckets)
+                logs = (self.store.dir / str(b)).glob("changes-*.arrow")
+                for f in sorted(logs, key=lambda f: [int(x) for x in f.stem.split("-")[1:]]):
                     self.kv.apply(read_arrow(f))
         self._restore_common(meta)
         self.max_event_ms = meta["max_event_ms"]
