@@ -239,6 +239,12 @@ try:
             result["bare_error"] = None
         except Exception as e:
             result["bare_error"] = f"{type(e).__name__}: {e}"
+            # The other host's launcher task removes what its failed start left once it sees
+            # that engine exit; stopping the application first would kill it before that.
+            deadline = time.time() + 30
+            while spark.sparkContext.statusTracker().getActiveJobsIds() and \
+                    time.time() < deadline:
+                time.sleep(0.2)
     elif part == "faults":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

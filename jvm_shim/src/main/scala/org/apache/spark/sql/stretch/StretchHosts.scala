@@ -123,35 +123,42 @@ object StretchHosts {
     proc.getOutputStream.write((secret + "\n").getBytes(StandardCharsets.UTF_8))
     proc.getOutputStream.close()
     val deadline = System.nanoTime() + timeoutMs * 1000000L
-    while (System.nanoTime() < deadline) {
-      val lines = if (out.exists()) Files.readAllLines(out.toPath).asScala else Nil
-      lines.find(_.startsWith("READY ")) match {
-        case Some(line) =>
-          val parts = line.split(" ")
-          val tcp = parts(1)
-          val pid = proc.pid()
-          val json = StretchPlans.mapper.createObjectNode()
-          json.put("pid", pid).put("socket", socket).put("tcp", tcp)
-          val tmp = new File(dir, ".engine.json.tmp")
-          StretchPlans.mapper.writeValue(tmp, json)
-          Files.move(tmp.toPath, new File(dir, "engine.json").toPath,
-            java.nio.file.StandardCopyOption.ATOMIC_MOVE)
-          return Seq(host, socket, tcp, pid.toString).mkString("|")
-        case None =>
-          if (!proc.isAlive) {
-            val log = new File(dir, "engine.log")
-            val err = if (log.exists()) new String(Files.readAllBytes(log.toPath),
-              StandardCharsets.UTF_8).takeRight(4000) else ""
-            remove(dir)  // (nothing to keep)
-            throw new IOException(whyNotStarted(host, cmd.head, proc.exitValue(), err))
-          }
-          Thread.sleep(20)
+    var ready = false
+    // Whatever ends the wait but READY (a failed start, the timeout, or this task interrupted
+    // because another host's failure cancelled the launch job) leaves no process or directory.
+    try {
+      while (System.nanoTime() < deadline) {
+        val lines = if (out.exists()) Files.readAllLines(out.toPath).asScala else Nil
+        lines.find(_.startsWith("READY ")) match {
+          case Some(line) =>
+            val parts = line.split(" ")
+            val tcp = parts(1)
+            val pid = proc.pid()
+            val json = StretchPlans.mapper.createObjectNode()
+            json.put("pid", pid).put("socket", socket).put("tcp", tcp)
+            val tmp = new File(dir, ".engine.json.tmp")
+            StretchPlans.mapper.writeValue(tmp, json)
+            Files.move(tmp.toPath, new File(dir, "engine.json").toPath,
+              java.nio.file.StandardCopyOption.ATOMIC_MOVE)
+            ready = true
+            return Seq(host, socket, tcp, pid.toString).mkString("|")
+          case None =>
+            if (!proc.isAlive) {
+              val log = new File(dir, "engine.log")
+              val err = if (log.exists()) new String(Files.readAllBytes(log.toPath),
+                StandardCharsets.UTF_8).takeRight(4000) else ""
+              throw new IOException(whyNotStarted(host, cmd.head, proc.exitValue(), err))
+            }
+            Thread.sleep(20)
+        }
+      }
+      throw new IOException(s"the stretch host engine on $host was not ready within $timeoutMs ms")
+    } finally {
+      if (!ready) {
+        proc.destroyForcibly()
+        remove(dir)
       }
     }
-    proc.destroyForcibly()
-    proc.waitFor()
-    remove(dir)
-    throw new IOException(s"the stretch host engine on $host was not ready within $timeoutMs ms")
   }
 
   /** The engine's directory and what is in it (it has no subdirectories). */
