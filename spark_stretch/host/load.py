@@ -146,7 +146,7 @@ def grouped_figures(rt, t0: float, since_ms: Optional[float], bucket_rows) -> di
     rows = np.zeros(rt.B, np.int64) if bucket_rows is None else np.asarray(bucket_rows)
     load = np.bincount(om, weights=rows, minlength=rt.n)[active]
     fig = _common(step_ms, since_ms, active, busy, load, rt.parallelism, rt.epoch, rt._last_out)
-    disk = rt.kv.disk_bytes() if rt.kv is not None else 0
+    disk = int(rt.last_metrics.get("state_disk_bytes", 0))  # (measured once, by the step)
     fig.update(tuples=int(rows.sum()), live_windows=int(rt.state_keys),
                state_bytes=disk, state_disk_bytes=disk, bucket_load=rows.tolist(),
                owner_map=om.tolist())
