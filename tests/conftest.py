@@ -1,6 +1,11 @@
 """Run-wide fixtures and checks: the environment Spark needs, one local[2] session for the run, a
 receiver per test, and a leak check at the end.
 
+``STRETCH_TEST_MASTER`` gives the session another master (``test_hosts.py`` runs pyspark's own
+drop-in tests on its two-host standalone cluster that way), with the settings of
+``STRETCH_TEST_CONF`` (``key=value`` pairs, comma-separated), once ``STRETCH_TEST_HOSTS``
+executor hosts have registered.
+
 The leak check fails the run if a Spark JVM started by this process, a host engine or one of its
 instance processes, a receiver socket directory, or a query's state directory in shared memory
 (``/dev/shm/stretch-*``) outlives the tests.
@@ -47,7 +52,18 @@ _ENGINES_BEFORE = _engines()
 def spark():
     import spark_stretch
 
-    session = spark_stretch.session(app_name="spark-stretch tests")
+    master = os.environ.get("STRETCH_TEST_MASTER", "local[2]")
+    conf = dict(kv.split("=", 1) for kv in os.environ.get("STRETCH_TEST_CONF", "").split(",")
+                if kv)
+    session = spark_stretch.session(master=master, app_name="spark-stretch tests", conf=conf)
+    hosts = int(os.environ.get("STRETCH_TEST_HOSTS", "0"))
+    if hosts:  # (a cluster's executors register after the session starts)
+        from spark_stretch.driver import jvm
+
+        deadline = time.time() + 120
+        while len(jvm.executor_hosts(session, driver=False)) < hosts:
+            assert time.time() < deadline, f"fewer than {hosts} executor hosts after 120 s"
+            time.sleep(0.3)
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()

@@ -1,6 +1,7 @@
 """One host x 2 cores against two hosts x 1 core, on a real standalone cluster on this machine.
 
     python python/bench/hosts.py [--tweets 1000000] [--files 10] [--queries wordcount,paircount-H]
+                                 [--events 1000000] [--users 100000]
                                  [--bytes-tweets 100000] [--move-windows 10000,1000000]
                                  [--skew-events 2000000] [--json]
 
@@ -13,6 +14,10 @@ its own driver process (``--layout``):
   Delta): one host with 2 instances, two hosts with 1 each (the engine of each host reading the
   batch's files and keeping its key groups). Every table is checked equal to the one-host
   layout's (``exceptAll`` both ways), and the word count also to native Spark's.
+- **the drop-in** (``--queries sessions``): ``applyInPandasWithState``'s drop-in
+  (``grouped.py``'s sessionization per user, ``--events`` events over ``--users`` users in
+  ``--files`` files, into Delta in update mode): one host with 2 instances, two hosts with 1
+  each (Spark routing each row to the host of its user's key group); the tables checked equal.
 - **bytes between hosts** (``--bytes-tweets``, two hosts): the same queries with the rows path
   (each row routed by Spark to the hosts of its keys): the Arrow bytes the engines received over
   TCP from the other host, per input tweet; against native Spark's shuffle bytes (its stages'
@@ -95,6 +100,9 @@ def _run_layout(args) -> dict:
     out = {"layout": args.layout, "queries": {}}
     try:
         for name in [q for q in args.queries.split(",") if q]:
+            if name == "sessions":
+                out["queries"][name] = _sessions(spark, work, args)
+                continue
             agg = _source(spark, work / "tweets").stretchAggregate(
                 keys=_keys(name), window=WINDOW, parallelism=LAYOUTS[args.layout][1],
                 max_parallelism=LAYOUTS[args.layout][1])
@@ -123,6 +131,31 @@ def _run_layout(args) -> dict:
             out["elastic"] = _elastic(spark, work, args)
     finally:
         spark.stop()
+    return out
+
+
+def _sessions(spark, work: Path, args) -> dict:
+    """The drop-in's sessionization (``grouped.py``) in this layout, after an untimed run."""
+    import grouped
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(grouped)  # (the instances cannot import it)
+    par = LAYOUTS[args.layout][1]
+
+    def start(dst):
+        return lambda: (grouped.source(spark, work / "events").groupBy("user")
+                        .stretchApplyInPandasWithState(*grouped.ARGS, parallelism=par,
+                                                       max_parallelism=par)
+                        .writeStream.outputMode("update").format("delta")
+                        .option("checkpointLocation", f"{dst}-ckpt")
+                        .trigger(availableNow=True).start(str(dst)))
+
+    _timed(start(work / f"warm-sessions-{args.layout}"))
+    dst = work / f"sessions-{args.layout}"
+    s = _timed(start(dst))
+    out = {"s": s, "tweets_per_s": args.events / s, "events": args.events}
+    if args.layout == "2x1":
+        out["equal_1x2"] = _same(spark, work / "sessions-1x2", dst)
     return out
 
 
@@ -297,6 +330,8 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=10)
     ap.add_argument("--queries", default="wordcount,paircount-H")
     ap.add_argument("--bytes-tweets", type=int, default=100_000)
+    ap.add_argument("--events", type=int, default=1_000_000, help="the drop-in's events")
+    ap.add_argument("--users", type=int, default=100_000, help="the drop-in's users")
     ap.add_argument("--move-windows", default="10000,1000000")
     ap.add_argument("--skew-events", type=int, default=2_000_000)
     ap.add_argument("--json", action="store_true")
@@ -311,8 +346,12 @@ def main() -> None:
     from spark_stretch.testing.cluster import StandaloneCluster
 
     work = Path(tempfile.mkdtemp(prefix="stretch-bench-hosts-"))
-    if args.queries:
+    if any(q != "sessions" for q in args.queries.split(",") if q):
         write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
+    if "sessions" in args.queries.split(","):
+        import grouped
+
+        grouped.write_events(work / "events", args.events, args.users, args.files, seed=1)
     if args.bytes_tweets:
         write_tweets(work / "tweets-small", args.bytes_tweets, files=4, rate=1000.0, seed=2)
     report = {"tweets": args.tweets, "layouts": {}}
@@ -325,7 +364,8 @@ def main() -> None:
                        "--work", str(work), "--tweets", str(args.tweets), "--queries",
                        args.queries, "--bytes-tweets", str(args.bytes_tweets),
                        "--move-windows", args.move_windows,
-                       "--skew-events", str(args.skew_events), "--files", str(args.files)]
+                       "--skew-events", str(args.skew_events), "--files", str(args.files),
+                       "--events", str(args.events), "--users", str(args.users)]
                 p = subprocess.run(cmd, capture_output=True, text=True,
                                    env=dict(os.environ, PYSPARK_PYTHON=sys.executable))
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

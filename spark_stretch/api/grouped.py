@@ -25,6 +25,7 @@ from ..driver import jvm
 from ..driver.cluster import engine_hosts
 from ..driver.inplan import Marked, handler_for
 from ..driver.policy import as_policy
+from ..driver.settings import read_settings
 from ..protocol.specs import GroupedSpec
 from .frame import StretchFrame
 from .specs import find_watermark
@@ -222,12 +223,6 @@ def stretch_apply_in_pandas_with_state(
         outputStructType = spark._parse_ddl(outputStructType)
     if isinstance(stateStructType, str):
         stateStructType = spark._parse_ddl(stateStructType)
-    hosts = engine_hosts(spark)
-    if hosts:
-        raise NotImplementedError(
-            f"executors on hosts {hosts}: the applyInPandasWithState drop-in runs on one host "
-            "so far (local, local-cluster or a one-host cluster); the built-in aggregations of "
-            "df.stretchAggregate(keys=...) and stretch(df) run on several")
     keys = _grouping_columns(native, df)
     present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
     ts_column, delay = (find_watermark(df) if present else (None, 0))
@@ -239,6 +234,10 @@ def stretch_apply_in_pandas_with_state(
                          "max_parallelism")
     if not isinstance(buckets, int) or buckets < n:
         raise ValueError(f"buckets={buckets!r}: must be an int >= max_parallelism ({n})")
+    groups = read_settings(spark.conf).key_groups
+    if engine_hosts(spark) and buckets % groups:
+        raise ValueError(f"buckets={buckets}: on several hosts it must be a multiple of "
+                         f"spark.stretch.keyGroups ({groups}): a key group is a set of buckets")
     spec = GroupedSpec(
         key_columns=keys, columns=list(df.columns), out_schema=outputStructType.json(),
         state_schema=stateStructType.json(), output_mode=outputMode, timeout_conf=timeoutConf,

@@ -38,7 +38,7 @@ from ..protocol.framing import call as frame_call
 from . import jvm
 from .engine import EngineDiedError, EngineHandle, HostEngine, local_host
 from .fanout import FanOut, _Query
-from .routing import route
+from .routing import route, route_grouped
 from .settings import QuerySettings
 
 __all__ = ["ClusterEngine", "EngineStartError", "RemoteEngine", "acquire_engine",
@@ -191,6 +191,9 @@ class ClusterEngine(FanOut, EngineHandle):
         """``df`` (a batch's input) with each row's hosts as its last column (the rows path:
         :func:`~.routing.route`)."""
         q = self._queries[qid]
+        if q.key_kind == "grouped":  # (the drop-in: several grouping columns, by bucket)
+            return route_grouped(df, q.key_column, q.buckets, q.share.host_map,
+                                 q.share.key_groups)
         return route(df, q.key_kind, q.key_column, q.share.host_map, q.share.key_groups,
                      len(self.engines))
 

@@ -12,12 +12,12 @@ import json
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from ..protocol import messages as M
 from ..protocol.layout import write_json
 from ..protocol.placement import balanced_host_map, host_map_of_counts, validate_host_map
-from ..protocol.specs import AggregateSpec, HostShare, spec_from_wire, spec_to_wire
+from ..protocol.specs import AggregateSpec, GroupedSpec, HostShare, spec_from_wire, spec_to_wire
 from .engine import EngineDiedError
 from .settings import read_settings
 
@@ -31,10 +31,11 @@ class _Query:
 
     share: HostShare
     replay: List[List[int]]
-    key_kind: str
-    key_column: str
+    key_kind: str  # ("grouped": the drop-in's, routed by bucket)
+    key_column: Union[str, List[str]]  # (the drop-in: its grouping columns)
     slots: List[int]  # each running host's slot (its index in the host map)
     slots_names: List[Optional[str]]  # each slot's host (None: retired)
+    buckets: int = 0  # (the drop-in: its rows are routed by bucket)
     stream_max_ms: Optional[List[Optional[int]]] = None
 
     def saw(self, tops) -> None:
@@ -68,10 +69,11 @@ class FanOut:
     def _on_open(self, msg: M.Open, timeout: float) -> M.Opened:
         spec = spec_from_wire(msg.spec)
         self._slot_names = None
-        if not isinstance(spec, AggregateSpec):
+        if not isinstance(spec, (AggregateSpec, GroupedSpec)):
             raise NotImplementedError(
                 f"executors on hosts {self.hosts}: a {spec.kind} query runs on one host so far "
-                "(the built-in aggregations of stretchAggregate and stretch(df) run on several)")
+                "(the built-in aggregations and the applyInPandasWithState drop-in run on "
+                "several)")
         if msg.query in self._queries:  # opened again (a restart): from its checkpoints only
             for i in range(len(self.engines)):
                 try:
@@ -87,9 +89,11 @@ class FanOut:
                            checkpoint=replace(spec.checkpoint, state_dir=state))
             replies.append((i, M.Open(query=msg.query, spec=spec_to_wire(mine))))
         got = [r for r in self._all_each(replies, timeout)]
-        q = self._queries[msg.query] = _Query(share, [list(r.replay) for r in got],
-                                              spec.key_kind, spec.key_column, slots,
-                                              self._slot_names or list(self.hosts))
+        grouped = isinstance(spec, GroupedSpec)
+        q = self._queries[msg.query] = _Query(
+            share, [list(r.replay) for r in got], "grouped" if grouped else spec.key_kind,
+            spec.key_columns if grouped else spec.key_column, slots,
+            self._slot_names or list(self.hosts), spec.buckets if grouped else 0)
         for r in got:
             q.saw(r.stream_max_ms)
         starts = [r.checkpoint for r in got]
@@ -276,7 +280,8 @@ class FanOut:
         got = [r.figures for r in self._all(msg, timeout)]
         share = self._queries[msg.query].share if msg.query in self._queries else None
         merged = dict(got[0])
-        for k in ("input_rows", "late_rows", "output_rows", "live_windows"):
+        for k in ("input_rows", "late_rows", "output_rows", "live_windows", "state_keys",
+                  "calls", "timeout_calls", "instance_retries", "state_disk_bytes"):
             if k in merged:
                 merged[k] = sum(int(f.get(k, 0)) for f in got)
         merged["hosts"] = [
@@ -284,6 +289,7 @@ class FanOut:
              "key_groups": None if share is None else share.host_map.count(
                  self._queries[msg.query].slots[i]),
              "input_rows": f.get("input_rows"), "live_windows": f.get("live_windows"),
+             "state_keys": f.get("state_keys"),
              "bytes_in": f.get("bytes_in"), "refused": f.get("refused")}
             for i, (e, f) in enumerate(zip(self.engines, got))]
         return M.Figures(merged)

@@ -9,6 +9,11 @@ its keys (:mod:`spark_stretch.host.share`). A row with no key goes to host 0: it
 still counts for the watermark. A batch whose key the engine computes itself (``stretch(df)``
 evaluating the input projection on the engine) has no key column yet: each of its rows goes to
 every host, which keeps its own keys.
+
+The ``applyInPandasWithState`` drop-in groups by several columns of any type: its rows carry
+their bucket, ``pmod(xxhash64(k1, k2, ...), B)`` (:data:`BUCKET`), which the engine reads
+instead of hashing the key itself; its key group is the bucket's ``pmod(bucket, G)`` (``B`` a
+multiple of ``G``: the same as ``pmod(xxhash64(k1, ...), G)``) and its host the host map's.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegralType
 
-__all__ = ["ROUTE", "route"]
+__all__ = ["BUCKET", "ROUTE", "route", "route_grouped"]
 
 ROUTE = "__stretch_route"
+BUCKET = "__stretch_bucket"
 
 
 def _host_of(key: Column, host_map: Column, key_groups: int) -> Column:
@@ -49,3 +55,15 @@ def route(df: DataFrame, key_kind: str, key_column: str, host_map: List[int],
             lambda w: _host_of(w.cast("bigint") if cast else w, hm, key_groups)))
         hosts = F.when(F.size(hosts) == 0, F.array(F.lit(0))).otherwise(hosts)
     return df.withColumn(ROUTE, hosts)
+
+
+def route_grouped(df: DataFrame, keys: List[str], buckets: int, host_map: List[int],
+                  key_groups: int) -> DataFrame:
+    """``df`` with :data:`BUCKET` (each row's bucket of ``buckets``, by Spark's ``xxhash64`` of
+    its grouping columns ``keys``) and :data:`ROUTE` last (the host of the bucket's key group,
+    of ``host_map``)."""
+    b = F.pmod(F.xxhash64(*[F.col(f"`{k}`") for k in keys]), F.lit(buckets)).cast("int")
+    hm = F.array(*[F.lit(int(h)) for h in host_map])
+    return (df.withColumn(BUCKET, b)
+            .withColumn(ROUTE, F.array(F.element_at(
+                hm, (F.pmod(F.col(BUCKET), F.lit(key_groups)) + 1).cast("int")))))

@@ -50,6 +50,7 @@ import struct
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import pyarrow as pa
 
 __all__ = ["KeyedStore", "Step", "encode_key", "pickled_bucket_entries", "NO_TIMEOUT",
@@ -121,6 +122,24 @@ class KeyedStore:
         with self.env.begin(buffers=False) as t:
             for kb, raw in t.cursor(db=self.state):
                 yield kb, pickle.loads(raw)
+
+    def changelog_of(self, buckets) -> pa.Table:
+        """The entries of the buckets ``buckets`` selects (a bool per bucket) as a changelog,
+        which :meth:`apply` puts into another store (key groups changing hosts)."""
+        keys, values = [], []
+        with self.env.begin(buffers=False) as t:
+            cur = t.cursor(db=self.state)
+            for b in np.flatnonzero(np.asarray(buckets, np.bool_)):
+                prefix = int(b).to_bytes(2, "big")
+                if not cur.set_range(prefix):
+                    break
+                for kb, raw in cur:
+                    if kb[:2] != prefix:
+                        break
+                    keys.append(kb)
+                    values.append(raw)
+        return pa.table({"key": pa.array(keys, pa.binary()),
+                         "value": pa.array(values, pa.binary())}, schema=CHANGELOG_SCHEMA)
 
     def disk_bytes(self) -> int:
         """Bytes of the environment's file in use (its last page)."""

@@ -174,6 +174,37 @@ class CheckpointStore:
         self._saver = threading.Thread(target=write, name=f"stretch-save-{batch}", daemon=True)
         self._saver.start()
 
+    def promote(self, batch: int, files: dict, writing=None) -> bool:
+        """Make the delta checkpoint of ``batch`` a full one, with ``files`` (name -> a
+        :class:`~pathlib.Path`, moved in: the whole state after ``batch``), written in the
+        background while later batches run (``writing``: the thread writing that delta, waited
+        for). Its meta is replaced last, so a crash leaves the delta as it was; its own delta
+        files are then dropped. False if the checkpoint is gone (cleaned meanwhile)."""
+        if writing is not None:
+            writing.join()
+        d = self.dir / str(batch)
+        if not (d / self.meta).exists():
+            return False
+        meta = json.loads((d / self.meta).read_text())
+        if meta.get("kind") != "delta":
+            return False
+        old = [f for f in d.iterdir() if f.name != self.meta]
+        for name, f in files.items():
+            shutil.move(f, d / f".{name}.tmp")
+            os.replace(d / f".{name}.tmp", d / name)
+        meta.update(kind="full", parent=None, promoted=True)
+        tmp = d / f".{self.meta}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(meta))
+            if self.config.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, d / self.meta)
+        for f in old:
+            if f.name not in files:
+                f.unlink(missing_ok=True)
+        return True
+
     def logged(self, batch: int) -> None:
         """The state after ``batch`` is its last checkpoint plus the logged inputs after it."""
         self.join()

@@ -23,11 +23,19 @@ applyInPandasWithState drop-in's runtime. The function itself runs in the instan
   rebalance only swaps the owner map between two batches: nothing is restarted, shuffled or
   copied; a new owner reads the bucket's keys in the store.
 - **Placement**: a key's bucket and owner follow :mod:`spark_stretch.protocol.placement` (a
-  SipHash of the key columns, then the engine's rule), as every runtime's do.
+  SipHash of the key columns, then the engine's rule), as every runtime's do. On several hosts
+  Spark computes each row's bucket (``pmod(xxhash64(k1, ...), B)``, column
+  ``__stretch_bucket``) and routes the row to the host of its key group (the bucket's
+  ``pmod(bucket, G)``: :func:`~spark_stretch.driver.routing.route_grouped`); each host's engine
+  has its own store, its own checkpoints (``<checkpoint>/stretch/hosts/<slot>/state``) and the
+  keys of its groups only. When key groups change hosts, a host's store is rebuilt from the
+  checkpoints of the same batch of the hosts that held its groups: the entries of those
+  groups' buckets (:mod:`.grouped_state`, with the checkpoints and restores).
 - **Checkpoint** per batch under ``<checkpoint>/stretch/state/<N>/``: ``grouped.json`` plus the
-  instances' changelogs of the batch (``changes-<step>-<i>.arrow``: a delta) or a compact copy
-  of the store (``state.mdb``: full, every ``min_deltas`` batches, Spark's
-  ``minDeltasForSnapshot``).
+  instances' changelogs of the batch (``changes-<step>-<i>.arrow``: a delta); every
+  ``min_deltas`` batches (Spark's ``minDeltasForSnapshot``) that delta is promoted to a full
+  checkpoint in the background, a compact copy of the store as of that batch (``state.mdb``),
+  while the next batches run.
   Checkpoints of format 2 (pickled buckets, spark-stretch 0.18) are read and converted.
 """
 
@@ -50,18 +58,20 @@ from ..protocol import instances as I
 from ..protocol import messages as M
 from ..protocol import placement
 from ..protocol.errors import BadRequest, InstanceDiedError, StateError, UserFunctionError
-from ..engine.keyed import KeyedStore, pickled_bucket_entries
+from ..engine.keyed import KeyedStore
 from ..protocol.layout import GROUPED_META, shm_prefix, shm_root, state_root
 from ..protocol.specs import GroupedSpec
 from . import faults, load
 from .checkpoints import read_arrow
+from .grouped_state import BUCKET, GroupedState
 from .instances import InstancePool
 from .runtime import Runtime
 
-__all__ = ["GroupedRuntime"]
+__all__ = ["BUCKET", "GroupedRuntime"]
 
 
-class GroupedRuntime(Runtime):
+
+class GroupedRuntime(GroupedState, Runtime):
     """The engine-side state of one grouped query (``spec``: a
     :class:`~spark_stretch.protocol.specs.GroupedSpec`)."""
 
@@ -70,6 +80,9 @@ class GroupedRuntime(Runtime):
     def __init__(self, qid: str, spec: GroupedSpec, receiver):
         super().__init__(qid, spec, receiver)
         self.B, self.n = spec.buckets, spec.max_parallelism
+        if spec.share is not None and self.B % spec.share.key_groups:
+            raise BadRequest(f"buckets={self.B} on several hosts: must be a multiple of "
+                             f"spark.stretch.keyGroups ({spec.share.key_groups})")
         self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
         self.epoch = 0
         self.counters.update(calls=0, timeout_calls=0, instance_retries=0)
@@ -81,6 +94,8 @@ class GroupedRuntime(Runtime):
         self.pool: Optional[InstancePool] = None
         self.kv: Optional[KeyedStore] = None
         self._changes: list = []  # the last step's changelog files: its delta checkpoint
+        self._promoter: Optional[threading.Thread] = None  # a delta made full (_promote)
+        self.promoted: Optional[dict] = None  # the last one's outcome
         self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
                                          dir=shm_root()))
         self.state_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-state-",
@@ -111,6 +126,8 @@ class GroupedRuntime(Runtime):
         evict_wm = self.next_watermark_ms                     # W_N
         late = 0
         top = None
+        if table is not None and BUCKET in table.column_names and s.share is None:
+            raise BadRequest("rows with buckets (routed to several hosts) to a query on one")
         if table is not None and table.num_rows:
             self.counters["input_rows"] += table.num_rows
             if s.ts_column:
@@ -189,7 +206,7 @@ class GroupedRuntime(Runtime):
         if retries:  # a killed instance's read slot would keep old pages from being reused
             self.kv.env.reader_check()
         t_run = time.perf_counter()
-        tables, dirty, per = [], set(), []
+        tables, empty, dirty, per = [], None, set(), []
         for i in sorted(replies):
             r = replies[i]
             dirty.update(r.dirty)
@@ -197,14 +214,19 @@ class GroupedRuntime(Runtime):
                         "calls": r.calls, "timeout_calls": r.timeout_calls,
                         "changed_rows": r.changed_rows})
             if r.out:
-                tables.append(read_arrow(Path(r.out)))  # the mapping outlives the unlink
+                t = read_arrow(Path(r.out))  # (the mapping outlives the unlink)
                 os.unlink(r.out)
+                if t.num_rows:
+                    tables.append(t)
+                else:
+                    empty = t
             if r.changes:
                 self._changes.append((i, Path(r.changes), r.changed_rows))
         self.state_keys = self.kv.rows()
         calls = sum(r.calls for r in replies.values())
         timeouts = sum(r.timeout_calls for r in replies.values())
-        out = pa.concat_tables(tables) if tables else pa.table({})  # no rows: nothing to read
+        # (no rows: the output's columns, read from every host of a query on several)
+        out = pa.concat_tables(tables) if tables else empty if empty is not None else pa.table({})
         self.counters["calls"] += calls
         self.counters["timeout_calls"] += timeouts
         self.counters["instance_retries"] += len(retries)
@@ -218,68 +240,6 @@ class GroupedRuntime(Runtime):
              "instance_retries": len(retries), **({"retries": retries} if retries else {})}
         self.last_metrics = m
         return out, m
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def _save(self, batch: int, full: bool = False, out=None) -> None:
-        changes, self._changes = self._changes, []
-        if not self.store.enabled:
-            for _, f, _ in changes:
-                f.unlink(missing_ok=True)
-            return
-        self.store.join()
-        rows = sum(n for _, _, n in changes)
-        delta = self.store.delta_due(batch, rows / max(1, self.state_keys), full)
-        meta = {**self._common_meta(batch), "max_event_ms": self.max_event_ms,
-                "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
-                "buckets": self.B, "state_keys": self.state_keys}
-        if delta:
-            def files():  # (moved into the checkpoint by the store's writer thread)
-                return {f.name: f for _, f, _ in changes}  # changes-<step>-<instance>.arrow
-        else:
-            for _, f, _ in changes:
-                f.unlink(missing_ok=True)
-            snap = self.state_dir.with_name(f"{self.state_dir.name}.snapshot")
-            txn = self.kv.env.begin()  # this batch's version, whatever the next step writes
-
-            def files():
-                return {"state.mdb": self.kv.snapshot(snap, txn)}
-
-        self.store.save(batch, delta, meta, files, {"changed_rows": rows})
-
-    def _load(self, batch: int) -> None:
-        """The store as the checkpoint of ``batch`` left it: its full copy, then the deltas'
-        changelogs in order; a format-2 chain (pickled buckets) is converted."""
-        chain = self.store.chain_of(batch)
-        metas = [self.store.read_meta(b) for b in chain]
-        first = self.store.dir / str(chain[0])
-        if (first / "state.mdb").exists():
-            shutil.copyfile(first / "state.mdb", self.state_dir / "data.mdb")
-        self.kv = KeyedStore(self.state_dir)
-        self.kv.forget_steps()
-        meta = metas[-1]
-        if int(meta["buckets"]) != self.B:
-            raise StateError(f"the checkpoint has {meta['buckets']} buckets, the query "
-                             f"{self.B}: keep buckets= the same across restarts")
-        converted = any(int(m.get("format", 1)) == 2 for m in metas)
-        if converted:  # a later checkpoint's bucket file replaces an earlier one's
-            files = {f.name: f for b in chain for f in (self.store.dir / str(b)).glob("b*.pkl")}
-            self.kv.load(pickled_bucket_entries(files.values()))
-        else:
-            for b in chain[1:]:  # in step order (a batch's instances change other buckets)
-                logs = (self.store.dir / str(b)).glob("changes-*.arrow")
-                for f in sorted(logs, key=lambda f: [int(x) for x in f.stem.split("-")[1:]]):
-                    self.kv.apply(read_arrow(f))
-        self._restore_common(meta)
-        self.max_event_ms = meta["max_event_ms"]
-        self.owner = np.asarray(meta["owner_map"], dtype=np.int64)
-        if self.owner.max() >= self.n:  # fewer instances than when it was written
-            self.parallelism = min(self.parallelism, self.n)
-            self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
-        self.epoch = int(meta.get("epoch", 0))
-        self.state_keys = self.kv.rows()
-        # a converted state is written whole at the next checkpoint, in this version's format
-        self.store.chain = None if converted else {"parent": batch, "deltas": len(chain) - 1}
-        self.checkpoint = batch
 
     # -- control -----------------------------------------------------------------------------
     def reconfigure(self, parallelism: Optional[int], owner_map, persist=True) -> M.Reconfigured:
@@ -317,19 +277,22 @@ class GroupedRuntime(Runtime):
                     "epoch": self.epoch, "watermark_ms": self.watermark_ms,
                     "switches": list(self.switches), "state_keys": self.state_keys,
                     "checkpoint": dict(self.store.stats), "last_step": dict(self.last_metrics),
+                    "promoted": self.promoted,
                     "instance_pids": self.pool.pids if self.pool else [],
                     "pid": os.getpid(), "shm_dir": str(self.shm),
                     "state_dir": str(self.state_dir),
                     "state_disk_bytes": self.kv.disk_bytes() if self.kv else 0}
 
     def _close(self) -> None:
+        self._join_promotion()  # (its read transaction must end before the store closes)
         if self.pool is not None:
             self.pool.stop()
         if self.kv is not None:
             self.kv.close()
         shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.state_dir, ignore_errors=True)
-        self.state_dir.with_name(f"{self.state_dir.name}.snapshot").unlink(missing_ok=True)
+        for suffix in (".snapshot", ".promoted"):
+            self.state_dir.with_name(self.state_dir.name + suffix).unlink(missing_ok=True)
 
 
 def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:
@@ -356,8 +319,15 @@ def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:
 
 def split_rows(table: pa.Table, keys, n_buckets: int, owner: np.ndarray):
     """Rows per owning instance (of ``owner``, per bucket), sorted by (bucket, key), with their
-    group starts and buckets; and the rows per bucket (the step's figures)."""
-    b = _buckets(table, keys, n_buckets)
+    group starts and buckets; and the rows per bucket (the step's figures). Rows that carry
+    their bucket (:data:`BUCKET`, on several hosts) are placed by it."""
+    if BUCKET in table.column_names:
+        b = table.column(BUCKET).to_numpy().astype(np.int64)
+        table = table.drop_columns([BUCKET])
+        if len(b) and (b.min() < 0 or b.max() >= n_buckets):
+            raise BadRequest(f"a row's bucket is outside 0..{n_buckets - 1}")
+    else:
+        b = _buckets(table, keys, n_buckets)
     bucket_rows = np.bincount(b, minlength=n_buckets)
     table = table.append_column("__b", pa.array(b))
     order = pc.sort_indices(table, sort_keys=[("__b", "ascending")] +

@@ -150,4 +150,9 @@ def grouped_figures(rt, t0: float, since_ms: Optional[float], bucket_rows) -> di
     fig.update(tuples=int(rows.sum()), live_windows=int(rt.state_keys),
                state_bytes=disk, state_disk_bytes=disk, bucket_load=rows.tolist(),
                owner_map=om.tolist())
+    share = rt.spec.share
+    if share is not None:  # (several hosts: a bucket's key group is pmod(bucket, G))
+        gl = np.bincount(np.arange(rt.B) % share.key_groups, weights=rows,
+                         minlength=share.key_groups).astype(np.int64)
+        fig["group_load"] = [[int(g), int(gl[g])] for g in np.flatnonzero(gl)]
     return fig

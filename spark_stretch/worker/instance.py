@@ -129,14 +129,14 @@ class Instance:
                     tcalls += 1
             batches += out.finish()
         t2 = time.perf_counter()
-        out_path = None
         rows = sum(x.num_rows for x in batches)
-        if batches:
-            out_path = str(I.output_file(self.shm, msg.seq, self.index))
-            with pa.OSFile(out_path, "wb") as f:
-                with pa.ipc.new_file(f, batches[0].schema) as w:
-                    for rb in batches:
-                        w.write_batch(rb)
+        # (no rows: an empty file of the output's columns, which the engine offers when no
+        # instance has rows, for Spark reads every host's output of a batch)
+        out_path = str(I.output_file(self.shm, msg.seq, self.index))
+        with pa.OSFile(out_path, "wb") as f:
+            with pa.ipc.new_file(f, batches[0].schema if batches else self._out_arrow()) as w:
+                for rb in batches:
+                    w.write_batch(rb)
         log = self.step.changelog()
         changes = None
         if log.num_rows:  # the step's changelog: the engine's incremental checkpoint
@@ -193,6 +193,12 @@ class Instance:
         return pd.concat(ArrowBatchTransformer.to_pandas(
             table, timezone=self.tz, schema=None, struct_in_pandas="dict", ndarray_as_list=False,
             prefer_int_ext_dtype=self.prefer_int_ext_dtype, df_for_struct=False), axis=1)
+
+    def _out_arrow(self) -> pa.Schema:
+        """The Arrow schema of the output's columns (pyspark's conversion of its Spark type)."""
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        return to_arrow_schema(self.out_schema, timezone=self.tz)
 
     def _call(self, key: tuple, kb: bytes, values, b: int, timed_out: bool,
               out: OutputBuffer) -> None:

@@ -14,6 +14,11 @@ Parts (each prints ``RESULT <json>``):
 - ``configure``: the session from the user's own builder (``configure_spark_with_stretch``, with
   the Kafka connector as a package of theirs): Delta written by Spark and by the engine, read
   back by Spark on the executors, against native Spark;
+- ``grouped``: the ``applyInPandasWithState`` drop-in (sessions per user and parity, two
+  grouping columns, event-time timeouts) on both hosts: into Delta (the engines append) with
+  every key group moved to one host and back mid-stream, and into a memory sink (Spark reads
+  each host's rows), each against native Spark; then kill -9 of one host's engine mid-batch
+  (``SPARK_STRETCH_TEST_FAULT``, armed for that query only), against native Spark;
 - ``elastic``: an elastic query whose hot key groups start on one host: the controller moves
   groups to the other (routed rows), against native Spark, with the input's keys per group
   (Spark's own ``pmod(xxhash64(k), 16)``) for an independent look at the host loads.
@@ -52,6 +57,9 @@ conf = {"spark.driver.memory": "1g", "spark.executor.memory": "1g", "spark.execu
         "spark.sql.files.openCostInBytes": str(1 << 30)}
 if part == "faults":  # (the engines inherit their executor's environment)
     conf[f"spark.executorEnv.{FAULT}"] = f"kill@step:2:{tmp}/engine-killed"
+if part == "grouped":  # (armed when the marker is removed: for the last query only)
+    (tmp / "grouped-killed").touch()
+    conf[f"spark.executorEnv.{FAULT}"] = f"kill@step:3:{tmp}/grouped-killed"
 KAFKA = "org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0"
 if part == "configure":
     from pyspark.sql import SparkSession
@@ -321,6 +329,71 @@ try:
         got = spark.read.format("delta").load(str(tmp / "grow"))
         # (stopped, not ended: the windows the last watermark did not close are not out yet)
         equal(got, want.where(F.col("window.end") <= F.lit(got.agg(F.max("window.end")).first()[0])))
+    elif part == "grouped":
+        import pandas as pd
+        from pyspark.sql.streaming.state import GroupStateTimeout
+
+        def sessions(key, pdfs, state):
+            """Sessions per (user, parity of len): one closes 20 s of event time after its
+            last event."""
+            if state.hasTimedOut:
+                start, end, n = state.get
+                state.remove()
+                yield pd.DataFrame({"user": [key[0]], "kind": [int(key[1])], "start": [start],
+                                    "end": [end], "n": [n], "closed": [True]})
+                return
+            start, end, n = state.get if state.exists else (None, None, 0)
+            for pdf in pdfs:
+                lo, hi = (pd.Timestamp(pdf["ts"].min()).value // 10 ** 6,
+                          pd.Timestamp(pdf["ts"].max()).value // 10 ** 6)
+                start = lo if start is None else min(start, lo)
+                end = hi if end is None else max(end, hi)
+                n += len(pdf)
+            state.update((start, end, n))
+            state.setTimeoutTimestamp(max(end + 20_000, state.getCurrentWatermarkMs()))
+            yield pd.DataFrame({"user": [key[0]], "kind": [int(key[1])], "start": [start],
+                                "end": [end], "n": [n], "closed": [False]})
+
+        def dropin():
+            return (source(spark, src, files_per_batch=1)
+                    .withColumn("kind", (F.col("len") % 2).cast("int"))
+                    .groupBy("user", "kind").stretchApplyInPandasWithState(
+                        sessions, "user string, kind int, start long, end long, n long, "
+                        "closed boolean", "start long, end long, n long", "Append",
+                        GroupStateTimeout.EventTimeTimeout, max_parallelism=2))
+
+        def moves(q):
+            try:
+                h0, h1 = result["hosts"]
+                while q.isActive and q.metrics().get("batches", 0) < 2:
+                    time.sleep(0.05)
+                result["moves"] = [q.reconfigure(key_groups={h0: 0, h1: 16})]
+                while q.isActive and q.metrics().get("batches", 0) < 4:
+                    time.sleep(0.05)
+                result["moves"].append(q.reconfigure(key_groups=[8, 8]))
+            except Exception as e:  # (reported: the test fails naming it)
+                result["move_error"] = repr(e)
+
+        q, got, want = run(dropin(), "gd", rows_path=True, during=lambda q: threading.Thread(
+            target=moves, args=(q,), daemon=True).start())
+        equal(got, want)
+        result["grouped_rows"] = got.count()
+        result["grouped_closed"] = got.where("closed").count()
+        result["grouped_hosts"] = q.metrics()["engine"]["hosts"]
+        result["grouped_direct"] = q.metrics().get("direct_writes", 0)
+        # the same into a memory sink: Spark reads each host's rows
+        mq = (dropin().writeStream.format("memory").queryName("gdm")
+              .option("checkpointLocation", str(tmp / "gdm-c")).trigger(availableNow=True)
+              .start())
+        mq.awaitTermination()
+        equal(spark.table("gdm"), want)
+        # kill -9 of one host's engine at step 3: restarted there, its groups from its
+        # checkpoint, the table equal to native's
+        os.unlink(tmp / "grouped-killed")
+        q, got, want = run(dropin(), "gk", rows_path=True)
+        equal(got, want)
+        result["grouped_killed"] = (tmp / "grouped-killed").exists()
+        result["grouped_restarts"] = len(q.metrics().get("engine_restarts", []))
     elif part == "elastic":
         import numpy as np
         import pyarrow.parquet as pq

@@ -117,6 +117,41 @@ def test_engine_and_executor_killed(cluster, tmp_path):
     assert r["engines_after_stop"] == []
 
 
+@pytest.mark.slow  # (a few minutes: make test-slow)
+def test_the_drop_in_on_two_hosts(cluster, tmp_path):
+    # applyInPandasWithState's drop-in, two grouping columns, event-time timeouts: both hosts
+    # hold keys; every key group moved to one host and back mid-stream; Delta (the engines
+    # append) and a memory sink (Spark reads both hosts) equal to native Spark
+    r = run_script(JOB, cluster.url, "grouped", tmp_path, timeout=900)
+    assert "move_error" not in r, r.get("move_error")
+    assert r["grouped_rows"] > 0 and r["grouped_closed"] > 0
+    hosts = r["grouped_hosts"]
+    assert sorted(h["host"] for h in hosts) == r["hosts"]
+    assert all(h["state_keys"] > 0 and h["input_rows"] > 0 for h in hosts), hosts
+    first, back = r["moves"]
+    assert list(first["key_groups"].values()) == [0, 16] and first["moved_groups"] == 8
+    assert list(back["key_groups"].values()) == [8, 8] and back["moved_groups"] == 8
+    assert r["grouped_direct"] > 0
+    # kill -9 of one host's engine mid-batch: restarted once, the table equal to native's
+    assert r["grouped_killed"] and r["grouped_restarts"] == 1
+    assert r["engines_after_stop"] == []
+
+
+@pytest.mark.slow  # (a few minutes: make test-slow)
+def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
+    # tests/api/test_grouped_pyspark.py's drop-in side (pyspark's own applyInPandasWithState
+    # tests, all of them) with its session on this cluster: an engine on each host
+    env = dict(os.environ, STRETCH_TEST_MASTER=cluster.url, STRETCH_TEST_HOSTS="2",
+               STRETCH_TEST_CONF="spark.executor.memory=1g,spark.executor.cores=1,"
+               "spark.stretch.keyGroups=16,spark.driver.memory=1g")
+    tests = Path(__file__).parents[1] / "api" / "test_grouped_pyspark.py"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-m", "slow or not slow", "-k", "stretchApplyInPandasWithState",
+                        str(tests)], env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert re.search(r"\b7 passed\b", p.stdout), p.stdout[-2000:]
+
+
 def test_killed_driver_leaves_nothing(cluster, tmp_path):
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
     proc = subprocess.Popen([sys.executable, str(JOB), cluster.url, "hold", str(tmp_path)],

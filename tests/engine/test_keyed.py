@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,3 +103,26 @@ def test_a_snapshot_is_the_state_of_its_read_transaction(tmp_path):
     assert [e[0] for _, e in r.entries()] == [("a",)]
     r.close()
     kv.close()
+
+
+def test_changelog_of_moves_the_selected_buckets_only(tmp_path):
+    src, dst = KeyedStore(tmp_path / "a"), KeyedStore(tmp_path / "b")
+    want = {}
+    step = src.step()
+    for b in range(6):
+        for k in range(3):
+            kb = encode_key(b, (f"u{b}-{k}",))
+            entry = ((f"u{b}-{k}",), (b, k), 1000 * b + k if k else NO_TIMEOUT)
+            step.put(kb, entry)
+            if b % 2:
+                want[kb] = entry
+    step.commit(0, 1, None, step.changelog())
+    dst.apply(src.changelog_of(np.arange(6) % 2 == 1))
+    assert dict(dst.entries()) == want
+    # the timers came along: bucket 3's two keys with a timeout are due, bucket 2's are not
+    s = dst.step()
+    assert sorted(s.due(3, 10 ** 6)) == sorted(k for k, e in want.items()
+                                                if k[:2] == (3).to_bytes(2, "big") and e[2] > 0)
+    assert s.due(2, 10 ** 6) == []
+    s.abort()
+    src.close(), dst.close()
