@@ -1,9 +1,10 @@
 """The drop-in's state larger than the memory its processes may use.
 
 The engine and its instance processes run in a memory cgroup (an executor container's limit, as
-YARN or Kubernetes give one) far smaller than the state they build: 64 KB per key, about three
-times the limit over the run, with keys of the first batch touched again in every later batch
-(their state read back from disk). Oracle: native ``applyInPandasWithState`` (RocksDB) on the
+YARN or Kubernetes give one) far smaller than the state they build: 32 KB per key, more than
+twice the limit over the run, with keys of the first batch touched again in every later batch
+(their state read back from disk). What a batch changes must fit in memory (an instance holds
+its step's writes until it commits them); the state need not. Oracle: native ``applyInPandasWithState`` (RocksDB) on the
 same file stream, one file per micro-batch, both into Delta. Needs a writable cgroup v1 memory
 controller (root); skipped otherwise, saying so.
 """
@@ -28,15 +29,15 @@ from pyspark import cloudpickle  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.slow  # (a few minutes: 2.5 GB of state on each side)
+pytestmark = pytest.mark.slow  # (a few minutes: 1.6 GB of state on each side)
 
 CGROUPS = Path("/sys/fs/cgroup/memory")
-BLOB = 64 * 1024
-FILES, NEW, OLD = 5, 8000, 1500  # per file: new users, and users of the first file again
+BLOB = 32 * 1024
+FILES, NEW, OLD = 24, 2000, 500  # per file: new users, and users of the first file again
 
 
 def blob(key, pdfs, state):
-    """A count per user, with 64 KB of state per user (made from the user's name)."""
+    """A count per user, with 32 KB of state per user (made from the user's name)."""
     n = state.get[0] if state.exists else 0
     if state.exists:
         assert state.get[1] == (key[0] * BLOB)[:BLOB]  # (read back intact)
@@ -105,7 +106,7 @@ class _Cgroup:
                 time.sleep(0.2)
 
 
-def test_state_three_times_the_engines_memory_limit_completes_equal_to_native(spark, tmp_path):
+def test_state_twice_the_engines_memory_limit_completes_equal_to_native(spark, tmp_path):
     src = tmp_path / "src"
     files = _files(src)
 
@@ -133,15 +134,17 @@ def test_state_three_times_the_engines_memory_limit_completes_equal_to_native(sp
         for f in files[1:]:
             publish(f, src)
             q.processAllAvailable()
-        disk = q.lastProgress["stateOperators"][0]["customMetrics"]["stateOnDiskBytes"]
-        rows = q.lastProgress["stateOperators"][0]["numRowsTotal"]
+        engine = q.metrics()["engine"]
+        disk, rows = engine["state_disk_bytes"], engine["state_keys"]
         q.stop()
         failcnt = int(cg.read("memory.failcnt"))
         oom = cg.read("memory.oom_control")
     finally:
         cg.remove()
+    print(f"state {disk / 2**20:.0f} MB on disk, {rows} keys; limit {limit / 2**20:.0f} MB "
+          f"(processes {anon / 2**20:.0f} MB at the start); limit reached {failcnt} times")
     assert rows == FILES * NEW
-    assert disk > 3 * limit, (disk, limit)  # the state: three times what the processes may use
+    assert disk > 2 * limit, (disk, limit)  # the state: twice what the processes may use
     assert failcnt > 0  # (the limit was reached: the kernel reclaimed the store's pages)
     assert "oom_kill 0" in oom or "oom_kill" not in oom, oom
     nq = (query(False).writeStream.format("delta").option(
