@@ -166,6 +166,25 @@ def test_moving_key_groups_between_hosts_keeps_every_key_and_timer(tmp_path):
         two.close()
 
 
+def test_each_host_reports_its_rows_per_key_group_for_the_policy(tmp_path):
+    # the elastic policy moves key groups by these loads; oracle: the rows' groups counted
+    # from Spark's hash of their keys
+    batches = _batches(2)
+    marks = _watermarks(batches)
+    hosts = _Hosts(tmp_path, balanced_host_map(G, 2).tolist())
+    try:
+        for b, t in enumerate(batches):
+            hosts.step(b, t, marks[b])
+            groups = xxhash64(t.column("k")) % G
+            for h, rt in enumerate(hosts.rts):
+                got = dict(rt.last_reply.metrics["elastic"]["group_load"])
+                want = {int(g): int((groups == g).sum()) for g in np.unique(groups)
+                        if hosts.host_map[g] == h}
+                assert got == want, (b, h)
+    finally:
+        hosts.close()
+
+
 def test_a_checkpoint_of_the_other_placement_is_refused(tmp_path):
     batches = _batches(2)
     marks = _watermarks(batches)

@@ -136,5 +136,13 @@ object StretchState {
     set("numRowsDroppedByWatermark", "numRowsDroppedByWatermark")
     set("numStateStoreInstances", "numStateStoreInstances")
     set("numOutputRows", "numOutputRows")
+    // The drop-in's store on disk as the configured state store names its own state's size
+    // (HDFS-backed: the current version's; RocksDB: its SST files').
+    val custom = js.get("customMetrics")
+    if (custom != null && custom.has("stateOnDiskBytes")) {
+      val disk = custom.get("stateOnDiskBytes").asLong()
+      Seq("stateOnCurrentVersionSizeBytes", "rocksdbSstFileSize")
+        .foreach(m => save.metrics.get(m).foreach(_.set(disk)))
+    }
   }
 }
