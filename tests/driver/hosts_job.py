@@ -20,7 +20,7 @@ Parts (each prints ``RESULT <json>``):
   each host's rows), each against native Spark; then kill -9 of one host's engine mid-batch
   (``SPARK_STRETCH_TEST_FAULT``, armed for that query only), against native Spark;
 - ``elastic``: an elastic query whose hot key groups start on one host: the controller moves
-  groups to the other (routed rows), against native Spark, with the input's keys per group
+  groups to the other (routed rows), against native Spark (an aggregation, then the drop-in), with the input's keys per group
   (Spark's own ``pmod(xxhash64(k), 16)``) for an independent look at the host loads.
 """
 
@@ -430,6 +430,25 @@ try:
                                                      .alias("g")).count().collect())
         result["group_load"] = {r.g: r["count"] for r in loads}
         result["first_host_map"] = [result["hosts"][h] for h in first]
+
+        # the applyInPandasWithState drop-in over the same stream, elastic: the same policy
+        # moves its key groups (its rows per group, each host's figures)
+        import pandas as pd
+        from pyspark.sql.streaming.state import GroupStateTimeout
+
+        def count(key, pdfs, state):
+            n = state.get[0] if state.exists else 0
+            for pdf in pdfs:
+                n += len(pdf)
+            state.update((n,))
+            yield pd.DataFrame({"k": [key[0]], "n": [n]})
+
+        gd = event_source(spark, ev).groupBy("k").stretchApplyInPandasWithState(
+            count, "k long, n long", "n long", "Append", GroupStateTimeout.NoTimeout,
+            max_parallelism=2, elastic=ElasticPolicy())
+        q, got, want = run(gd, "eg", rows_path=True)
+        equal(got, want)
+        result["dropin_reconfigurations"] = q.metrics()["reconfigurations"]
     elif part == "hold":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

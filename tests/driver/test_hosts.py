@@ -2,8 +2,9 @@
 this machine): one engine per executor host, each keeping its key groups, against native Spark.
 The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's.
 The default run holds equality (five queries, a key-group move, intruders, stop()) and a killed
-driver; the engine and executor kills, a new host, a lost host and an elastic query moving key
-groups by itself are ``slow``."""
+driver; the user's own session builder, the engine and executor kills, a new host, a lost host,
+an elastic query moving key groups by itself and the applyInPandasWithState drop-in (pyspark's
+own tests among it) are ``slow``."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     assert not _engine_dirs()
 
 
+@pytest.mark.slow  # (80 s: the default run stays under 20 minutes; CI runs it with -m slow)
 def test_a_users_own_builder_on_two_hosts_reads_delta_back_as_native(cluster, tmp_path):
     # configure_spark_with_stretch(builder, [kafka]): the shim and Delta as packages, shipped
     # by Spark (not the driver's paths), the user's package beside them; Delta written by
@@ -231,6 +233,10 @@ def test_elastic_moves_hot_key_groups_to_the_other_host(cluster, tmp_path):
     after = [b["host_imbalance"] for b in rows if b["batch"] > last["after_batch"]]
     assert before and min(before) > 1.4, rows
     assert after and max(after) <= max(1.2, best) + 0.05, rows
+    # the drop-in on the same stream: the policy moved its groups too, to the same bound
+    moves = [c for c in r["dropin_reconfigurations"] if c["cause"] == "rebalance_hosts"]
+    assert moves, r["dropin_reconfigurations"]
+    assert _imbalance(loads, moves[-1]["host_map"]) <= max(1.2, best)
 
 
 @pytest.mark.slow  # (a few minutes: make test-slow)
