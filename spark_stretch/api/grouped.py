@@ -3,9 +3,10 @@
 method).
 
 Same arguments, same function, same ``GroupState`` (pyspark's own class), same rows; the state
-lives in the host engine's shared buckets (``/dev/shm``) and the function runs in the engine's
-instance processes, so the query can be rescaled between two micro-batches without a restart,
-a shuffle or a state copy (``query.reconfigure(parallelism=k)``).
+lives in each engine host's state store (LMDB on local disk, by bucket) and the function runs in
+the engine's instance processes, so the query can be rescaled between two micro-batches without
+a restart, a shuffle or a state copy (``query.reconfigure(parallelism=k)``); on executors of
+several hosts, key groups move between hosts (``query.reconfigure(key_groups=...)``).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def stretch_apply_in_pandas_with_state(
 
     For a streaming :class:`DataFrame`, the function is invoked first for all input groups and
     then for all timed out states where the input data is set to be empty. Updates to each
-    group's state are saved across invocations, in the host engine's state buckets (not in
-    Spark's state store), and checkpointed with the query.
+    group's state are saved across invocations, in the host engine's state store (not in
+    Spark's), and checkpointed with the query.
 
     The function takes ``(key, Iterator[pandas.DataFrame], state)`` and returns an
     ``Iterator[pandas.DataFrame]``. The grouping key(s) are passed as a tuple of numpy data
