@@ -24,10 +24,11 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegralType
 
+from ..protocol.placement import BUCKET
+
 __all__ = ["BUCKET", "ROUTE", "route", "route_grouped"]
 
 ROUTE = "__stretch_route"
-BUCKET = "__stretch_bucket"
 
 
 def _host_of(key: Column, host_map: Column, key_groups: int) -> Column:

@@ -252,7 +252,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
 
     def _load(self, batch: int, ops) -> list:
         share = self.spec.share
-        if share is not None and self._groups_changed(self.store.read_meta(batch), share):
+        if share is not None and share.groups_changed(self.store.read_meta(batch).get("host_map")):
             return self._resharded(batch, ops)
         chain = self.store.chain_of(batch)
         dirs = [self.store.dir / str(b) for b in chain]

@@ -70,7 +70,6 @@ from .runtime import Runtime
 __all__ = ["BUCKET", "GroupedRuntime"]
 
 
-
 class GroupedRuntime(GroupedState, Runtime):
     """The engine-side state of one grouped query (``spec``: a
     :class:`~spark_stretch.protocol.specs.GroupedSpec`)."""
@@ -94,8 +93,6 @@ class GroupedRuntime(GroupedState, Runtime):
         self.pool: Optional[InstancePool] = None
         self.kv: Optional[KeyedStore] = None
         self._changes: list = []  # the last step's changelog files: its delta checkpoint
-        self._promoter: Optional[threading.Thread] = None  # a delta made full (_promote)
-        self.promoted: Optional[dict] = None  # the last one's outcome
         self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
                                          dir=shm_root()))
         self.state_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-state-",

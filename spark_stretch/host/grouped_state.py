@@ -28,13 +28,13 @@ import numpy as np
 
 from ..engine.keyed import KeyedStore, pickled_bucket_entries
 from ..protocol import placement
+from ..protocol.placement import BUCKET
 from ..protocol.errors import StateError
 from ..protocol.specs import Checkpointing
 from .checkpoints import CheckpointStore, read_arrow
 
 __all__ = ["BUCKET", "GroupedState", "restored"]
 
-BUCKET = "__stretch_bucket"  # (driver/routing.py: a row's bucket, computed by Spark)
 # How keys are placed in buckets: by the engine (SipHash) on one host, by Spark (xxhash64) on
 # several; a checkpoint holds keys in the buckets of one of them.
 _PLACEMENT = {False: "siphash", True: "xxhash64"}
@@ -120,20 +120,17 @@ class GroupedState:
         changelogs in order; a format-2 chain (pickled buckets) is converted. On several hosts,
         when this host's key groups are not those of its checkpoint: :meth:`_reshard`."""
         share = self.spec.share
-        have = self.store.latest(batch) == batch
-        if share is not None and (not have or _groups_changed(
-                self.store.read_meta(batch).get("host_map"), share)):
-            return self._reshard(batch, have)
-        self.kv, converted = restored(self.store, batch, self.state_dir)
-        meta = self.store.read_meta(batch)
+        meta = self.store.read_meta(batch) if self.store.latest(batch) == batch else None
+        if share is not None and (meta is None or share.groups_changed(meta.get("host_map"))):
+            return self._reshard(batch, meta is not None)
+        self.kv, chain, converted = restored(self.store, batch, self.state_dir)
         self._check_meta(meta)
         self._restore_common(meta)
         self.max_event_ms = meta["max_event_ms"]
         self._take_owner_map(meta)
         self.state_keys = self.kv.rows()
         # a converted state is written whole at the next checkpoint, in this version's format
-        self.store.chain = None if converted else {
-            "parent": batch, "deltas": len(self.store.chain_of(batch)) - 1}
+        self.store.chain = None if converted else {"parent": batch, "deltas": len(chain) - 1}
         self.checkpoint = batch
 
     def _reshard(self, batch: int, have: bool) -> None:
@@ -172,7 +169,7 @@ class GroupedState:
         for j in sources:
             keep = (mine_now & (np.asarray(was) == j))[bucket_group]  # per bucket
             tmp = self.state_dir.with_name(f"{self.state_dir.name}.from{j}")
-            src, _ = restored(stores[j], batch, tmp)
+            src = restored(stores[j], batch, tmp)[0]
             try:
                 self.kv.apply(src.changelog_of(keep))
             finally:
@@ -214,16 +211,10 @@ class GroupedState:
         self.epoch = int(meta.get("epoch", 0))
 
 
-def _groups_changed(was, share) -> bool:
-    """Whether this host's key groups differ from those of a checkpoint's host map ``was``."""
-    if was is None or len(was) != len(share.host_map):
-        return True
-    return any((w == share.host) != (h == share.host) for w, h in zip(was, share.host_map))
-
-
 def restored(store: CheckpointStore, batch: int, dest: Path):
     """A store in ``dest`` as ``store``'s checkpoint of ``batch`` left it (its full copy, then
-    the deltas' changelogs in step order; a format-2 chain converted); and whether it was."""
+    the deltas' changelogs in step order; a format-2 chain converted): ``(store, the chain's
+    batches, whether it was converted)``."""
     chain = store.chain_of(batch)
     metas = [store.read_meta(b) for b in chain]
     first = store.dir / str(chain[0])
@@ -241,4 +232,4 @@ def restored(store: CheckpointStore, batch: int, dest: Path):
             logs = (store.dir / str(b)).glob("changes-*.arrow")
             for f in sorted(logs, key=lambda f: [int(x) for x in f.stem.split("-")[1:]]):
                 kv.apply(read_arrow(f))
-    return kv, converted
+    return kv, chain, converted

@@ -240,15 +240,6 @@ class Resharding:
         self.stream_max_ms, self.store.chain = meta.get("stream_max_ms", [None]), None
         return engines
 
-    @staticmethod
-    def _groups_changed(meta: dict, share) -> bool:
-        """Whether the host's own key groups differ from those it had at a checkpoint (``meta``):
-        a host whose groups stayed continues from its own checkpoint, whatever moved elsewhere."""
-        was = meta.get("host_map")
-        if was is None or len(was) != len(share.host_map):
-            return was != share.host_map
-        return any((w == share.host) != (h == share.host) for w, h in zip(was, share.host_map))
-
     def _old_host_map(self, hosts, batch: int) -> list:
         """The host map the checkpoints of ``batch`` were written under (its own, or another
         slot's for a host new to the query)."""

@@ -73,8 +73,8 @@ class Ready:
 @dataclass(frozen=True)
 class BatchDone:
     """A step done and committed to the state store: its output file (with no rows: the
-    output's columns), the buckets it changed, its changelog file (:func:`changes_file`; None: no change), and
-    figures."""
+    output's columns), the buckets it changed, its changelog file (:func:`changes_file`; None:
+    no change), and figures."""
 
     out: Optional[str]
     rows: int

@@ -18,6 +18,9 @@ without sharing any dictionary. The **host map** gives each group the host that 
 (:func:`balanced_host_map`, :func:`host_map_of_counts`); inside a host, a group's keys live in
 buckets owned by instances as above. Moving groups between hosts changes the host map and moves
 the state of those groups only.
+The drop-in's rows on several hosts carry their bucket as computed by Spark, in the column
+:data:`BUCKET` (``pmod(xxhash64(k1, ...), B)``, ``driver/routing.py``), its key group the
+bucket's ``pmod(bucket, G)``.
 
 The engine's numba kernels (``engine/buckets.py``: ``mix64``, ``bucket_of``;
 ``engine/hashing.py``: ``xxhash64``) compute the same functions inside their loops; tests hold
@@ -43,7 +46,9 @@ import numpy as np
 
 __all__ = ["PlacementError", "mix64", "bucket_of", "balanced_owner_map", "validate_owner_map",
            "moved_buckets", "XXHASH_SEED", "key_group", "balanced_host_map", "host_map_of_counts",
-           "validate_host_map"]
+           "validate_host_map", "BUCKET"]
+
+BUCKET = "__stretch_bucket"  # (a routed row's bucket, computed by Spark: the drop-in's)
 
 XXHASH_SEED = 42  # Spark's xxhash64 seed (org.apache.spark.sql.catalyst.expressions.XxHash64)
 

@@ -60,6 +60,14 @@ class HostShare:
         """The key groups this host owns."""
         return [g for g, h in enumerate(self.host_map) if h == self.host]
 
+    def groups_changed(self, was: Optional[List[int]]) -> bool:
+        """Whether the groups this host owns differ from those it owned under the host map
+        ``was`` (a checkpoint's; None: it had none): a host whose groups stayed continues from
+        its own checkpoint, whatever moved elsewhere."""
+        if was is None or len(was) != len(self.host_map):
+            return True
+        return any((w == self.host) != (h == self.host) for w, h in zip(was, self.host_map))
+
 
 @dataclass(kw_only=True)
 class QuerySpec:
