@@ -22,6 +22,7 @@ from ..driver.policy import as_policy
 from ..protocol.specs import AggregateSpec
 from .frame import StretchControl, StretchFrame
 from .specs import check_sizes, parse_interval_us
+from .transform import stretch_transform
 
 __all__ = ["FallbackWarning", "StretchControl", "control", "stretch", "stretch_agg"]
 
@@ -102,6 +103,9 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     policy = as_policy(elastic, max_parallelism)
     spark = df.sparkSession
     plans = jvm.ShimPlans(spark)
+    tws = stretch_transform(df, parallelism, max_parallelism, buckets, policy)
+    if tws is not None:  # (groupBy(...).transformWithStateInPandas(...))
+        return tws
     agg_id = uuid.uuid4().hex
     got = plans.analyze(df, agg_id)
     reason = None if got["ok"] else got["reason"]

@@ -9,6 +9,7 @@ method per JVM method.
 
 from __future__ import annotations
 
+import json
 from typing import List, Optional, Set, Tuple
 
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -95,16 +96,12 @@ class _SinkMetrics:
         self._state = state
 
     def metrics(self) -> str:
-        import json
-
         try:
             return json.dumps({k: str(v) for k, v in self._figures().items()})
         except Exception:  # (no figures this time: a progress update must not fail the query)
             return "{}"
 
     def state(self) -> str:
-        import json
-
         try:
             return json.dumps(self._state() if self._state is not None else {})
         except Exception:  # (as above)
@@ -321,8 +318,6 @@ class ShimPlans:
     def analyze(self, df: DataFrame, agg_id: str) -> dict:
         """``{"ok": True, "spec": {...}}`` (the translation kept as ``agg_id``) or
         ``{"ok": False, "reason": ...}``."""
-        import json
-
         return json.loads(self._j.analyze(df._jdf, agg_id))
 
     def mark(self, df: DataFrame, agg_id: str, cls=DataFrame) -> DataFrame:
@@ -335,6 +330,14 @@ class ShimPlans:
         over it, its input ``df`` the engine's (a ``cls``, a DataFrame class)."""
         return cls(self._j.markGrouped(native._jdf, df._jdf, agg_id), df.sparkSession)
 
+    def transform_info(self, df: DataFrame) -> dict:
+        """``df`` read as a transformWithState (``StretchPlans.transformInfo``)."""
+        return json.loads(self._j.transformInfo(df._jdf))
+
+    def transform_input(self, df: DataFrame) -> DataFrame:
+        """The DataFrame ``df``'s transformWithState groups."""
+        return DataFrame(self._j.transformInput(df._jdf), df.sparkSession)
+
     def register(self, agg_id: str, handler) -> None:
         """The py4j callback (``StretchBatchHandler``) that runs ``agg_id``'s micro-batches."""
         from pyspark.java_gateway import ensure_callback_server_started
@@ -344,8 +347,6 @@ class ShimPlans:
 
     def input_schema(self, agg_id: str) -> StructType:
         """The schema of ``agg_id``'s engine input, as its micro-batches have it."""
-        import json
-
         return StructType.fromJson(json.loads(self._j.inputSchema(agg_id)))
 
     def check_native(self, agg_id: str, mode: str) -> None:

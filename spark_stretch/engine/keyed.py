@@ -14,7 +14,8 @@ Layout (LMDB sub-databases)::
     done    instance index (decimal)                               -> pickle((seq, reply))
 
 ``key`` is the grouping key as the function saw it, ``value`` the state in Spark's internal form
-(or None), ``timeout`` the timeout timestamp in ms (-1: none). The key's bytes are its pickle with
+(or None), ``timeout`` the timeout timestamp in ms (-1: none), or for the transformWithState
+drop-in a tuple of timers (ms, each one in the timer index). The key's bytes are its pickle with
 numpy scalars made Python's, so one key is one entry whatever dtype carried it.
 
 An instance reads through a :class:`Step` (its own writes first, then a read transaction) and
@@ -53,8 +54,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["KeyedStore", "Step", "encode_key", "pickled_bucket_entries", "NO_TIMEOUT",
-           "CHANGELOG_SCHEMA"]
+__all__ = ["KeyedStore", "Step", "encode_key", "pickled_bucket_entries", "timers_of",
+           "NO_TIMEOUT", "CHANGELOG_SCHEMA"]
 
 NO_TIMEOUT = -1
 MAP_SIZE = 1 << 40  # address space only: the file grows as state does
@@ -77,6 +78,13 @@ def encode_key(bucket: int, key: tuple) -> bytes:
 
 def _timer(kb: bytes, timeout: int) -> bytes:
     return kb[:2] + _TS.pack(timeout + _OFFSET) + kb[2:]
+
+
+def timers_of(timeout) -> tuple:
+    """An entry's timers: ``timeout`` is one (-1: none) or a tuple of them."""
+    if isinstance(timeout, tuple):
+        return timeout
+    return () if timeout == NO_TIMEOUT else (timeout,)
 
 
 def pickled_bucket_entries(files) -> Dict[bytes, Entry]:
@@ -183,15 +191,13 @@ class KeyedStore:
             for kb, raw in zip(keys, values):
                 old = w.get(kb, db=self.state)
                 if old is not None:
-                    t = pickle.loads(old)[2]
-                    if t != NO_TIMEOUT:
+                    for t in timers_of(pickle.loads(old)[2]):
                         w.delete(_timer(kb, t), db=self.timers)
                 if raw is None:
                     w.delete(kb, db=self.state)
                 else:
                     w.put(kb, raw, db=self.state)
-                    t = pickle.loads(raw)[2]
-                    if t != NO_TIMEOUT:
+                    for t in timers_of(pickle.loads(raw)[2]):
                         w.put(_timer(kb, t), b"", db=self.timers)
 
     def load(self, entries: Dict[bytes, Entry]) -> None:
@@ -214,7 +220,7 @@ class Step:
         self.store = store
         self.txn = store.env.begin(buffers=False)
         self.pending: Dict[bytes, Optional[Entry]] = {}
-        self.committed_timeout: Dict[bytes, int] = {}
+        self.committed_timeout: Dict[bytes, object] = {}
 
     def get(self, kb: bytes) -> Optional[Entry]:
         if kb in self.pending:
@@ -237,6 +243,11 @@ class Step:
     def due(self, bucket: int, threshold: int) -> List[bytes]:
         """The keys of ``bucket`` whose timeout is set and earlier than ``threshold``, this
         step's writes included, in timeout order."""
+        return [kb for _, kb in self.due_timers(bucket, threshold)]
+
+    def due_timers(self, bucket: int, threshold: int) -> List[Tuple[int, bytes]]:
+        """``(timer, key)`` of every timer of ``bucket`` earlier than ``threshold``, this step's
+        writes included, in timer order (then key order)."""
         prefix = bucket.to_bytes(2, "big")
         found = []
         cur = self.txn.cursor(db=self.store.timers)
@@ -250,10 +261,10 @@ class Step:
                     found.append((_TS.unpack(tk[2:10])[0] - _OFFSET, kb))
         cur.close()
         for kb, e in self.pending.items():
-            if e is not None and kb[:2] == prefix and e[2] != NO_TIMEOUT and e[2] < threshold:
-                found.append((e[2], kb))
+            if e is not None and kb[:2] == prefix:
+                found.extend((t, kb) for t in timers_of(e[2]) if t < threshold)
         found.sort()
-        return [kb for _, kb in found]
+        return found
 
     def abort(self) -> None:
         self.txn.abort()
@@ -274,15 +285,13 @@ class Step:
         st, tm = self.store.state, self.store.timers
         with self.store.env.begin(write=True) as w:
             for kb, raw in zip(log.column("key").to_pylist(), log.column("value").to_pylist()):
-                old = self.committed_timeout.get(kb, NO_TIMEOUT)
-                if old != NO_TIMEOUT:
-                    w.delete(_timer(kb, old), db=tm)
+                for t in timers_of(self.committed_timeout.get(kb, NO_TIMEOUT)):
+                    w.delete(_timer(kb, t), db=tm)
                 if raw is None:
                     w.delete(kb, db=st)
                 else:
                     w.put(kb, raw, db=st)
-                    t = self.pending[kb][2]
-                    if t != NO_TIMEOUT:
+                    for t in timers_of(self.pending[kb][2]):
                         w.put(_timer(kb, t), b"", db=tm)
             w.put(str(index).encode(), pickle.dumps((seq, reply), protocol=5),
                   db=self.store.done)

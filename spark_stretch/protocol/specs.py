@@ -152,8 +152,11 @@ class OperatorSpec(QuerySpec):
 
 @dataclass(kw_only=True)
 class GroupedSpec(QuerySpec):
-    """The ``applyInPandasWithState`` drop-in
-    (``groupBy(...).stretchApplyInPandasWithState(func, ...)``)."""
+    """A grouped stateful operator with the user's Python code: the ``applyInPandasWithState``
+    drop-in (``groupBy(...).stretchApplyInPandasWithState(func, ...)``, ``api``
+    ``"applyInPandasWithState"``) or ``transformWithStateInPandas`` (``stretch(df)``, ``api``
+    ``"transformWithStateInPandas"``: ``func`` is the ``StatefulProcessor``, ``timeout_conf``
+    follows ``time_mode``, and ``state_schema`` is unused)."""
 
     kind: ClassVar[str] = "grouped"
     max_parallelism: int = 2
@@ -169,6 +172,9 @@ class GroupedSpec(QuerySpec):
     watermark_present: bool = False
     runner_conf: Dict[str, object] = field(default_factory=dict)  # pyspark worker's settings
     func: str = ""                     # the function, cloudpickled (base64)
+    api: str = "applyInPandasWithState"
+    time_mode: str = "None"            # transformWithState: None | ProcessingTime | EventTime
+    state_schemas: Dict[str, str] = field(default_factory=dict)  # DDL text -> Spark JSON
     instance_max_failures: int = 4     # runs of an instance's share of a step whose process dies
     function_attempts: int = 1         # runs of a share whose function raises (Spark's task
     #                                    attempts for the master: 1 in local mode)

@@ -41,7 +41,11 @@ def serve(fd: int, parent: int) -> int:
 
                 from .instance import Instance
 
-                inst = Instance(msg)
+                if msg.spec.api == "applyInPandasWithState":
+                    inst = Instance(msg)
+                else:
+                    from .processor import ProcessorInstance
+                    inst = ProcessorInstance(msg)
                 _tune_gc()
                 reply = I.Ready(os.getpid())
             elif isinstance(msg, I.Batch) and inst is not None:

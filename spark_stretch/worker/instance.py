@@ -84,8 +84,6 @@ class Instance:
 
     # -- one batch ---------------------------------------------------------------------------
     def batch(self, msg: I.Batch) -> I.BatchDone:
-        import pandas as pd
-
         t0 = time.perf_counter()
         done = self.kv.applied(self.index, msg.seq)
         if done is not None:  # this process's predecessor applied the step, then died
@@ -96,38 +94,10 @@ class Instance:
         self.updated = self.removed = 0  # (keys whose state was written, or deleted)
         self.ts_ms = int(msg.batch_ts_ms)
         self.wm_ms = int(msg.watermark_ms)
-        calls = tcalls = 0
-        batches: List[pa.RecordBatch] = []
-        if msg.input:
-            table = pa.ipc.open_file(pa.memory_map(msg.input)).read_all()
-            pdf = self._to_pandas(table)
-            starts = np.asarray(msg.starts, dtype=np.int64)
-            ends = np.append(starts[1:], len(pdf))
-            gb = msg.group_buckets
-            kidx = [self.columns.index(k) for k in self.key_columns]
-            kvals = [pdf.iloc[:, j]._values for j in kidx]
-            out = OutputBuffer(self)
-            for g in range(len(starts)):
-                a, z = int(starts[g]), int(ends[g])
-                key = tuple(v[a] for v in kvals)
-                b = int(gb[g])
-                values = self._chunks(pdf, a, z)
-                self._call(key, encode_key(b, key), values, b, False, out)
-                calls += 1
-            batches += out.finish()
+        batches, calls = self._data_calls(msg)
         t1 = time.perf_counter()
-        if self.timeout_conf != "NoTimeout":
-            threshold = self.ts_ms if self.timeout_conf == "ProcessingTimeTimeout" else self.wm_ms
-            empty = None
-            out = OutputBuffer(self)
-            for b in owned:
-                for kb in self.step.due(b, threshold):
-                    if empty is None:
-                        empty = pd.DataFrame(columns=self.columns)
-                    # as pyspark's wrapper: a list with one empty DataFrame of the data columns
-                    self._call(self.step.get(kb)[0], kb, [empty], b, True, out)
-                    tcalls += 1
-            batches += out.finish()
+        more, tcalls = self._timeout_calls(owned)
+        batches += more
         t2 = time.perf_counter()
         rows = sum(x.num_rows for x in batches)
         # (no rows: an empty file of the output's columns, which the engine offers when no
@@ -152,6 +122,49 @@ class Instance:
         self.step.commit(self.index, msg.seq, reply, log)
         self.step = None
         return reply
+
+    def _data_calls(self, msg: I.Batch):
+        """Every key with data, once, in key order: the output's batches and the calls."""
+        batches: List[pa.RecordBatch] = []
+        calls = 0
+        if msg.input:
+            table = pa.ipc.open_file(pa.memory_map(msg.input)).read_all()
+            pdf = self._to_pandas(table)
+            starts = np.asarray(msg.starts, dtype=np.int64)
+            ends = np.append(starts[1:], len(pdf))
+            gb = msg.group_buckets
+            kidx = [self.columns.index(k) for k in self.key_columns]
+            kvals = [pdf.iloc[:, j]._values for j in kidx]
+            out = OutputBuffer(self)
+            for g in range(len(starts)):
+                a, z = int(starts[g]), int(ends[g])
+                key = tuple(v[a] for v in kvals)
+                b = int(gb[g])
+                values = self._chunks(pdf, a, z)
+                self._call(key, encode_key(b, key), values, b, False, out)
+                calls += 1
+            batches += out.finish()
+        return batches, calls
+
+    def _timeout_calls(self, owned: List[int]):
+        """Every key of the owned buckets whose timeout passed: the output's batches and the
+        calls."""
+        import pandas as pd
+
+        if self.timeout_conf == "NoTimeout":
+            return [], 0
+        threshold = self.ts_ms if self.timeout_conf == "ProcessingTimeTimeout" else self.wm_ms
+        empty = None
+        tcalls = 0
+        out = OutputBuffer(self)
+        for b in owned:
+            for kb in self.step.due(b, threshold):
+                if empty is None:
+                    empty = pd.DataFrame(columns=self.columns)
+                # as pyspark's wrapper: a list with one empty DataFrame of the data columns
+                self._call(self.step.get(kb)[0], kb, [empty], b, True, out)
+                tcalls += 1
+        return out.finish(), tcalls
 
     def _to_pandas(self, table: pa.Table):
         import pandas as pd

@@ -11,7 +11,7 @@ import org.apache.spark.sql.catalyst.expressions.{Attribute, UnsafeProjection}
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
 import org.apache.spark.sql.execution.{BinaryExecNode, SparkPlan}
-import org.apache.spark.sql.execution.python.streaming.FlatMapGroupsInPandasWithStateExec
+import org.apache.spark.sql.execution.python.streaming.{FlatMapGroupsInPandasWithStateExec, TransformWithStateInPySparkExec}
 import org.apache.spark.sql.execution.streaming.operators.stateful.{SessionWindowStateStoreSaveExec, StateStoreSaveExec, StateStoreWriter}
 import org.apache.spark.sql.execution.streaming.runtime.StreamExecution
 import org.apache.spark.sql.execution.streaming.state.{StateStoreId, StateStoreProviderId}
@@ -54,6 +54,12 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
         (s, s.outputMode.map(_.toString))
       case s: FlatMapGroupsInPandasWithStateExec =>
         // (applyInPandasWithState: the batch's time and watermarks, as Spark gives them to it)
+        s.batchTimestampMs.foreach(t => batch.put("batch_ts_ms", t))
+        s.eventTimeWatermarkForLateEvents.foreach(w => batch.put("late_watermark_ms", w))
+        s.eventTimeWatermarkForEviction.foreach(w => batch.put("watermark_ms", w))
+        (s, Some(s.outputMode.toString))
+      case s: TransformWithStateInPySparkExec =>
+        // (transformWithStateInPandas: the same, as Spark gives them to its operator)
         s.batchTimestampMs.foreach(t => batch.put("batch_ts_ms", t))
         s.eventTimeWatermarkForLateEvents.foreach(w => batch.put("late_watermark_ms", w))
         s.eventTimeWatermarkForEviction.foreach(w => batch.put("watermark_ms", w))

@@ -7,8 +7,8 @@ import com.fasterxml.jackson.databind.node.ObjectNode
 
 import org.apache.spark.sql.Row
 import org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
-import org.apache.spark.sql.catalyst.expressions.{Alias, BoundReference}
-import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, LogicalPlan, Project}
+import org.apache.spark.sql.catalyst.expressions.{Alias, Attribute, BoundReference, PythonUDF}
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, LogicalPlan, Project, TransformWithStateInPySpark}
 import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
@@ -86,6 +86,62 @@ object StretchPlans {
     translations.put(id, Translation(n, in, DataTypeUtils.fromAttributes(out), result,
       mapper.createObjectNode().put("kind", "grouped")))
     ClassicDataset.ofRows(native.sparkSession, StretchMarker(id, n, in, out ++ in.output, out))
+  }
+
+  /** `df` read as a `groupBy(...).transformWithStateInPandas(...)` the engine runs:
+   * `{"ok": true, "grouping": [names], "output_mode", "time_mode", "pandas", "command"}`
+   * (`command`: the pickled Python function, base64), or `{"ok": false, "reason": ...}`; with
+   * `"tws"`: whether its last step is a transformWithState at all. */
+  def transformInfo(df: ClassicDataset[Row]): String = {
+    val out = mapper.createObjectNode()
+    def no(reason: String): String = { out.put("ok", false); out.put("reason", reason); out.toString }
+    out.put("tws", df.logicalPlan.isInstanceOf[TransformWithStateInPySpark])
+    df.logicalPlan match {
+      case t: TransformWithStateInPySpark =>
+        val (keys, input) = transformParts(t)
+        if (t.hasInitialState) return no("transformWithState with an initialState")
+        if (input.isEmpty) return no("its grouping is not by columns of the DataFrame")
+        val missing = keys.filterNot(k => input.get.output.exists(_.exprId == k.exprId))
+        if (missing.nonEmpty) {
+          return no(s"it groups by expressions (${missing.map(_.name).mkString(", ")}), not " +
+            "columns of the DataFrame; add them as columns first")
+        }
+        val udf = t.functionExpr match {
+          case u: PythonUDF => u
+          case other => return no(s"its function is a ${other.nodeName}")
+        }
+        out.put("ok", true)
+        val names = out.putArray("grouping")
+        keys.foreach(k => names.add(k.name))
+        out.put("output_mode", t.outputMode.toString)
+        out.put("time_mode", t.timeMode.toString)
+        out.put("pandas", t.userFacingDataType.toString.toLowerCase.contains("pandas"))
+        out.put("command", java.util.Base64.getEncoder.encodeToString(udf.func.command.toArray))
+        out.toString
+      case other =>
+        no(s"the DataFrame's last step is ${other.nodeName}, not groupBy(...)" +
+          ".transformWithStateInPandas(...)")
+    }
+  }
+
+  /** The grouping attributes of a transformWithState and the DataFrame it groups (the plan
+   * under Spark's projection of the grouping attributes before its columns), if it is one. */
+  private def transformParts(t: TransformWithStateInPySpark)
+      : (Seq[Attribute], Option[LogicalPlan]) = {
+    val keys = t.child.output.take(t.groupingAttributesLen)
+    val input = t.child match {
+      case Project(list, c) if list.drop(t.groupingAttributesLen).map(_.exprId) ==
+          c.output.map(_.exprId) => Some(c)
+      case _ => None
+    }
+    (keys, input)
+  }
+
+  /** The DataFrame a transformWithState groups (see [[transformInfo]]). */
+  def transformInput(df: ClassicDataset[Row]): ClassicDataset[Row] = df.logicalPlan match {
+    case t: TransformWithStateInPySpark => transformParts(t)._2.map(ClassicDataset.ofRows(
+      df.sparkSession, _)).getOrElse(throw new IllegalArgumentException("not by columns"))
+    case other => throw new IllegalArgumentException(s"not a transformWithState: ${other.nodeName}")
   }
 
   /** Whether `id` is the drop-in (else an aggregation). */

@@ -1,0 +1,135 @@
+"""``stretch(df)`` over ``df.groupBy(...).transformWithStateInPandas(processor, ...)``: Spark 4's
+``StatefulProcessor`` on the engine.
+
+The query is the user's, unchanged: Spark plans its own ``TransformWithStateInPySparkExec``
+(state schema checks, batch time, watermarks, no-data batches, as natively) under the stretch
+marker and never runs it; the engine's instance processes run the processor
+(:mod:`spark_stretch.worker.processor`) with its state in the host's store, next to them, so a
+state call is no round trip to a JVM. What the engine does not run yet falls back to native
+Spark with a :class:`~spark_stretch.FallbackWarning` naming the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Optional
+
+from pyspark.sql import DataFrame
+from pyspark.sql.types import StructType
+
+from ..driver import jvm
+from ..driver.inplan import Marked, fall_back, handler_for
+from ..protocol.specs import GroupedSpec
+from .frame import StretchFrame
+from .grouped import _DELAY_KEY, _runner_conf, _settle
+from .specs import find_watermark
+
+__all__ = ["stretch_transform"]
+
+# TimeMode's names in Spark's plan -> the timeout the drop-in's runtime uses for late rows and
+# no-data batches (the same rules as applyInPandasWithState's) and the time mode's name in pyspark
+_TIME_MODES = {"NoTime": ("NoTimeout", "None"),
+               "ProcessingTime": ("ProcessingTimeTimeout", "ProcessingTime"),
+               "EventTime": ("EventTimeTimeout", "EventTime")}
+
+
+class _Recorder:
+    """A handle for running the processor's ``init`` on the driver (as Spark does, to learn its
+    state variables): it notes the schemas given as DDL text, and what the engine cannot run."""
+
+    def __init__(self):
+        self.schemas = []
+        self.unsupported: Optional[str] = None
+
+    def _note(self, *schemas, ttl=None):
+        for s in schemas:
+            if isinstance(s, str):
+                self.schemas.append(s)
+        if ttl is not None and self.unsupported is None:
+            self.unsupported = "state with a TTL (ttlDurationMs)"
+
+    def getValueState(self, stateName, schema, ttlDurationMs=None):  # noqa: N802
+        self._note(schema, ttl=ttlDurationMs)
+
+    def getListState(self, stateName, schema, ttlDurationMs=None):  # noqa: N802
+        self._note(schema, ttl=ttlDurationMs)
+
+    def getMapState(self, stateName, userKeySchema, valueSchema,  # noqa: N802
+                    ttlDurationMs=None):
+        self._note(userKeySchema, valueSchema, ttl=ttlDurationMs)
+
+    def deleteIfExists(self, stateName):  # noqa: N802
+        pass
+
+    def registerTimer(self, expiryTimestampMs):  # noqa: N802
+        pass
+
+    def deleteTimer(self, expiryTimestampMs):  # noqa: N802
+        pass
+
+    def listTimers(self):  # noqa: N802
+        return iter([])
+
+
+def _processor_of(command: bytes):
+    """The ``StatefulProcessor`` and time mode in the pickled function of Spark's plan (pyspark
+    pickles ``(TransformWithStateInPandasUdfUtils(...).transformWithStateUDF, returnType)``)."""
+    from pyspark.broadcast import Broadcast
+    from pyspark.serializers import CloudPickleSerializer
+
+    ser = CloudPickleSerializer()
+    got = ser.loads(command)
+    if isinstance(got, Broadcast):  # (a function of more than 1 MB is broadcast)
+        got = ser.loads(got.value)
+    func = got[0] if isinstance(got, tuple) else got
+    utils = getattr(func, "__self__", None)
+    proc = getattr(utils, "_stateful_processor", None)
+    if proc is None:
+        raise ValueError("no StatefulProcessor in the plan's function (pyspark changed?)")
+    return proc
+
+
+def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buckets: int,
+                      policy) -> Optional[DataFrame]:
+    """``df`` on the engine if its last step is a ``transformWithStateInPandas`` (the frame, or
+    ``df`` itself with a ``FallbackWarning`` when the engine cannot run it); None if it is not
+    one (``stretch`` reads it as an aggregation then)."""
+    from pyspark import cloudpickle
+
+    spark = df.sparkSession
+    plans = jvm.ShimPlans(spark)
+    info = plans.transform_info(df)
+    if not info.get("tws"):
+        return None
+    reason = None if info["ok"] else info["reason"]
+    if reason is None and not info["pandas"]:
+        reason = "row-based transformWithState (transformWithStateInPandas runs on the engine)"
+    if reason is None and info["output_mode"] not in ("Append", "Update"):
+        reason = f"output mode {info['output_mode']}"
+    proc = None
+    if reason is None:
+        proc = _processor_of(base64.b64decode(info["command"]))
+        rec = _Recorder()
+        cloudpickle.loads(cloudpickle.dumps(proc)).init(rec)  # (a copy: the user's stays as is)
+        reason = rec.unsupported
+    if reason is not None:
+        fall_back(spark, f"{reason}: not on the engine yet", stacklevel=3)
+        return df
+    timeout_conf, time_mode = _TIME_MODES[info["time_mode"]]
+    data = plans.transform_input(df)
+    present = any(_DELAY_KEY in (f.metadata or {}) for f in data.schema.fields)
+    ts_column, delay = (find_watermark(data) if present else (None, 0))
+    spec = GroupedSpec(
+        key_columns=list(info["grouping"]), columns=list(data.columns),
+        out_schema=df.schema.json(), state_schema=StructType([]).json(),
+        output_mode=info["output_mode"], timeout_conf=timeout_conf, ts_column=ts_column,
+        delay_ms=int(delay), watermark_present=present, runner_conf=_runner_conf(spark),
+        parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets,
+        func=base64.b64encode(cloudpickle.dumps(proc)).decode(),
+        api="transformWithStateInPandas", time_mode=time_mode,
+        state_schemas={s: spark._parse_ddl(s).json() for s in rec.schemas})
+    agg_id = uuid.uuid4().hex
+    handler_for(spark).add(agg_id, Marked(spec, policy, _settle(spark)))
+    out = plans.mark_grouped(df, data, agg_id, StretchFrame)
+    return out._stretch_init(spec, agg_id, ("append", "update"))
