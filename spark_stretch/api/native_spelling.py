@@ -87,6 +87,12 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     Anything else (other aggregate functions, ...) runs natively, with a
     :class:`~spark_stretch.FallbackWarning` naming the reason.
 
+    ``df`` may also be ``groupBy(...).transformWithStateInPandas(processor, ...)`` (or the
+    row-based ``transformWithState``) as written for Spark: the processor runs in the engine's
+    instance processes with its state in the host's store (value, list and map state, timers,
+    an ``initialState``); state TTL falls back (:mod:`spark_stretch.api.transform`,
+    docs/transform.md).
+
     ``df`` may aggregate the windows of another ``stretch`` result
     (``groupBy(window(window_time("window"), ...), ...)``), and a query may hold several
     stretch aggregations (a ``union`` of two): each runs as its own engine query.

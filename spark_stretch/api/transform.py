@@ -15,17 +15,23 @@ import base64
 import uuid
 from typing import Optional
 
+import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql.types import StructType
 
 from ..driver import jvm
+from ..driver.cluster import engine_hosts
 from ..driver.inplan import Marked, fall_back, handler_for
+from ..driver.routing import BUCKET, bucket_column
+from ..driver.settings import read_settings
 from ..protocol.specs import GroupedSpec
 from .frame import StretchFrame
 from .grouped import _DELAY_KEY, _runner_conf, _settle
 from .specs import find_watermark
 
 __all__ = ["stretch_transform"]
+
+_INITIAL_MAX_BYTES = 256 << 20  # (an initialState travels in the query's spec)
 
 # TimeMode's names in Spark's plan -> the timeout the drop-in's runtime uses for late rows and
 # no-data batches (the same rules as applyInPandasWithState's) and the time mode's name in pyspark
@@ -90,6 +96,25 @@ def _processor_of(command: bytes):
     return proc
 
 
+def _initial_state(spark, plans, df: DataFrame, info: dict, buckets: int):
+    """The ``initialState``'s rows for the engine (Arrow IPC, base64; "" if none), or why they
+    cannot go there: it is a batch DataFrame, read once here and handed to the engine, which
+    gives each key's rows to ``handleInitialState`` in the query's first batch."""
+    if not info.get("initial"):
+        return "", None
+    init = plans.transform_input(df, initial=True)
+    if engine_hosts(spark):  # (each host keeps the rows of its key groups' buckets)
+        init = init.withColumn(BUCKET, bucket_column(info["initial_grouping"], buckets))
+    table = init.toArrow()
+    if table.nbytes > _INITIAL_MAX_BYTES:
+        return "", (f"an initialState of {table.nbytes:,} bytes (more than "
+                    f"{_INITIAL_MAX_BYTES:,} in Arrow)")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return base64.b64encode(sink.getvalue().to_pybytes()).decode(), None
+
+
 def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buckets: int,
                       policy) -> Optional[DataFrame]:
     """``df`` on the engine if its last step is a ``transformWithStateInPandas`` (the frame, or
@@ -103,8 +128,6 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
     if not info.get("tws"):
         return None
     reason = None if info["ok"] else info["reason"]
-    if reason is None and not info["pandas"]:
-        reason = "row-based transformWithState (transformWithStateInPandas runs on the engine)"
     if reason is None and info["output_mode"] not in ("Append", "Update"):
         reason = f"output mode {info['output_mode']}"
     proc = None
@@ -113,6 +136,14 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
         rec = _Recorder()
         cloudpickle.loads(cloudpickle.dumps(proc)).init(rec)  # (a copy: the user's stays as is)
         reason = rec.unsupported
+    if reason is not None:
+        fall_back(spark, f"{reason}: not on the engine yet", stacklevel=3)
+        return df
+    groups = read_settings(spark.conf).key_groups
+    if engine_hosts(spark) and buckets % groups:
+        raise ValueError(f"buckets={buckets}: on several hosts it must be a multiple of "
+                         f"spark.stretch.keyGroups ({groups}): a key group is a set of buckets")
+    initial, reason = _initial_state(spark, plans, df, info, buckets)
     if reason is not None:
         fall_back(spark, f"{reason}: not on the engine yet", stacklevel=3)
         return df
@@ -127,9 +158,11 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
         delay_ms=int(delay), watermark_present=present, runner_conf=_runner_conf(spark),
         parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets,
         func=base64.b64encode(cloudpickle.dumps(proc)).decode(),
-        api="transformWithStateInPandas", time_mode=time_mode,
-        state_schemas={s: spark._parse_ddl(s).json() for s in rec.schemas})
+        api="transformWithStateInPandas" if info["pandas"] else "transformWithState",
+        time_mode=time_mode,
+        state_schemas={s: spark._parse_ddl(s).json() for s in rec.schemas},
+        initial_state=initial, initial_key_columns=list(info.get("initial_grouping", [])))
     agg_id = uuid.uuid4().hex
     handler_for(spark).add(agg_id, Marked(spec, policy, _settle(spark)))
-    out = plans.mark_grouped(df, data, agg_id, StretchFrame)
+    out = plans.mark_transform(df, data, agg_id, StretchFrame)
     return out._stretch_init(spec, agg_id, ("append", "update"))

@@ -324,8 +324,7 @@ class ShimPlans:
         """``df`` with the stretch marker over its aggregation (a ``cls``, a DataFrame class)."""
         return cls(self._j.mark(df._jdf, agg_id), df.sparkSession)
 
-    def mark_grouped(self, native: DataFrame, df: DataFrame, agg_id: str,
-                     cls=DataFrame) -> DataFrame:
+    def mark_grouped(self, native: DataFrame, df: DataFrame, agg_id: str, cls=DataFrame):
         """``native`` (``df.groupBy(...).applyInPandasWithState(...)``) with the stretch marker
         over it, its input ``df`` the engine's (a ``cls``, a DataFrame class)."""
         return cls(self._j.markGrouped(native._jdf, df._jdf, agg_id), df.sparkSession)
@@ -334,9 +333,14 @@ class ShimPlans:
         """``df`` read as a transformWithState (``StretchPlans.transformInfo``)."""
         return json.loads(self._j.transformInfo(df._jdf))
 
-    def transform_input(self, df: DataFrame) -> DataFrame:
-        """The DataFrame ``df``'s transformWithState groups."""
-        return DataFrame(self._j.transformInput(df._jdf), df.sparkSession)
+    def transform_input(self, df: DataFrame, initial: bool = False) -> DataFrame:
+        """The DataFrame ``df``'s transformWithState groups (``initial``: its initialState)."""
+        j = self._j.transformInitial if initial else self._j.transformInput
+        return DataFrame(j(df._jdf), df.sparkSession)
+
+    def mark_transform(self, df: DataFrame, data: DataFrame, agg_id: str, cls) -> DataFrame:
+        """``df`` (a transformWithState over ``data``) with the marker over Spark's node."""
+        return cls(self._j.markTransform(df._jdf, data._jdf, agg_id), df.sparkSession)
 
     def register(self, agg_id: str, handler) -> None:
         """The py4j callback (``StretchBatchHandler``) that runs ``agg_id``'s micro-batches."""
@@ -350,8 +354,7 @@ class ShimPlans:
         return StructType.fromJson(json.loads(self._j.inputSchema(agg_id)))
 
     def check_native(self, agg_id: str, mode: str) -> None:
-        """Raise Spark's own error if Spark refuses the aggregation ``agg_id`` as a streaming
-        query in output ``mode``."""
+        """Spark's own error if it refuses aggregation ``agg_id`` streaming in ``mode``."""
         self._j.checkNative(agg_id, mode)
 
     def frame_marker_ids(self, df: DataFrame) -> List[str]:

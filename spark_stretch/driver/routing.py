@@ -26,7 +26,7 @@ from pyspark.sql.types import IntegralType
 
 from ..protocol.placement import BUCKET
 
-__all__ = ["BUCKET", "ROUTE", "route", "route_grouped"]
+__all__ = ["BUCKET", "ROUTE", "bucket_column", "route", "route_grouped"]
 
 ROUTE = "__stretch_route"
 
@@ -58,12 +58,17 @@ def route(df: DataFrame, key_kind: str, key_column: str, host_map: List[int],
     return df.withColumn(ROUTE, hosts)
 
 
+def bucket_column(keys: List[str], buckets: int):
+    """The bucket of ``buckets`` of a row whose grouping columns are ``keys``: Spark's
+    ``xxhash64`` of them, modulo ``buckets`` (the drop-ins' placement on several hosts)."""
+    return F.pmod(F.xxhash64(*[F.col(f"`{k}`") for k in keys]), F.lit(buckets)).cast("int")
+
+
 def route_grouped(df: DataFrame, keys: List[str], buckets: int, host_map: List[int],
                   key_groups: int) -> DataFrame:
-    """``df`` with :data:`BUCKET` (each row's bucket of ``buckets``, by Spark's ``xxhash64`` of
-    its grouping columns ``keys``) and :data:`ROUTE` last (the host of the bucket's key group,
-    of ``host_map``)."""
-    b = F.pmod(F.xxhash64(*[F.col(f"`{k}`") for k in keys]), F.lit(buckets)).cast("int")
+    """``df`` with :data:`BUCKET` (each row's bucket of ``buckets``, :func:`bucket_column`)
+    and :data:`ROUTE` last (the host of the bucket's key group, of ``host_map``)."""
+    b = bucket_column(keys, buckets)
     hm = F.array(*[F.lit(int(h)) for h in host_map])
     return (df.withColumn(BUCKET, b)
             .withColumn(ROUTE, F.array(F.element_at(

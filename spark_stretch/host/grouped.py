@@ -97,13 +97,20 @@ class GroupedRuntime(GroupedState, Runtime):
                                          dir=shm_root()))
         self.state_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-state-",
                                                dir=state_root()))
+        # transformWithState's initialState: given to the first step of a query that starts
+        # with no state (never again, as natively)
+        self._initial: Optional[pa.Table] = None
         try:
             if spec.resume_batch is not None:  # (a checkpoint every batch: exactly that one)
                 self._load(spec.resume_batch)
             else:
                 self.kv = KeyedStore(self.state_dir)
+                if spec.initial_state:
+                    self._initial = pa.ipc.open_stream(
+                        base64.b64decode(spec.initial_state)).read_all()
             self.pool = InstancePool(self.n, self.shm, I.Init(
-                spec=replace(spec, func=""), func=base64.b64decode(spec.func),
+                spec=replace(spec, func="", initial_state=""),
+                func=base64.b64decode(spec.func),
                 shm=str(self.shm), index=0, state=str(self.state_dir)))
         except BaseException:
             self.close()
@@ -159,6 +166,27 @@ class GroupedRuntime(GroupedState, Runtime):
         a step of its own, without rows."""
         return M.FlushResult(rows=0, batch=self.last_batch)
 
+    def _own(self, table: pa.Table) -> pa.Table:
+        """The rows of ``table`` this host keeps: on several hosts, those whose bucket
+        (:data:`BUCKET`, Spark's) is in one of its key groups."""
+        share = self.spec.share
+        if share is None or BUCKET not in table.column_names:
+            return table
+        groups = np.asarray(table.column(BUCKET).to_numpy(), np.int64) % share.key_groups
+        return table.filter(pa.array(np.isin(groups, share.owned())))
+
+    def _part_file(self, parts: dict, i: int, what: str):
+        """Instance ``i``'s rows of ``parts`` (:func:`split_rows`) as a file of this step:
+        ``(path, group starts, group buckets)``, or Nones."""
+        if i not in parts:
+            return None, None, None
+        sub, starts, gb = parts[i]
+        path = I.input_file(self.shm, self._seq, i) if what == "in" else \
+            self.shm / f"{what}-{self._seq}-{i}.arrow"
+        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, sub.schema) as w:
+            w.write_table(sub)
+        return str(path), starts, gb
+
     def _check_usable(self) -> None:
         if self._broken:
             raise StateError(f"this query's state is unusable after an earlier failure "
@@ -174,18 +202,19 @@ class GroupedRuntime(GroupedState, Runtime):
         if table is not None and table.num_rows:
             parts, self.bucket_rows = split_rows(table, self.spec.key_columns, self.B, self.owner)
         t_split = time.perf_counter()
+        initial = {}
+        if self._initial is not None and self._initial.num_rows:
+            initial, _ = split_rows(self._own(self._initial), self.spec.initial_key_columns,
+                                    self.B, self.owner)
         msgs = {}
         for i in sorted(set(int(x) for x in np.unique(self.owner))):
             owned = np.flatnonzero(self.owner == i)
-            path, starts, gb = None, None, None
-            if i in parts:
-                path = I.input_file(self.shm, self._seq, i)
-                sub, starts, gb = parts[i]
-                with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, sub.schema) as w:
-                    w.write_table(sub)
+            path, starts, gb = self._part_file(parts, i, "in")
+            ipath, istarts, igb = self._part_file(initial, i, "initial")
             msgs[i] = I.Batch(batch=batch, seq=self._seq, owned=owned, batch_ts_ms=ts_ms,
-                              watermark_ms=evict_wm, input=None if path is None else str(path),
-                              starts=starts, group_buckets=gb)
+                              watermark_ms=evict_wm, input=path, starts=starts,
+                              group_buckets=gb, initial=ipath, initial_starts=istarts,
+                              initial_buckets=igb)
         what = f"batch {batch}"
         try:
             replies, retries = self.pool.run(msgs, what, self.spec.instance_max_failures,
@@ -198,8 +227,10 @@ class GroupedRuntime(GroupedState, Runtime):
             raise
         finally:
             for msg in msgs.values():
-                if msg.input:
-                    Path(msg.input).unlink(missing_ok=True)
+                for f in (msg.input, msg.initial):
+                    if f:
+                        Path(f).unlink(missing_ok=True)
+        self._initial = None  # (applied with the first step)
         if retries:  # a killed instance's read slot would keep old pages from being reused
             self.kv.env.reader_check()
         t_run = time.perf_counter()

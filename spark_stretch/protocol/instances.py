@@ -58,6 +58,10 @@ class Batch:
     input: Optional[str] = None
     starts: Optional[np.ndarray] = None
     group_buckets: Optional[np.ndarray] = None
+    # transformWithState's initial state, in the query's first step only (the same layout)
+    initial: Optional[str] = None
+    initial_starts: Optional[np.ndarray] = None
+    initial_buckets: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)

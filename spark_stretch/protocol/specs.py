@@ -155,8 +155,8 @@ class GroupedSpec(QuerySpec):
     """A grouped stateful operator with the user's Python code: the ``applyInPandasWithState``
     drop-in (``groupBy(...).stretchApplyInPandasWithState(func, ...)``, ``api``
     ``"applyInPandasWithState"``) or ``transformWithStateInPandas`` (``stretch(df)``, ``api``
-    ``"transformWithStateInPandas"``: ``func`` is the ``StatefulProcessor``, ``timeout_conf``
-    follows ``time_mode``, and ``state_schema`` is unused)."""
+    ``"transformWithStateInPandas"``, or ``"transformWithState"`` (row-based): ``func`` is the
+    ``StatefulProcessor``, ``timeout_conf`` follows ``time_mode``, ``state_schema`` is unused)."""
 
     kind: ClassVar[str] = "grouped"
     max_parallelism: int = 2
@@ -175,6 +175,8 @@ class GroupedSpec(QuerySpec):
     api: str = "applyInPandasWithState"
     time_mode: str = "None"            # transformWithState: None | ProcessingTime | EventTime
     state_schemas: Dict[str, str] = field(default_factory=dict)  # DDL text -> Spark JSON
+    initial_state: str = ""            # transformWithState's initialState: Arrow IPC (base64)
+    initial_key_columns: List[str] = field(default_factory=list)
     instance_max_failures: int = 4     # runs of an instance's share of a step whose process dies
     function_attempts: int = 1         # runs of a share whose function raises (Spark's task
     #                                    attempts for the master: 1 in local mode)

@@ -10,13 +10,14 @@ tuples.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 from pyspark.errors import PySparkRuntimeError
 from pyspark.sql.streaming.stateful_processor import (ListState, MapState,
                                                       StatefulProcessorHandle, ValueState)
-from pyspark.sql.types import Row, StructType
+from pyspark.sql.types import ArrayType, MapType, Row, StructType
 
 __all__ = ["StoreHandle", "Codec", "KeyState", "normalize"]
 
@@ -40,11 +41,27 @@ def normalize(v: Any) -> Any:
 
 
 class Codec:
-    """A state schema's conversion: Python values to Spark's internal form, and back."""
+    """A state schema's conversion: Python values to Spark's internal form, and back; and a
+    value stored under an earlier schema of the query (``sid``: the schema's number in the
+    query's list, ``schema_of``: a number's schema) to this one, field by field by name (the
+    evolution Spark allows with Avro: fields added (null), removed, reordered, widened)."""
 
-    def __init__(self, schema: StructType):
+    def __init__(self, schema: StructType, sid: int = 0, schema_of=None):
         self.schema = schema
+        self.sid = sid
+        self._schema_of = schema_of
         self.convert = any(f.dataType.needConversion() for f in schema.fields)
+        # (a value read is the caller's to change, as natively, where each read is a new
+        # object: a list or map in it must not be the stored one)
+        self.nested = any(isinstance(f.dataType, (ArrayType, MapType, StructType))
+                          for f in schema.fields)
+
+    def evolve(self, stored, sid: int):
+        """``stored`` (internal form of schema ``sid``) in this schema's internal form."""
+        if sid == self.sid or stored is None:
+            return stored
+        old = dict(zip(self._schema_of(sid).names, stored))
+        return tuple(old.get(name) for name in self.schema.names)
 
     def to_store(self, value) -> tuple:
         if value is None:
@@ -57,6 +74,8 @@ class Codec:
         return tuple(self.schema.toInternal(v)) if self.convert else v
 
     def from_store(self, stored) -> tuple:
+        if self.nested:
+            stored = copy.deepcopy(stored)
         return tuple(self.schema.fromInternal(stored)) if self.convert else tuple(stored)
 
 
@@ -79,8 +98,9 @@ class KeyState:
 
 class _Variable:
     """A state variable of the key being called. A key's entry keeps each variable as
-    ``(batch written, value)``; a variable dropped (``deleteIfExists``) in batch N has no value
-    written before N, for any key, without touching them."""
+    ``(batch written, value, schema numbers)``; a variable dropped (``deleteIfExists``) in
+    batch N has no value written before N, for any key, without touching them; a value written
+    with another schema of the variable is read in the current one (:meth:`Codec.evolve`)."""
 
     KIND = "value"
 
@@ -100,15 +120,23 @@ class _Variable:
         v = k.vars.get(self._name)
         if v is None or v[0] < self._h._inst.dropped.get(self._name, -1):
             return k, None
-        return k, v[1]
+        return k, (v[1] if v[2] == self._sids() else self._evolve(v[1], v[2]))
 
     def _write(self, k: KeyState, value) -> None:
         if value is None:
             if k.vars.pop(self._name, None) is None:
                 return
         else:
-            k.vars[self._name] = (self._h._inst.batch_no, value)
+            k.vars[self._name] = (self._h._inst.batch_no, value, self._sids())
         k.changed = True
+
+    def _sids(self) -> tuple:
+        """The numbers of the schemas its values are written with."""
+        return (self._codec.sid,)
+
+    def _evolve(self, value, sids: tuple):
+        """A value written with schemas ``sids`` in this variable's schemas."""
+        return self._codec.evolve(value, sids[0])
 
     def exists(self) -> bool:
         return self._read(f"checking {self.KIND} state exists")[1] is not None
@@ -139,6 +167,9 @@ class _List(_Variable, ListState):
         super().__init__(handle, name)
         self._codec = codec
 
+    def _evolve(self, value, sids: tuple):
+        return [self._codec.evolve(v, sids[0]) for v in value]
+
     def get(self) -> Iterator[tuple]:
         items = self._read("getting list state")[1] or ()
         return iter([self._codec.from_store(v) for v in items])
@@ -163,6 +194,13 @@ class _Map(_Variable, MapState):
     def __init__(self, handle: "StoreHandle", name: str, keys: Codec, values: Codec):
         super().__init__(handle, name)
         self._keys, self._values = keys, values
+
+    def _sids(self) -> tuple:
+        return (self._keys.sid, self._values.sid)
+
+    def _evolve(self, value, sids: tuple):
+        return {self._keys.evolve(a, sids[0]): self._values.evolve(b, sids[1])
+                for a, b in value.items()}
 
     def _map(self, what: str):
         k, m = self._read(what)

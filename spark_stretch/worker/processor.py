@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.errors import PySparkRuntimeError
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
-from pyspark.sql.types import StructType
+from pyspark.sql.types import Row, StructType
 
 from ..engine.keyed import encode_key
 from ..protocol import instances as I
@@ -37,33 +37,41 @@ VARIABLES = (0xFFFF).to_bytes(2, "big") + b"variables"
 
 
 class _Output:
-    """What pyspark's ``TransformWithStateInPandasSerializer.dump_stream`` does with the
-    returned DataFrames: each converted on its own with pyspark's conversion (columns by name,
-    Arrow casts)."""
+    """What pyspark's serializers do with what the processor returns: each DataFrame converted
+    on its own with pyspark's conversion (columns by name, Arrow casts:
+    ``TransformWithStateInPandasSerializer``), or the Rows as dicts into Arrow of the output's
+    type (``TransformWithStateInPySparkRowSerializer``, row-based ``transformWithState``)."""
 
     def __init__(self, inst: "ProcessorInstance"):
         self.inst = inst
         self.batches: List[pa.RecordBatch] = []
+        self.rows: list = []
 
-    def add(self, pdf) -> None:
+    def add(self, item) -> None:
         import pandas as pd
+        from pyspark.errors import PySparkTypeError
         from pyspark.sql.conversion import PandasToArrowConversion
 
-        if not isinstance(pdf, pd.DataFrame):
-            from pyspark.errors import PySparkTypeError
+        inst = self.inst
+        want = Row if inst.use_rows else pd.DataFrame
+        if not isinstance(item, want):
             raise PySparkTypeError(
                 errorClass="UDF_RETURN_TYPE",
-                messageParameters={"expected": "iterator of pandas.DataFrame",
-                                   "actual": "iterator of {}".format(type(pdf).__name__)})
-        if len(pdf) == 0:
-            return
-        inst = self.inst
-        self.batches.append(PandasToArrowConversion.convert(
-            pdf, inst.out_schema, timezone=inst.tz, safecheck=inst.safecheck, arrow_cast=True,
-            assign_cols_by_name=inst.assign_cols_by_name,
-            int_to_decimal_coercion_enabled=inst.int_to_decimal))
+                messageParameters={"expected": f"iterator of {want.__name__}",
+                                   "actual": "iterator of {}".format(type(item).__name__)})
+        if inst.use_rows:
+            self.rows.append(item.asDict(True))
+        elif len(item) > 0:
+            self.batches.append(PandasToArrowConversion.convert(
+                item, inst.out_schema, timezone=inst.tz, safecheck=inst.safecheck,
+                arrow_cast=True, assign_cols_by_name=inst.assign_cols_by_name,
+                int_to_decimal_coercion_enabled=inst.int_to_decimal))
 
     def finish(self) -> List[pa.RecordBatch]:
+        if self.rows:
+            self.batches.append(pa.RecordBatch.from_pylist(self.rows,
+                                                           schema=self.inst.row_schema))
+            self.rows = []
         return self.batches
 
 
@@ -82,15 +90,34 @@ class ProcessorInstance(Instance):
         self._codecs: Dict[str, Codec] = {}
         self.current: Optional[KeyState] = None
         self.dropped: Dict[str, int] = {}
+        self.schemas: List[str] = []  # (the query's state schemas, Spark JSON, numbered)
         self.batch_no = -1
+        self.use_rows = self.spec.api == "transformWithState"  # (else ...InPandas)
+        if self.use_rows:
+            from pyspark.sql.pandas.types import to_arrow_type
+
+            self.row_schema = pa.schema(list(to_arrow_type(self.out_schema, timezone="UTC",
+                                                           prefers_large_types=False)))
 
     def drop(self, name: str) -> None:
         """``deleteIfExists(name)``: every key's value of it written before this batch is
-        gone (kept under the reserved key :data:`VARIABLES`, which each instance of the batch
-        writes alike)."""
+        gone."""
         if self.dropped.get(name) != self.batch_no:
             self.dropped[name] = self.batch_no
-            self.step.put(VARIABLES, (None, dict(self.dropped), ()))
+            self._save_variables()
+
+    def _save_variables(self) -> None:
+        """The query's dropped variables and state schemas, under the reserved key
+        :data:`VARIABLES` (each instance of a batch writes the same: its processor's ``init``
+        is the same)."""
+        self.step.put(VARIABLES, (None, {"dropped": dict(self.dropped),
+                                         "schemas": list(self.schemas)}, ()))
+
+    def _load_variables(self) -> None:
+        e = self.step.get(VARIABLES)
+        got = e[1] if e is not None else {}
+        self.dropped = dict(got.get("dropped", {}))
+        self.schemas = list(got.get("schemas", []))
 
     def codec(self, schema) -> Codec:
         if isinstance(schema, str):
@@ -104,20 +131,50 @@ class ProcessorInstance(Instance):
             raise PySparkRuntimeError(f"a state schema is a StructType or DDL text, got "
                                       f"{type(schema).__name__}")
         js = schema.json()
+        if js not in self.schemas:  # (a schema new to the query: numbered, kept)
+            self.schemas.append(js)
+            self._save_variables()
         c = self._codecs.get(js)
         if c is None:
-            c = self._codecs[js] = Codec(schema)
+            c = self._codecs[js] = Codec(schema, self.schemas.index(js), self._schema_of)
         return c
 
-    def _chunks(self, pdf, a: int, z: int):
+    def _schema_of(self, sid: int) -> StructType:
+        from pyspark.sql.types import _parse_datatype_json_string
+
+        return _parse_datatype_json_string(self.schemas[sid])
+
+    def _chunks(self, pdf, a: int, z: int, like=None):
         """The key's rows as pyspark's ``TransformWithStateInPandasSerializer`` gives them: the
         rows as tuples, made into DataFrames of at most maxRecordsPerBatch rows (so the
-        column types are those pandas infers from the values, as natively)."""
+        column types are those pandas infers from the values, as natively). ``like``: the
+        column types the tuples give for this table (:meth:`_tuple_dtypes`), so the frames are
+        cut from the table's columns and cast, not built row by row."""
         import pandas as pd
 
-        rows = list(pdf.iloc[a:z].itertuples(index=False))
-        for lo in range(0, len(rows), self.max_records):
-            yield pd.DataFrame(rows[lo:lo + self.max_records])
+        for lo in range(a, z, self.max_records):
+            hi = min(z, lo + self.max_records)
+            if like is not None:
+                yield pdf.iloc[lo:hi].reset_index(drop=True).astype(like)
+            else:
+                yield pd.DataFrame(list(pdf.iloc[lo:hi].itertuples(index=False)))
+
+    def _tuple_dtypes(self, table: pa.Table, pdf):
+        """The column types pandas infers for this table's rows made tuples, if casting its
+        columns gives the same frames (checked on its first rows): columns without nulls,
+        names that stay names in a namedtuple; else None (frames built from the tuples)."""
+        if table.num_rows == 0 or any(c.null_count for c in table.columns):
+            return None
+        probe = min(table.num_rows, 64)
+        slow = next(self._chunks(pdf, 0, probe))
+        if list(slow.columns) != list(pdf.columns):
+            return None
+        like = slow.dtypes.to_dict()
+        try:
+            fast = next(self._chunks(pdf, 0, probe, like))
+        except (TypeError, ValueError):
+            return None
+        return like if fast.equals(slow) else None
 
     def _timer_values(self) -> TimerValues:
         if self.time_mode.lower() == "none":
@@ -132,8 +189,8 @@ class ProcessorInstance(Instance):
         k, self.current = self.current, None
         if k is None or not k.changed:
             return
-        for name, (written, _) in list(k.vars.items()):  # (values of dropped variables)
-            if written < self.dropped.get(name, -1):
+        for name, v in list(k.vars.items()):  # (values of dropped variables)
+            if v[0] < self.dropped.get(name, -1):
                 del k.vars[name]
         if k.vars or k.timers:
             self.step.put(k.kb, (k.key, k.vars, tuple(sorted(k.timers))))
@@ -149,29 +206,84 @@ class ProcessorInstance(Instance):
         self.processor = cloudpickle.loads(self._processor_bytes)  # (a fresh one per batch)
         self.current = None
         self.batch_no = int(msg.batch)
-        e = self.step.get(VARIABLES)
-        self.dropped = dict(e[1]) if e is not None else {}
+        self._load_variables()
+        self._codecs.clear()  # (numbered by this store's list of schemas)
         self.processor.init(StoreHandle(self))
         out = _Output(self)
         calls = 0
+        tv = self._timer_values()
+        initial = self._initial_groups(msg)  # (store key -> the key, its bucket, its values)
         if msg.input:
             table = pa.ipc.open_file(pa.memory_map(msg.input)).read_all()
-            pdf = self._to_pandas(table)
             starts = np.asarray(msg.starts, dtype=np.int64)
-            ends = np.append(starts[1:], len(pdf))
+            ends = np.append(starts[1:], table.num_rows)
             gb = msg.group_buckets
-            kvals = [pdf.iloc[:, self.columns.index(k)]._values for k in self.key_columns]
-            tv = self._timer_values()
+            key_at, values_of = self._groups(table, self.key_columns, self.columns)
             for g in range(len(starts)):
                 a, z = int(starts[g]), int(ends[g])
-                key = tuple(normalize(v[a]) for v in kvals)
-                b = int(gb[g])
-                self._open(encode_key(b, key), b, key)
-                for res in self.processor.handleInputRows(key, self._chunks(pdf, a, z), tv):
+                key, b = key_at(a), int(gb[g])
+                kb = encode_key(b, key)
+                self._open(kb, b, key)
+                if kb in initial:  # (the first batch: its initial state before its rows)
+                    self._initial_state(*initial.pop(kb)[::2], tv)
+                for res in self.processor.handleInputRows(key, values_of(a, z), tv):
                     out.add(res)
                 self._close_key()
                 calls += 1
+        for kb, (key, b, values) in initial.items():  # (keys with initial state, no rows)
+            self._open(kb, b, key)
+            self._initial_state(key, values, tv)
+            self._close_key()
         return out.finish(), calls
+
+    def _groups(self, table: pa.Table, keys: List[str], columns: List[str]):
+        """``(key_at(row), values_of(first, end))`` of a table sorted by key: the key of a row
+        and the values of a key's rows, as pyspark's serializers give them (the row-based ones:
+        Arrow's ``as_py``; the pandas ones: pandas' values)."""
+        if self.use_rows:
+            cols = [table.column(k) for k in keys]
+            return (lambda a: tuple(c[a].as_py() for c in cols)), self._rows(table, keys,
+                                                                              columns)
+        pdf = self._to_pandas(table)
+        kvals = [pdf.iloc[:, columns.index(k)]._values for k in keys]
+        like = self._tuple_dtypes(table, pdf)
+        return ((lambda a: tuple(normalize(v[a]) for v in kvals)),
+                (lambda a, z: self._chunks(pdf, a, z, like)))
+
+    def _initial_groups(self, msg: I.Batch) -> dict:
+        """The first step's initial state per key (``initialState``): store key -> ``(key,
+        bucket, its values)``, in key order."""
+        if not msg.initial:
+            return {}
+        table = pa.ipc.open_file(pa.memory_map(msg.initial)).read_all()
+        starts = np.asarray(msg.initial_starts, dtype=np.int64)
+        ends = np.append(starts[1:], table.num_rows)
+        key_at, values_of = self._groups(table, list(self.spec.initial_key_columns),
+                                         table.column_names)
+        groups = {}
+        for g in range(len(starts)):
+            a, z = int(starts[g]), int(ends[g])
+            key, b = key_at(a), int(msg.initial_buckets[g])
+            groups[encode_key(b, key)] = (key, b, values_of(a, z))
+        return groups
+
+    def _initial_state(self, key: tuple, values, tv) -> None:
+        """``handleInitialState`` for each of the key's initial DataFrames (pandas) or Rows."""
+        for v in values:
+            self.processor.handleInitialState(key, v, tv)
+
+    def _rows(self, table: pa.Table, keys: List[str], columns: List[str]):
+        """The rows of a key for row-based ``transformWithState``, as pyspark's
+        ``TransformWithStateInPySparkRowSerializer`` makes them: Rows of the grouping columns
+        then the other columns, values by Arrow's ``as_py``."""
+        names = keys + [c for c in columns if c not in keys]
+        data_row = Row(*names)
+        cols = [table.column(n) for n in names]
+
+        def rows_of(a: int, z: int):
+            return iter([data_row(*v) for v in zip(*(c.slice(a, z - a).to_pylist()
+                                                     for c in cols))])
+        return rows_of
 
     def _timeout_calls(self, owned: List[int]):
         out = _Output(self)

@@ -139,19 +139,34 @@ def test_the_drop_in_on_two_hosts(cluster, tmp_path):
     assert r["engines_after_stop"] == []
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
-def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
-    # tests/api/test_grouped_pyspark.py's drop-in side (pyspark's own applyInPandasWithState
-    # tests, all of them) with its session on this cluster: an engine on each host
+def _pyspark_tests_on(cluster, file: str, select) -> str:
+    """Run ``tests/api/<file>`` (pyspark's own tests, ported), the ``-k select`` ones (None:
+    all), with its session on this cluster; its pytest output."""
     env = dict(os.environ, STRETCH_TEST_MASTER=cluster.url, STRETCH_TEST_HOSTS="2",
                STRETCH_TEST_CONF="spark.executor.memory=1g,spark.executor.cores=1,"
                "spark.stretch.keyGroups=16,spark.driver.memory=1g")
-    tests = Path(__file__).parents[1] / "api" / "test_grouped_pyspark.py"
+    tests = Path(__file__).parents[1] / "api" / file
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-m", "slow or not slow", "-k", "stretchApplyInPandasWithState",
-                        str(tests)], env=env, capture_output=True, text=True, timeout=1500)
+                        "-m", "slow or not slow", *(["-k", select] if select else []),
+                        str(tests)], env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    assert re.search(r"\b7 passed\b", p.stdout), p.stdout[-2000:]
+    return p.stdout
+
+
+@pytest.mark.slow  # (a few minutes: make test-slow)
+def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
+    # tests/api/test_grouped_pyspark.py's drop-in side (pyspark's own applyInPandasWithState
+    # tests, all of them): an engine on each host
+    out = _pyspark_tests_on(cluster, "test_grouped_pyspark.py", "stretchApplyInPandasWithState")
+    assert re.search(r"\b7 passed\b", out), out[-2000:]
+
+
+@pytest.mark.slow  # (a few minutes: make test-slow)
+def test_pysparks_own_transform_with_state_tests_on_two_hosts(cluster):
+    # tests/api/test_transform_pyspark.py (pyspark's own transformWithState tests, native and
+    # through stretch(df)), all of them: an engine on each host, key groups across both
+    out = _pyspark_tests_on(cluster, "test_transform_pyspark.py", None)
+    assert re.search(r"\b18 passed\b", out), out[-2000:]
 
 
 def test_killed_driver_leaves_nothing(cluster, tmp_path):

@@ -126,3 +126,46 @@ def test_changelog_of_moves_the_selected_buckets_only(tmp_path):
     assert s.due(2, 10 ** 6) == []
     s.abort()
     src.close(), dst.close()
+
+
+timers_op = st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, BUCKETS - 1),
+                      st.integers(0, 8), st.frozensets(st.integers(0, 40), max_size=4))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(timers_op, max_size=10), min_size=1, max_size=5),
+       st.integers(0, 45))
+def test_several_timers_per_key_against_a_dict(tmp_path_factory, steps, threshold):
+    # transformWithState keeps a tuple of timers per key: every one is in the timer index,
+    # due in timer order (then key order), committed or pending alike; a changelog applied
+    # to another store gives the same index.
+    kv = KeyedStore(tmp_path_factory.mktemp("timers"))
+    other = KeyedStore(tmp_path_factory.mktemp("copy"))
+    model = {}
+    for seq, step_ops in enumerate(steps):
+        s = kv.step()
+        for what, b, k, times in step_ops:
+            kb = encode_key(b, (k,))
+            if what == "put":
+                s.put(kb, ((k,), {"v": k}, tuple(sorted(times))))
+                model[(b, k)] = set(times)
+            else:
+                s.delete(kb)
+                model.pop((b, k), None)
+        for b in range(BUCKETS):  # (pending writes seen before the commit)
+            want = sorted((t, encode_key(b, (k,))) for (bb, k), ts in model.items() if bb == b
+                          for t in ts if t < threshold)
+            assert s.due_timers(b, threshold) == want
+        other.apply(s.commit(0, seq, "r"))
+    for store in (kv, other):
+        s = store.step()
+        for b in range(BUCKETS):
+            want = sorted((t, encode_key(b, (k,))) for (bb, k), ts in model.items() if bb == b
+                          for t in ts if t < threshold)
+            assert s.due_timers(b, threshold) == want
+            assert s.due(b, threshold) == [kb for _, kb in want]
+        s.abort()
+        with store.env.begin() as t:  # (no stale timer left in the index)
+            assert t.stat(store.timers)["entries"] == sum(len(ts) for ts in model.values())
+    kv.close()
+    other.close()

@@ -8,7 +8,7 @@ import com.fasterxml.jackson.databind.node.ObjectNode
 import org.apache.spark.sql.Row
 import org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
 import org.apache.spark.sql.catalyst.expressions.{Alias, Attribute, BoundReference, PythonUDF}
-import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, LogicalPlan, Project, TransformWithStateInPySpark}
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, LogicalPlan, Project, TransformWithStateInPySpark, UpdateEventTimeWatermarkColumn}
 import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
@@ -95,11 +95,11 @@ object StretchPlans {
   def transformInfo(df: ClassicDataset[Row]): String = {
     val out = mapper.createObjectNode()
     def no(reason: String): String = { out.put("ok", false); out.put("reason", reason); out.toString }
-    out.put("tws", df.logicalPlan.isInstanceOf[TransformWithStateInPySpark])
-    df.logicalPlan match {
-      case t: TransformWithStateInPySpark =>
-        val (keys, input) = transformParts(t)
-        if (t.hasInitialState) return no("transformWithState with an initialState")
+    val tws = transformOf(df.logicalPlan)
+    out.put("tws", tws.isDefined)
+    tws match {
+      case Some(t) =>
+        val (keys, input) = groupedBy(t.child, t.groupingAttributesLen)
         if (input.isEmpty) return no("its grouping is not by columns of the DataFrame")
         val missing = keys.filterNot(k => input.get.output.exists(_.exprId == k.exprId))
         if (missing.nonEmpty) {
@@ -110,6 +110,15 @@ object StretchPlans {
           case u: PythonUDF => u
           case other => return no(s"its function is a ${other.nodeName}")
         }
+        out.put("initial", t.hasInitialState)
+        if (t.hasInitialState) {
+          val (ikeys, init) = groupedBy(t.initialState, t.initGroupingAttrsLen)
+          if (init.isEmpty || !ikeys.forall(k => init.get.output.exists(_.exprId == k.exprId))) {
+            return no("its initialState is not grouped by columns of its DataFrame")
+          }
+          val inames = out.putArray("initial_grouping")
+          ikeys.foreach(k => inames.add(k.name))
+        }
         out.put("ok", true)
         val names = out.putArray("grouping")
         keys.foreach(k => names.add(k.name))
@@ -118,31 +127,57 @@ object StretchPlans {
         out.put("pandas", t.userFacingDataType.toString.toLowerCase.contains("pandas"))
         out.put("command", java.util.Base64.getEncoder.encodeToString(udf.func.command.toArray))
         out.toString
-      case other =>
-        no(s"the DataFrame's last step is ${other.nodeName}, not groupBy(...)" +
+      case None =>
+        no(s"the DataFrame's last step is ${df.logicalPlan.nodeName}, not groupBy(...)" +
           ".transformWithStateInPandas(...)")
     }
   }
 
-  /** The grouping attributes of a transformWithState and the DataFrame it groups (the plan
-   * under Spark's projection of the grouping attributes before its columns), if it is one. */
-  private def transformParts(t: TransformWithStateInPySpark)
-      : (Seq[Attribute], Option[LogicalPlan]) = {
-    val keys = t.child.output.take(t.groupingAttributesLen)
-    val input = t.child match {
-      case Project(list, c) if list.drop(t.groupingAttributesLen).map(_.exprId) ==
-          c.output.map(_.exprId) => Some(c)
+  /** The transformWithState of a plan: its root, or under the root when `eventTimeColumnName`
+   * put Spark's watermark column update over it. */
+  private def transformOf(plan: LogicalPlan): Option[TransformWithStateInPySpark] = plan match {
+    case t: TransformWithStateInPySpark => Some(t)
+    case UpdateEventTimeWatermarkColumn(_, _, t: TransformWithStateInPySpark) => Some(t)
+    case _ => None
+  }
+
+  /** [[markGrouped]] for a transformWithState `df` (over `input`): the marker over Spark's
+   * node, and Spark's watermark column update (`eventTimeColumnName`) over the marker, where
+   * `df` has one. */
+  def markTransform(df: ClassicDataset[Row], input: ClassicDataset[Row],
+                    id: String): ClassicDataset[Row] = df.logicalPlan match {
+    case u @ UpdateEventTimeWatermarkColumn(_, _, t: TransformWithStateInPySpark) =>
+      val marked = markGrouped(ClassicDataset.ofRows(df.sparkSession, t), input, id)
+      ClassicDataset.ofRows(df.sparkSession, u.withNewChildren(Seq(marked.logicalPlan)))
+    case _ => markGrouped(df, input, id)
+  }
+
+  /** The grouping attributes of a grouped side of a transformWithState (its input or its
+   * initial state) and the DataFrame grouped (the plan under Spark's projection of the `len`
+   * grouping attributes before its columns), if it is one. */
+  private def groupedBy(side: LogicalPlan, len: Int): (Seq[Attribute], Option[LogicalPlan]) = {
+    val keys = side.output.take(len)
+    val grouped = side match {
+      case Project(list, c) if list.drop(len).map(_.exprId) == c.output.map(_.exprId) => Some(c)
       case _ => None
     }
-    (keys, input)
+    (keys, grouped)
+  }
+
+  private def transformSide(df: ClassicDataset[Row], initial: Boolean): ClassicDataset[Row] = {
+    val t = transformOf(df.logicalPlan).getOrElse(throw new IllegalArgumentException(
+      s"not a transformWithState: ${df.logicalPlan.nodeName}"))
+    val (side, len) = if (initial) (t.initialState, t.initGroupingAttrsLen)
+      else (t.child, t.groupingAttributesLen)
+    groupedBy(side, len)._2.map(ClassicDataset.ofRows(df.sparkSession, _))
+      .getOrElse(throw new IllegalArgumentException("not grouped by columns"))
   }
 
   /** The DataFrame a transformWithState groups (see [[transformInfo]]). */
-  def transformInput(df: ClassicDataset[Row]): ClassicDataset[Row] = df.logicalPlan match {
-    case t: TransformWithStateInPySpark => transformParts(t)._2.map(ClassicDataset.ofRows(
-      df.sparkSession, _)).getOrElse(throw new IllegalArgumentException("not by columns"))
-    case other => throw new IllegalArgumentException(s"not a transformWithState: ${other.nodeName}")
-  }
+  def transformInput(df: ClassicDataset[Row]): ClassicDataset[Row] = transformSide(df, false)
+
+  /** The (batch) DataFrame of a transformWithState's `initialState`. */
+  def transformInitial(df: ClassicDataset[Row]): ClassicDataset[Row] = transformSide(df, true)
 
   /** Whether `id` is the drop-in (else an aggregation). */
   def grouped(id: String): Boolean =

@@ -1,8 +1,8 @@
 package org.apache.spark.sql.stretch
 
 import org.apache.spark.sql.catalyst.expressions.{Attribute, AttributeSet}
-import org.apache.spark.sql.catalyst.plans.logical.{BinaryNode, LogicalPlan}
-import org.apache.spark.sql.execution.{SparkPlan, SparkStrategy}
+import org.apache.spark.sql.catalyst.plans.logical.{BinaryNode, LogicalPlan, UpdateEventTimeWatermarkColumn}
+import org.apache.spark.sql.execution.{ProjectExec, SparkPlan, SparkStrategy}
 
 /**
  * `spark_stretch.stretch(df)`: a native streaming aggregation, run by the host engine inside
@@ -56,6 +56,12 @@ object StretchStrategy extends SparkStrategy {
       StretchExec(id, planLater(native), planLater(input), out) :: Nil
     case StretchStateMarker(key, name, child) =>
       StretchStateExec(key, name, StretchState.stateInfo(key), planLater(child)) :: Nil
+    // transformWithState's eventTimeColumnName over the marker: the column (with its watermark
+    // delay in its metadata, which the operators after it read) passes through. Spark's own
+    // exec would check each row against the late-events watermark that its rule gives only to
+    // an exec right over Spark's operator; the engine's rows are the processor's, unchecked.
+    case u @ UpdateEventTimeWatermarkColumn(_, _, m: StretchMarker) =>
+      ProjectExec(u.output, planLater(m)) :: Nil
     case _ => Nil
   }
 }
