@@ -42,6 +42,7 @@ bench: setup
 	$(PY) python/bench/checkpoint.py
 	$(PY) python/bench/recovery.py --tweets 20000
 	$(PY) python/bench/grouped.py --events 100000
+	$(PY) python/bench/transform.py --events 300000 --users 30000
 	$(PY) python/bench/elastic.py
 
 clean:
