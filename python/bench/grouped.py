@@ -125,6 +125,12 @@ def write_events(folder: Path, n: int, users: int, files: int, rate: float = 100
     return folder
 
 
+def equal_tables(want, got, rows: int) -> bool:
+    """Whether ``got`` has ``want``'s ``rows`` rows, the same (exceptAll both ways)."""
+    return (got.count() == rows and want.exceptAll(got).count() == 0
+            and got.exceptAll(want).count() == 0)
+
+
 def source(spark, src):
     return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(src))
             .withWatermark("ts", "10 seconds"))
@@ -208,8 +214,7 @@ def recovery(spark, src: Path, tmp: Path, a, res: dict, want) -> dict:
 
     def same(path):
         got = spark.read.format("delta").load(str(path))
-        return (got.count() == res["rows"] and want.exceptAll(got).count() == 0
-                and got.exceptAll(want).count() == 0)
+        return equal_tables(want, got, res["rows"])
 
     out = {"recovery_killed": [(tmp / f"{w}-died").exists() for w in ("native", "stretch")],
            "recovery_native_kill_to_batch_done_s":
@@ -330,8 +335,7 @@ def growth(spark, tmp: Path, a) -> dict:
             "user", "unix_micros(ts) div 1000 AS start", "unix_micros(ts) div 1000 AS end",
             "1L AS n", "value AS total", "false AS closed")
     res["rows"] = nat.count()
-    res["equal"] = (got.count() == res["rows"] and nat.exceptAll(got).count() == 0
-                    and got.exceptAll(nat).count() == 0)
+    res["equal"] = equal_tables(nat, got, res["rows"])
     for side in ("native", "stretch") if a.native else ("stretch",):
         b = res[f"{side}_batch_ms"]
         if len(b) >= 4:  # the second batch (live keys: one batch's) against the last
@@ -379,8 +383,7 @@ def main() -> None:
         nat = spark.read.format("delta").load(str(tmp / "native"))
         got = spark.read.format("delta").load(str(tmp / "stretch"))
         res["rows"] = nat.count()
-        res["equal"] = (got.count() == res["rows"] and nat.exceptAll(got).count() == 0
-                        and got.exceptAll(nat).count() == 0)
+        res["equal"] = equal_tables(nat, got, res["rows"])
         res["native_events_per_s"] = a.events / res["native_s"]
         res["stretch_events_per_s"] = a.events / res["stretch_s"]
         res["throughput_ratio"] = res["native_s"] / res["stretch_s"]

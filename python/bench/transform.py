@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 
 import spark_stretch
-from grouped import SCHEMA, write_events  # (python/bench/grouped.py: the same event stream)
+from grouped import SCHEMA, equal_tables, write_events  # (python/bench/grouped.py: the same event stream)
 from spark_stretch.api.frame import StretchFrame
 
 from pyspark import cloudpickle  # noqa: E402
@@ -177,8 +177,7 @@ def main() -> None:
             nat = spark.read.format("delta").load(str(tmp / "native"))
             got = spark.read.format("delta").load(str(tmp / "stretch"))
             res["rows"] = nat.count()
-            res["equal"] = (got.count() == res["rows"] and nat.exceptAll(got).count() == 0
-                            and got.exceptAll(nat).count() == 0)
+            res["equal"] = equal_tables(nat, got, res["rows"])
             res["throughput_ratio"] = res["native_s"] / res["stretch_s"]
             print("RESULT " + json.dumps(res), flush=True)
         if a.state_calls:

@@ -32,7 +32,7 @@ from .frame import StretchFrame
 from .specs import find_watermark
 
 __all__ = ["StretchGroupedAggregation", "stretch_apply_in_pandas_with_state", "GroupState",
-           "GroupStateTimeout", "task_attempts"]
+           "GroupStateTimeout", "task_attempts", "watermark_of", "check_key_groups"]
 
 _DELAY_KEY = "spark.watermarkDelayMs"  # EventTimeWatermark.delayKey: marks the event-time column
 
@@ -225,8 +225,7 @@ def stretch_apply_in_pandas_with_state(
     if isinstance(stateStructType, str):
         stateStructType = spark._parse_ddl(stateStructType)
     keys = _grouping_columns(native, df)
-    present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
-    ts_column, delay = (find_watermark(df) if present else (None, 0))
+    present, ts_column, delay = watermark_of(df)
     default = spark.sparkContext.defaultParallelism
     m = int(parallelism or default)
     n = int(max_parallelism or m)
@@ -235,10 +234,7 @@ def stretch_apply_in_pandas_with_state(
                          "max_parallelism")
     if not isinstance(buckets, int) or buckets < n:
         raise ValueError(f"buckets={buckets!r}: must be an int >= max_parallelism ({n})")
-    groups = read_settings(spark.conf).key_groups
-    if engine_hosts(spark) and buckets % groups:
-        raise ValueError(f"buckets={buckets}: on several hosts it must be a multiple of "
-                         f"spark.stretch.keyGroups ({groups}): a key group is a set of buckets")
+    check_key_groups(spark, buckets)
     spec = GroupedSpec(
         key_columns=keys, columns=list(df.columns), out_schema=outputStructType.json(),
         state_schema=stateStructType.json(), output_mode=outputMode, timeout_conf=timeoutConf,
@@ -250,6 +246,22 @@ def stretch_apply_in_pandas_with_state(
     out = jvm.ShimPlans(spark).mark_grouped(native, df, agg_id, StretchGroupedAggregation)
     out._stretch_native = native
     return out._stretch_init(spec, agg_id, ("append", "update"))
+
+
+def watermark_of(df: DataFrame):
+    """``(present, ts_column, delay_ms)``: whether ``df`` has a watermark, on which column, with
+    which delay (None, 0 without one)."""
+    present = any(_DELAY_KEY in (f.metadata or {}) for f in df.schema.fields)
+    return (present, *(find_watermark(df) if present else (None, 0)))
+
+
+def check_key_groups(spark, buckets: int) -> None:
+    """On several hosts a key group is a set of buckets: ``buckets`` a multiple of
+    ``spark.stretch.keyGroups`` (else a ValueError naming both)."""
+    groups = read_settings(spark.conf).key_groups
+    if engine_hosts(spark) and buckets % groups:
+        raise ValueError(f"buckets={buckets}: on several hosts it must be a multiple of "
+                         f"spark.stretch.keyGroups ({groups}): a key group is a set of buckets")
 
 
 def _settle(spark):

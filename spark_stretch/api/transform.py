@@ -23,11 +23,9 @@ from ..driver import jvm
 from ..driver.cluster import engine_hosts
 from ..driver.inplan import Marked, fall_back, handler_for
 from ..driver.routing import BUCKET, bucket_column
-from ..driver.settings import read_settings
 from ..protocol.specs import GroupedSpec
 from .frame import StretchFrame
-from .grouped import _DELAY_KEY, _runner_conf, _settle
-from .specs import find_watermark
+from .grouped import _runner_conf, _settle, check_key_groups, watermark_of
 
 __all__ = ["stretch_transform"]
 
@@ -79,7 +77,7 @@ class _Recorder:
 
 
 def _processor_of(command: bytes):
-    """The ``StatefulProcessor`` and time mode in the pickled function of Spark's plan (pyspark
+    """The ``StatefulProcessor`` in the pickled function of Spark's plan (pyspark
     pickles ``(TransformWithStateInPandasUdfUtils(...).transformWithStateUDF, returnType)``)."""
     from pyspark.broadcast import Broadcast
     from pyspark.serializers import CloudPickleSerializer
@@ -130,27 +128,21 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
     reason = None if info["ok"] else info["reason"]
     if reason is None and info["output_mode"] not in ("Append", "Update"):
         reason = f"output mode {info['output_mode']}"
-    proc = None
+    initial = ""
     if reason is None:
         proc = _processor_of(base64.b64decode(info["command"]))
         rec = _Recorder()
         cloudpickle.loads(cloudpickle.dumps(proc)).init(rec)  # (a copy: the user's stays as is)
         reason = rec.unsupported
-    if reason is not None:
-        fall_back(spark, f"{reason}: not on the engine yet", stacklevel=3)
-        return df
-    groups = read_settings(spark.conf).key_groups
-    if engine_hosts(spark) and buckets % groups:
-        raise ValueError(f"buckets={buckets}: on several hosts it must be a multiple of "
-                         f"spark.stretch.keyGroups ({groups}): a key group is a set of buckets")
-    initial, reason = _initial_state(spark, plans, df, info, buckets)
+    if reason is None:
+        check_key_groups(spark, buckets)
+        initial, reason = _initial_state(spark, plans, df, info, buckets)
     if reason is not None:
         fall_back(spark, f"{reason}: not on the engine yet", stacklevel=3)
         return df
     timeout_conf, time_mode = _TIME_MODES[info["time_mode"]]
     data = plans.transform_input(df)
-    present = any(_DELAY_KEY in (f.metadata or {}) for f in data.schema.fields)
-    ts_column, delay = (find_watermark(data) if present else (None, 0))
+    present, ts_column, delay = watermark_of(data)
     spec = GroupedSpec(
         key_columns=list(info["grouping"]), columns=list(data.columns),
         out_schema=df.schema.json(), state_schema=StructType([]).json(),

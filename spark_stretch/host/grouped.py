@@ -175,14 +175,13 @@ class GroupedRuntime(GroupedState, Runtime):
         groups = np.asarray(table.column(BUCKET).to_numpy(), np.int64) % share.key_groups
         return table.filter(pa.array(np.isin(groups, share.owned())))
 
-    def _part_file(self, parts: dict, i: int, what: str):
-        """Instance ``i``'s rows of ``parts`` (:func:`split_rows`) as a file of this step:
-        ``(path, group starts, group buckets)``, or Nones."""
+    def _part_file(self, parts: dict, i: int, file_of):
+        """Instance ``i``'s rows of ``parts`` (:func:`split_rows`) as this step's file
+        ``file_of(shm, seq, i)``: ``(path, group starts, group buckets)``, or Nones."""
         if i not in parts:
             return None, None, None
         sub, starts, gb = parts[i]
-        path = I.input_file(self.shm, self._seq, i) if what == "in" else \
-            self.shm / f"{what}-{self._seq}-{i}.arrow"
+        path = file_of(self.shm, self._seq, i)
         with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, sub.schema) as w:
             w.write_table(sub)
         return str(path), starts, gb
@@ -209,8 +208,8 @@ class GroupedRuntime(GroupedState, Runtime):
         msgs = {}
         for i in sorted(set(int(x) for x in np.unique(self.owner))):
             owned = np.flatnonzero(self.owner == i)
-            path, starts, gb = self._part_file(parts, i, "in")
-            ipath, istarts, igb = self._part_file(initial, i, "initial")
+            path, starts, gb = self._part_file(parts, i, I.input_file)
+            ipath, istarts, igb = self._part_file(initial, i, I.initial_file)
             msgs[i] = I.Batch(batch=batch, seq=self._seq, owned=owned, batch_ts_ms=ts_ms,
                               watermark_ms=evict_wm, input=path, starts=starts,
                               group_buckets=gb, initial=ipath, initial_starts=istarts,

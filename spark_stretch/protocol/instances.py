@@ -26,8 +26,8 @@ import numpy as np
 
 from .specs import GroupedSpec
 
-__all__ = ["Init", "Batch", "Exit", "Ready", "BatchDone", "Failed", "input_file", "output_file",
-           "changes_file"]
+__all__ = ["Init", "Batch", "Exit", "Ready", "BatchDone", "Failed", "input_file",
+           "initial_file", "output_file", "changes_file"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,12 @@ class Failed:
 def input_file(shm, seq: int, index: int) -> Path:
     """Step ``seq``'s input file for instance ``index``."""
     return Path(shm) / f"in-{seq}-{index}.arrow"
+
+
+def initial_file(shm, seq: int, index: int) -> Path:
+    """Step ``seq``'s initial state (transformWithState's ``initialState``) for instance
+    ``index``."""
+    return Path(shm) / f"initial-{seq}-{index}.arrow"
 
 
 def output_file(shm, seq: int, index: int) -> Path:
