@@ -42,16 +42,23 @@ class _Recorder:
     """A handle for running the processor's ``init`` on the driver (as Spark does, to learn its
     state variables): it notes the schemas given as DDL text, and what the engine cannot run."""
 
-    def __init__(self):
+    def __init__(self, time_mode: str):
         self.schemas = []
         self.unsupported: Optional[str] = None
+        self._time_mode = time_mode
 
     def _note(self, *schemas, ttl=None):
         for s in schemas:
             if isinstance(s, str):
                 self.schemas.append(s)
+        # (misuse Spark refuses, with its own error, when the query runs natively)
         if ttl is not None and self.unsupported is None:
-            self.unsupported = "state with a TTL (ttlDurationMs)"
+            if self._time_mode != "ProcessingTime":
+                self.unsupported = (f"a state TTL in timeMode {self._time_mode} (Spark's "
+                                    "STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL)")
+            elif int(ttl) <= 0:
+                self.unsupported = ("a state TTL not above zero (Spark's "
+                                    "STATEFUL_PROCESSOR_TTL_DURATION_MUST_BE_POSITIVE)")
 
     def getValueState(self, stateName, schema, ttlDurationMs=None):  # noqa: N802
         self._note(schema, ttl=ttlDurationMs)
@@ -131,7 +138,7 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
     initial = ""
     if reason is None:
         proc = _processor_of(base64.b64decode(info["command"]))
-        rec = _Recorder()
+        rec = _Recorder(info["time_mode"])
         cloudpickle.loads(cloudpickle.dumps(proc)).init(rec)  # (a copy: the user's stays as is)
         reason = rec.unsupported
     if reason is None:

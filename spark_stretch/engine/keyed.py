@@ -55,9 +55,11 @@ import numpy as np
 import pyarrow as pa
 
 __all__ = ["KeyedStore", "Step", "encode_key", "pickled_bucket_entries", "timers_of",
-           "NO_TIMEOUT", "CHANGELOG_SCHEMA"]
+           "NO_TIMEOUT", "RESERVED_BUCKET", "CHANGELOG_SCHEMA"]
 
 NO_TIMEOUT = -1
+RESERVED_BUCKET = 0xFFFF  # (a bucket no query has, B <= 4096: the query's own entries)
+_RESERVED = RESERVED_BUCKET.to_bytes(2, "big")
 MAP_SIZE = 1 << 40  # address space only: the file grows as state does
 CHANGELOG_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
 _TS = struct.Struct(">Q")
@@ -121,9 +123,13 @@ class KeyedStore:
 
     # -- figures ------------------------------------------------------------------------------
     def rows(self) -> int:
-        """Keys with state."""
+        """Keys with state (not the query's own entries, in bucket :data:`RESERVED_BUCKET`)."""
         with self.env.begin() as t:
-            return int(t.stat(self.state)["entries"])
+            n = int(t.stat(self.state)["entries"])
+            cur = t.cursor(db=self.state)
+            if cur.set_range(_RESERVED):
+                n -= sum(1 for kb in cur.iternext(values=False) if kb[:2] == _RESERVED)
+            return n
 
     def entries(self):
         """Every ``(store key, entry)``, in key order (bucket first)."""
@@ -245,13 +251,16 @@ class Step:
         step's writes included, in timeout order."""
         return [kb for _, kb in self.due_timers(bucket, threshold)]
 
-    def due_timers(self, bucket: int, threshold: int) -> List[Tuple[int, bytes]]:
-        """``(timer, key)`` of every timer of ``bucket`` earlier than ``threshold``, this step's
-        writes included, in timer order (then key order)."""
+    def due_timers(self, bucket: int, threshold: int, since: Optional[int] = None
+                   ) -> List[Tuple[int, bytes]]:
+        """``(timer, key)`` of every timer of ``bucket`` earlier than ``threshold`` (and not
+        earlier than ``since``), this step's writes included, in timer order (then key
+        order)."""
         prefix = bucket.to_bytes(2, "big")
         found = []
         cur = self.txn.cursor(db=self.store.timers)
-        if cur.set_range(prefix):
+        start = prefix if since is None else prefix + _TS.pack(since + _OFFSET)
+        if cur.set_range(start):
             limit = _TS.pack(threshold + _OFFSET) if threshold > -_OFFSET else b""
             for tk in cur.iternext(values=False):
                 if tk[:2] != prefix or tk[2:10] >= limit:
@@ -262,7 +271,8 @@ class Step:
         cur.close()
         for kb, e in self.pending.items():
             if e is not None and kb[:2] == prefix:
-                found.extend((t, kb) for t in timers_of(e[2]) if t < threshold)
+                found.extend((t, kb) for t in timers_of(e[2])
+                             if t < threshold and (since is None or t >= since))
         found.sort()
         return found
 

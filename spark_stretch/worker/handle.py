@@ -5,7 +5,10 @@ is a dictionary access, not a request to a JVM's state server.
 
 Values are kept in Spark's internal form of their schema, as pyspark's state client sends them
 (``schema.toInternal`` of the value, numpy and pandas scalars made Python's), and read back as
-tuples.
+tuples. A variable with a TTL (``ttlDurationMs``, processing time only, as in Spark) keeps an
+expiry with its value, each list element, each map key: the batch's timestamp plus the TTL when
+written; what has expired is not read, and is dropped at the batch's end (the key's earliest
+expiry is one of its timers in the store, :data:`TTL_TIMERS`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ from pyspark.sql.streaming.stateful_processor import (ListState, MapState,
                                                       StatefulProcessorHandle, ValueState)
 from pyspark.sql.types import ArrayType, MapType, Row, StructType
 
-__all__ = ["StoreHandle", "Codec", "KeyState", "normalize"]
+__all__ = ["StoreHandle", "Codec", "KeyState", "normalize", "prune_expired", "TTL_TIMERS"]
+
+# A key's earliest state expiry (TTL) is a timer in the store's timer index above this offset
+# (a timer's milliseconds are far below it), so a batch finds the keys whose state expired
+# without reading the others, as Spark's TTL index does.
+TTL_TIMERS = 1 << 61
 
 
 def normalize(v: Any) -> Any:
@@ -92,8 +100,38 @@ class KeyState:
             self.timers: set = set()
         else:
             self.vars = dict(entry[1])
-            self.timers = set(entry[2])
+            self.timers = {t for t in entry[2] if t < TTL_TIMERS}
         self.changed = False
+
+
+def prune_expired(variables: Dict[str, Any], now: int) -> Optional[int]:
+    """Drop what has expired (expiry <= ``now``, Spark's ``StateTTL.isExpired``) from a key's
+    variables written with a TTL (``(batch, value, schemas, expiry)``: one expiry for a value,
+    one per element of a list, one per key of a map); return the earliest expiry left."""
+    first = None
+    for name, v in list(variables.items()):
+        if len(v) < 4:
+            continue
+        live, exps = _alive(v[1], v[3], now)
+        if live is None:
+            del variables[name]
+            continue
+        variables[name] = (v[0], live, v[2], exps)
+        soonest = min(exps.values()) if isinstance(exps, dict) else (
+            min(exps) if isinstance(exps, list) else exps)
+        first = soonest if first is None else min(first, soonest)
+    return first
+
+
+def _alive(value, exps, now: int):
+    """``(value, expiries)`` of what has not expired (``(None, None)`` if nothing)."""
+    if isinstance(exps, dict):  # (a map: an expiry per key)
+        live = {a: b for a, b in value.items() if exps.get(a, 0) > now}
+        return (live, {a: exps[a] for a in live}) if live else (None, None)
+    if isinstance(exps, list):  # (a list: an expiry per element)
+        keep = [i for i, e in enumerate(exps) if e > now]
+        return ([value[i] for i in keep], [exps[i] for i in keep]) if keep else (None, None)
+    return (value, exps) if exps > now else (None, None)
 
 
 class _Variable:
@@ -104,8 +142,8 @@ class _Variable:
 
     KIND = "value"
 
-    def __init__(self, handle: "StoreHandle", name: str):
-        self._h, self._name = handle, name
+    def __init__(self, handle: "StoreHandle", name: str, ttl: Optional[int] = None):
+        self._h, self._name, self._ttl = handle, name, ttl
         self._token = handle._live[name] = object()
 
     def _key(self, what: str) -> KeyState:
@@ -116,18 +154,29 @@ class _Variable:
         return self._h._key()
 
     def _read(self, what: str):
+        """``(key state, value, expiries)``: the variable's value (None if none) and, if
+        written with a TTL, the expiries of what has not expired (values expired in this
+        batch's time are not seen, as natively, before the batch's end drops them)."""
         k = self._key(what)
         v = k.vars.get(self._name)
         if v is None or v[0] < self._h._inst.dropped.get(self._name, -1):
-            return k, None
-        return k, (v[1] if v[2] == self._sids() else self._evolve(v[1], v[2]))
+            return k, None, None
+        value = v[1] if v[2] == self._sids() else self._evolve(v[1], v[2])
+        if len(v) > 3:
+            return (k, *_alive(value, v[3], self._h._inst.ts_ms))
+        return k, value, None
 
-    def _write(self, k: KeyState, value) -> None:
+    def _expiry(self) -> int:
+        """The expiry of what is written now (Spark: the batch's timestamp plus the TTL)."""
+        return self._h._inst.ts_ms + self._ttl
+
+    def _write(self, k: KeyState, value, exps=None) -> None:
         if value is None:
             if k.vars.pop(self._name, None) is None:
                 return
         else:
-            k.vars[self._name] = (self._h._inst.batch_no, value, self._sids())
+            v = (self._h._inst.batch_no, value, self._sids())
+            k.vars[self._name] = v if self._ttl is None else v + (exps,)
         k.changed = True
 
     def _sids(self) -> tuple:
@@ -147,8 +196,8 @@ class _Variable:
 
 
 class _Value(_Variable, ValueState):
-    def __init__(self, handle: "StoreHandle", name: str, codec: Codec):
-        super().__init__(handle, name)
+    def __init__(self, handle: "StoreHandle", name: str, codec: Codec, ttl=None):
+        super().__init__(handle, name, ttl)
         self._codec = codec
 
     def get(self) -> Optional[tuple]:
@@ -157,18 +206,25 @@ class _Value(_Variable, ValueState):
 
     def update(self, newValue: tuple) -> None:
         k = self._key("updating value state")
-        self._write(k, self._codec.to_store(newValue))
+        self._write(k, self._codec.to_store(newValue), self._ttl and self._expiry())
 
 
 class _List(_Variable, ListState):
     KIND = "list"
 
-    def __init__(self, handle: "StoreHandle", name: str, codec: Codec):
-        super().__init__(handle, name)
+    def __init__(self, handle: "StoreHandle", name: str, codec: Codec, ttl=None):
+        super().__init__(handle, name, ttl)
         self._codec = codec
 
     def _evolve(self, value, sids: tuple):
         return [self._codec.evolve(v, sids[0]) for v in value]
+
+    def _expiries(self, n: int, old=None, had: int = 0) -> Optional[list]:
+        """Expiries of a list of ``had`` kept elements (``old``: theirs) and ``n`` new ones."""
+        if self._ttl is None:
+            return None
+        e = self._expiry()
+        return (list(old) if old is not None else [e] * had) + [e] * n
 
     def get(self) -> Iterator[tuple]:
         items = self._read("getting list state")[1] or ()
@@ -176,23 +232,26 @@ class _List(_Variable, ListState):
 
     def put(self, newState: List[tuple]) -> None:
         k = self._key("putting list state")
-        self._write(k, [self._codec.to_store(v) for v in newState] or None)
+        items = [self._codec.to_store(v) for v in newState]
+        self._write(k, items or None, self._expiries(len(items)))
 
     def appendValue(self, newState: tuple) -> None:  # noqa: N802
         self.appendList([newState])
 
     def appendList(self, newState: List[tuple]) -> None:  # noqa: N802
-        k, old = self._read("appending list state")
+        k, old, exps = self._read("appending list state")
         items = [self._codec.to_store(v) for v in newState]
         if items:
-            self._write(k, list(old or ()) + items)
+            old = list(old or ())
+            self._write(k, old + items, self._expiries(len(items), exps, len(old)))
 
 
 class _Map(_Variable, MapState):
     KIND = "map"
 
-    def __init__(self, handle: "StoreHandle", name: str, keys: Codec, values: Codec):
-        super().__init__(handle, name)
+    def __init__(self, handle: "StoreHandle", name: str, keys: Codec, values: Codec,
+                 ttl=None):
+        super().__init__(handle, name, ttl)
         self._keys, self._values = keys, values
 
     def _sids(self) -> tuple:
@@ -203,8 +262,15 @@ class _Map(_Variable, MapState):
                 for a, b in value.items()}
 
     def _map(self, what: str):
-        k, m = self._read(what)
-        return k, m or {}
+        k, m, exps = self._read(what)
+        return k, m or {}, exps or {}
+
+    def _with(self, m: dict, exps: dict, changed=None) -> Optional[dict]:
+        """The map's expiries after a change of key ``changed`` (None without a TTL)."""
+        if self._ttl is None:
+            return None
+        e = self._expiry()
+        return {a: (e if a == changed else exps.get(a, e)) for a in m}
 
     def getValue(self, key: tuple) -> Optional[tuple]:  # noqa: N802
         v = self._map("getting map state value")[1].get(self._keys.to_store(key))
@@ -214,10 +280,11 @@ class _Map(_Variable, MapState):
         return self._keys.to_store(key) in self._map("checking map state key")[1]
 
     def updateValue(self, key: tuple, value: tuple) -> None:  # noqa: N802
-        k, m = self._map("updating map state value")
+        k, m, exps = self._map("updating map state value")
         m = dict(m)
-        m[self._keys.to_store(key)] = self._values.to_store(value)
-        self._write(k, m)
+        ks = self._keys.to_store(key)
+        m[ks] = self._values.to_store(value)
+        self._write(k, m, self._with(m, exps, ks))
 
     def iterator(self) -> Iterator[tuple]:
         return iter([(self._keys.from_store(a), self._values.from_store(b))
@@ -231,12 +298,12 @@ class _Map(_Variable, MapState):
                      for b in self._map("getting map state values")[1].values()])
 
     def removeKey(self, key: tuple) -> None:  # noqa: N802
-        k, m = self._map("removing map state key")
+        k, m, exps = self._map("removing map state key")
         ks = self._keys.to_store(key)
         if ks in m:
             m = dict(m)
             del m[ks]
-            self._write(k, m or None)
+            self._write(k, m or None, self._with(m, exps))
 
 
 class StoreHandle(StatefulProcessorHandle):
@@ -260,17 +327,34 @@ class StoreHandle(StatefulProcessorHandle):
     def _codec(self, schema) -> Codec:
         return self._inst.codec(schema)
 
+    def _ttl(self, stateName: str, ttl: Optional[int]) -> Optional[int]:
+        """A variable's TTL in ms (None: none), checked as Spark checks it."""
+        if ttl is None:
+            return None
+        if self._time_mode != "processingtime":
+            raise PySparkRuntimeError(
+                "[STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL] Cannot use TTL for "
+                f"state={stateName} in timeMode={self._inst.time_mode}, use "
+                "TimeMode.ProcessingTime() instead.")
+        if int(ttl) <= 0:
+            raise PySparkRuntimeError(
+                "[STATEFUL_PROCESSOR_TTL_DURATION_MUST_BE_POSITIVE] TTL duration must be "
+                f"greater than zero for State store operation=update on state={stateName}.")
+        self._inst.uses_ttl = True
+        return int(ttl)
+
     def getValueState(self, stateName: str, schema, ttlDurationMs: Optional[int] = None
                       ) -> ValueState:
-        return _Value(self, stateName, self._codec(schema))
+        return _Value(self, stateName, self._codec(schema), self._ttl(stateName, ttlDurationMs))
 
     def getListState(self, stateName: str, schema, ttlDurationMs: Optional[int] = None
                      ) -> ListState:
-        return _List(self, stateName, self._codec(schema))
+        return _List(self, stateName, self._codec(schema), self._ttl(stateName, ttlDurationMs))
 
     def getMapState(self, stateName: str, userKeySchema, valueSchema,
                     ttlDurationMs: Optional[int] = None) -> MapState:
-        return _Map(self, stateName, self._codec(userKeySchema), self._codec(valueSchema))
+        return _Map(self, stateName, self._codec(userKeySchema), self._codec(valueSchema),
+                    self._ttl(stateName, ttlDurationMs))
 
     def _check_timers(self, what: str) -> None:
         if self._time_mode == "none":
@@ -283,6 +367,9 @@ class StoreHandle(StatefulProcessorHandle):
         self._check_timers("registerTimer")
         k = self._key()
         t = int(expiryTimestampMs)
+        if t >= TTL_TIMERS:
+            raise PySparkRuntimeError(f"a timer at {t} ms is beyond the timers the engine keeps "
+                                      f"(below {TTL_TIMERS} ms)")
         if t not in k.timers:
             k.timers.add(t)
             k.changed = True

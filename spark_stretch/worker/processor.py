@@ -12,7 +12,7 @@ copy of the processor, ``init(handle)``; ``handleInputRows(key, rows, timerValue
 with data, in key order (its rows as pandas DataFrames of at most ``maxRecordsPerBatch`` rows);
 then ``handleExpiredTimer`` for each timer earlier than the batch timestamp (``ProcessingTime``)
 or the eviction watermark (``EventTime``), in timer order, the timer deleted after its call;
-``close()``.
+state whose TTL has expired dropped; ``close()``.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pyspark.errors import PySparkRuntimeError
 from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
 from pyspark.sql.types import Row, StructType
 
-from ..engine.keyed import encode_key
+from ..engine.keyed import RESERVED_BUCKET, encode_key
 from ..protocol import instances as I
-from .handle import Codec, KeyState, StoreHandle, normalize
+from .handle import TTL_TIMERS, Codec, KeyState, StoreHandle, normalize, prune_expired
 from .instance import Instance
 
 __all__ = ["ProcessorInstance", "VARIABLES"]
 
-# The reserved store key of the query's dropped variables (a bucket no query has: B <= 4096)
-VARIABLES = (0xFFFF).to_bytes(2, "big") + b"variables"
+# The store key of the query's dropped variables and state schemas
+VARIABLES = RESERVED_BUCKET.to_bytes(2, "big") + b"variables"
 
 
 class _Output:
@@ -92,6 +92,7 @@ class ProcessorInstance(Instance):
         self.dropped: Dict[str, int] = {}
         self.schemas: List[str] = []  # (the query's state schemas, Spark JSON, numbered)
         self.batch_no = -1
+        self.uses_ttl = False  # (a variable of this batch's processor has a TTL)
         self.use_rows = self.spec.api == "transformWithState"  # (else ...InPandas)
         if self.use_rows:
             from pyspark.sql.pandas.types import to_arrow_type
@@ -192,8 +193,10 @@ class ProcessorInstance(Instance):
         for name, v in list(k.vars.items()):  # (values of dropped variables)
             if v[0] < self.dropped.get(name, -1):
                 del k.vars[name]
+        first = prune_expired(k.vars, self.ts_ms)
+        timers = tuple(sorted(k.timers)) + (() if first is None else (TTL_TIMERS + first,))
         if k.vars or k.timers:
-            self.step.put(k.kb, (k.key, k.vars, tuple(sorted(k.timers))))
+            self.step.put(k.kb, (k.key, k.vars, timers))
             self.updated += 1
         else:
             self.step.delete(k.kb)
@@ -206,6 +209,7 @@ class ProcessorInstance(Instance):
         self.processor = cloudpickle.loads(self._processor_bytes)  # (a fresh one per batch)
         self.current = None
         self.batch_no = int(msg.batch)
+        self.uses_ttl = False
         self._load_variables()
         self._codecs.clear()  # (numbered by this store's list of schemas)
         self.processor.init(StoreHandle(self))
@@ -306,5 +310,20 @@ class ProcessorInstance(Instance):
                 self.current.changed = True
                 self._close_key()
                 tcalls += 1
+        if self.uses_ttl:
+            self._drop_expired(owned)
         self.processor.close()
         return out.finish(), tcalls
+
+    def _drop_expired(self, owned: List[int]) -> None:
+        """The batch's end, as Spark's ``clearExpiredState``: the keys of the owned buckets
+        whose state has expired by the batch's timestamp (their earliest expiry, a timer above
+        :data:`TTL_TIMERS`, is due) written back without it."""
+        for b in owned:
+            for ts, kb in self.step.due_timers(b, TTL_TIMERS + self.ts_ms + 1, since=TTL_TIMERS):
+                e = self.step.get(kb)
+                if e is None or ts not in e[2]:
+                    continue
+                self._open(kb, b, e[0])
+                self.current.changed = True
+                self._close_key()

@@ -368,9 +368,11 @@ def rocksdb(spark):
         spark.conf.set(key, old)
 
 
-def run(spark, tws_df, side, check_results, checkpoint=None, query_name="this_query"):
+def run(spark, tws_df, side, check_results, checkpoint=None, query_name="this_query",
+        queries=None):
     """The query over ``tws_df`` (natively, or through ``stretch``) into ``foreachBatch``:
-    ``check_results`` on every batch; returns ``[(batch_id, rows)]``."""
+    ``check_results`` on every batch; returns ``[(batch_id, rows)]`` (the query appended to
+    ``queries``, if given)."""
     if side == "stretch":
         tws_df = spark_stretch.stretch(tws_df, parallelism=2, max_parallelism=2, buckets=16)
         assert isinstance(tws_df, StretchFrame), "fell back to native Spark"
@@ -385,6 +387,8 @@ def run(spark, tws_df, side, check_results, checkpoint=None, query_name="this_qu
     if checkpoint is not None:
         w = w.option("checkpointLocation", str(checkpoint))
     q = w.start()
+    if queries is not None:
+        queries.append(q)
     assert q.name == query_name
     assert q.isActive
     q.processAllAvailable()

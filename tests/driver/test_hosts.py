@@ -169,6 +169,7 @@ def test_pysparks_own_transform_with_state_tests_on_two_hosts(cluster):
     assert re.search(r"\b17 passed\b", out), out[-2000:]
 
 
+@pytest.mark.slow  # a kill on the cluster: in `make test-slow`
 def test_killed_driver_leaves_nothing(cluster, tmp_path):
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
     proc = subprocess.Popen([sys.executable, str(JOB), cluster.url, "hold", str(tmp_path)],

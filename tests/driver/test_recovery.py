@@ -304,6 +304,7 @@ def test_incremental_checkpoints_cleaned_like_min_batches_to_retain(spark, tmp_p
     _equal(again, run_native(spark, _agg(spark, src), tmp_path / "n"))
 
 
+@pytest.mark.slow  # a kill and restart: in `make test-slow`
 def test_engine_state_checkpointed_every_interval_with_the_input_log_between(spark, tmp_path):
     # spark.stretch.checkpoint.interval=3: the state after batches 0, 3 and 6 is checkpointed;
     # the batches between are kept in the input log until the next checkpoint covers them, and
@@ -369,6 +370,7 @@ def _native_on_the_batches_spark_ran(spark, ckpt: Path, tmp: Path):
     return run_native(spark, _agg(spark, live), tmp / "native")
 
 
+@pytest.mark.slow  # a kill and restart: in `make test-slow`
 def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
     # The query runs in a driver process that is killed (-9) in the middle of the run; its engine
     # dies with it (no orphan), and a restart from the checkpoint gives the exact table.
