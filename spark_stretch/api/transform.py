@@ -83,6 +83,18 @@ class _Recorder:
         return iter([])
 
 
+def _tws_runner_conf(spark) -> dict:
+    """What Spark's transformWithState runner gives pyspark's worker: the pandas settings,
+    ``maxRecordsPerBatch`` and ``maxBytesPerBatch`` (the key's rows cut by both; Spark's
+    ``...transformWithStateInPandas.maxRecordsPerBatch`` sizes only the JVM's Arrow batches)."""
+    c = spark.conf
+    return {**_runner_conf(spark),
+            "arrow_max_bytes_per_batch": int(c.get("spark.sql.execution.arrow.maxBytesPerBatch",
+                                                   str(2 ** 31 - 1))),
+            "state_encoding": c.get("spark.sql.streaming.stateStore.encodingFormat",
+                                    "unsaferow").lower()}
+
+
 def _processor_of(command: bytes):
     """The ``StatefulProcessor`` in the pickled function of Spark's plan (pyspark
     pickles ``(TransformWithStateInPandasUdfUtils(...).transformWithStateUDF, returnType)``)."""
@@ -154,7 +166,7 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
         key_columns=list(info["grouping"]), columns=list(data.columns),
         out_schema=df.schema.json(), state_schema=StructType([]).json(),
         output_mode=info["output_mode"], timeout_conf=timeout_conf, ts_column=ts_column,
-        delay_ms=int(delay), watermark_present=present, runner_conf=_runner_conf(spark),
+        delay_ms=int(delay), watermark_present=present, runner_conf=_tws_runner_conf(spark),
         parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets,
         func=base64.b64encode(cloudpickle.dumps(proc)).decode(),
         api="transformWithStateInPandas" if info["pandas"] else "transformWithState",

@@ -214,6 +214,7 @@ class ElasticRun:
             live_windows=int(f.get("state_rows", f.get("live_windows", 0))),
             state_bytes=int(f.get("state_bytes", 0)),
             state_disk_bytes=f.get("state_disk_bytes"), rows_updated=int(f.get("rows_updated", 0)),
+            operator_metrics=dict(f.get("operator_metrics") or {}),
             rows_removed=int(f.get("rows_removed", 0)), late_rows=int(f.get("late_rows", 0)),
             time_ms=int((written_at or time.time()) * 1e3), batches_since_switch=track.since,
             switched=None if switch is None else switch.get("cause"),
@@ -295,6 +296,7 @@ def merged(batch: int, hosts: List[BatchMetrics], max_parallelism: int, groups: 
         live_windows=total_of("live_windows"), state_bytes=total_of("state_bytes"),
         state_disk_bytes=(None if all(h.state_disk_bytes is None for h in hosts)
                           else sum(h.state_disk_bytes or 0 for h in hosts)),
+        operator_metrics=_summed(h.operator_metrics for h in hosts),
         rows_updated=total_of("rows_updated"), rows_removed=total_of("rows_removed"),
         late_rows=total_of("late_rows"), time_ms=max((h.time_ms for h in hosts), default=0),
         batches_since_switch=since, switched=switched,
@@ -322,6 +324,14 @@ def sink_figures(m: Optional[BatchMetrics]) -> dict:
     return {f"stretch.{name}": row[key] for name, key in _SINK_KEYS if row.get(key) is not None}
 
 
+def _summed(dicts) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
 def state_figures(m: Optional[BatchMetrics]) -> dict:
     """A batch's figures as the fields of the query's ``StateOperatorProgress`` (Spark's
     progress: ``stateOperators``); ``customMetrics`` are longs, as Spark's are: the batch,
@@ -346,6 +356,7 @@ def state_figures(m: Optional[BatchMetrics]) -> dict:
         custom["epochSwitchMicros"] = round(m.switch_ms * 1e3)
     if m.state_disk_bytes is not None:  # the drop-in's store: its file (pages the kernel caches)
         custom["stateOnDiskBytes"] = int(m.state_disk_bytes)
+    custom.update(m.operator_metrics)
     return {"numRowsTotal": m.live_windows, "numRowsUpdated": m.rows_updated,
             "numRowsRemoved": m.rows_removed, "memoryUsedBytes": m.state_bytes,
             "numRowsDroppedByWatermark": m.late_rows, "allUpdatesTimeMs": round(m.step_ms),

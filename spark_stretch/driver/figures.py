@@ -15,7 +15,7 @@ Decision(cause='scale_out', parallelism=3, host='10.0.0.2')
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -81,6 +81,8 @@ class BatchMetrics:
     live_windows: int = 0
     state_bytes: int = 0
     state_disk_bytes: Optional[int] = None  # (a state store on disk: the drop-in's)
+    # the operator's own counters, as Spark names them (transformWithState's numValueStateVars..)
+    operator_metrics: Dict[str, int] = field(default_factory=dict)
     rows_updated: int = 0
     rows_removed: int = 0
     late_rows: int = 0

@@ -149,7 +149,7 @@ def grouped_figures(rt, t0: float, since_ms: Optional[float], bucket_rows) -> di
     disk = int(rt.last_metrics.get("state_disk_bytes", 0))  # (measured once, by the step)
     fig.update(tuples=int(rows.sum()), live_windows=int(rt.state_keys),
                state_bytes=disk, state_disk_bytes=disk, bucket_load=rows.tolist(),
-               owner_map=om.tolist())
+               owner_map=om.tolist(), operator_metrics=rt.last_metrics.get("operator_metrics", {}))
     share = rt.spec.share
     if share is not None:  # (several hosts: a bucket's key group is pmod(bucket, G))
         gl = np.bincount(np.arange(rt.B) % share.key_groups, weights=rows,

@@ -90,6 +90,8 @@ class BatchDone:
     times: Dict[str, float] = field(default_factory=dict)
     updated: int = 0  # keys whose state the batch wrote
     removed: int = 0  # keys whose state it deleted
+    # the operator's own counters (transformWithState's, named as Spark's customMetrics)
+    operator: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -104,15 +104,21 @@ class KeyState:
         self.changed = False
 
 
-def prune_expired(variables: Dict[str, Any], now: int) -> Optional[int]:
+def prune_expired(variables: Dict[str, Any], now: int, count=None) -> Optional[int]:
     """Drop what has expired (expiry <= ``now``, Spark's ``StateTTL.isExpired``) from a key's
     variables written with a TTL (``(batch, value, schemas, expiry)``: one expiry for a value,
-    one per element of a list, one per key of a map); return the earliest expiry left."""
+    one per element of a list, one per key of a map); return the earliest expiry left.
+    ``count(metric, n)``: told how many values went (``numValuesRemovedDueToTTLExpiry``)."""
     first = None
     for name, v in list(variables.items()):
         if len(v) < 4:
             continue
         live, exps = _alive(v[1], v[3], now)
+        if count is not None:
+            gone = (1 if live is None else 0) if not isinstance(v[3], (list, dict)) else (
+                len(v[3]) - (0 if exps is None else len(exps)))
+            if gone:
+                count("numValuesRemovedDueToTTLExpiry", gone)
         if live is None:
             del variables[name]
             continue
@@ -343,18 +349,30 @@ class StoreHandle(StatefulProcessorHandle):
         self._inst.uses_ttl = True
         return int(ttl)
 
+    def _declared(self, kind: str, ttl: Optional[int]) -> Optional[int]:
+        self._inst.count(f"num{kind}StateVars" if ttl is None else f"num{kind}StateWithTTLVars")
+        return ttl
+
     def getValueState(self, stateName: str, schema, ttlDurationMs: Optional[int] = None
                       ) -> ValueState:
-        return _Value(self, stateName, self._codec(schema), self._ttl(stateName, ttlDurationMs))
+        codec = self._codec(schema)
+        self._inst.declare(stateName, codec.schema)
+        return _Value(self, stateName, codec,
+                      self._declared("Value", self._ttl(stateName, ttlDurationMs)))
 
     def getListState(self, stateName: str, schema, ttlDurationMs: Optional[int] = None
                      ) -> ListState:
-        return _List(self, stateName, self._codec(schema), self._ttl(stateName, ttlDurationMs))
+        codec = self._codec(schema)
+        self._inst.declare(stateName, codec.schema)
+        return _List(self, stateName, codec,
+                     self._declared("List", self._ttl(stateName, ttlDurationMs)))
 
     def getMapState(self, stateName: str, userKeySchema, valueSchema,
                     ttlDurationMs: Optional[int] = None) -> MapState:
-        return _Map(self, stateName, self._codec(userKeySchema), self._codec(valueSchema),
-                    self._ttl(stateName, ttlDurationMs))
+        values = self._codec(valueSchema)
+        self._inst.declare(stateName, values.schema)
+        return _Map(self, stateName, self._codec(userKeySchema), values,
+                    self._declared("Map", self._ttl(stateName, ttlDurationMs)))
 
     def _check_timers(self, what: str) -> None:
         if self._time_mode == "none":
@@ -370,6 +388,7 @@ class StoreHandle(StatefulProcessorHandle):
         if t >= TTL_TIMERS:
             raise PySparkRuntimeError(f"a timer at {t} ms is beyond the timers the engine keeps "
                                       f"(below {TTL_TIMERS} ms)")
+        self._inst.count("numRegisteredTimers")
         if t not in k.timers:
             k.timers.add(t)
             k.changed = True
@@ -378,6 +397,7 @@ class StoreHandle(StatefulProcessorHandle):
         self._check_timers("deleteTimer")
         k = self._key()
         t = int(expiryTimestampMs)
+        self._inst.count("numDeletedTimers")
         if t in k.timers:
             k.timers.discard(t)
             k.changed = True
@@ -387,5 +407,6 @@ class StoreHandle(StatefulProcessorHandle):
         return iter(sorted(self._key().timers))
 
     def deleteIfExists(self, stateName: str) -> None:
-        self._live.pop(stateName, None)
+        if self._live.pop(stateName, None) is not None:
+            self._inst.count("numDeletedStateVars")
         self._inst.drop(stateName)

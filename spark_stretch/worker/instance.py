@@ -10,6 +10,7 @@ exactly what it sees under native Spark; it never starts or talks to a JVM.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -22,7 +23,11 @@ from ..engine.keyed import KeyedStore, Step, encode_key
 from ..protocol import instances as I
 from .output import OutputBuffer
 
-__all__ = ["Instance", "NO_TIMESTAMP"]
+__all__ = ["Instance", "NO_TIMESTAMP", "PROFILE_ENV"]
+
+# A directory: each step of each instance profiled there (cProfile), for finding where a
+# drop-in's batch goes.
+PROFILE_ENV = "SPARK_STRETCH_PROFILE_DIR"
 
 
 class Instance:
@@ -84,6 +89,17 @@ class Instance:
 
     # -- one batch ---------------------------------------------------------------------------
     def batch(self, msg: I.Batch) -> I.BatchDone:
+        prof_dir = os.environ.get(PROFILE_ENV)
+        if not prof_dir:
+            return self._batch(msg)
+        import cProfile  # (a developer's aid: each step's profile, python/bench's --profile)
+
+        with cProfile.Profile() as prof:
+            reply = self._batch(msg)
+        prof.dump_stats(os.path.join(prof_dir, f"instance{self.index}-step{msg.seq}.prof"))
+        return reply
+
+    def _batch(self, msg: I.Batch) -> I.BatchDone:
         t0 = time.perf_counter()
         done = self.kv.applied(self.index, msg.seq)
         if done is not None:  # this process's predecessor applied the step, then died
@@ -117,11 +133,16 @@ class Instance:
         reply = I.BatchDone(out=out_path, rows=rows, dirty=sorted(self.dirty), calls=calls,
                             timeout_calls=tcalls, changes=changes, changed_rows=log.num_rows,
                             updated=self.updated, removed=self.removed,
+                            operator=self.operator_metrics(),
                             times={"data_ms": (t1 - t0) * 1e3, "timeouts_ms": (t2 - t1) * 1e3,
                                    "write_ms": (t3 - t2) * 1e3})
         self.step.commit(self.index, msg.seq, reply, log)
         self.step = None
         return reply
+
+    def operator_metrics(self) -> dict:
+        """The step's counters of the operator (none for applyInPandasWithState)."""
+        return {}
 
     def _data_calls(self, msg: I.Batch):
         """Every key with data, once, in key order: the output's batches and the calls."""

@@ -17,6 +17,8 @@ state whose TTL has expired dropped; ``close()``.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -93,12 +95,23 @@ class ProcessorInstance(Instance):
         self.schemas: List[str] = []  # (the query's state schemas, Spark JSON, numbered)
         self.batch_no = -1
         self.uses_ttl = False  # (a variable of this batch's processor has a TTL)
+        self.counts: Dict[str, int] = {}  # (this step's, as Spark's customMetrics)
+        self._per_chunk = self.max_records  # (rows per DataFrame: _groups sets it per table)
+        self.var_schemas: Dict[str, str] = {}  # (variable -> its value schema, Spark JSON)
+        self.avro = self.spec.runner_conf.get("state_encoding", "unsaferow") == "avro"
         self.use_rows = self.spec.api == "transformWithState"  # (else ...InPandas)
         if self.use_rows:
             from pyspark.sql.pandas.types import to_arrow_type
 
             self.row_schema = pa.schema(list(to_arrow_type(self.out_schema, timezone="UTC",
                                                            prefers_large_types=False)))
+
+    def count(self, metric: str, n: int = 1) -> None:
+        """Add ``n`` to this step's ``metric`` (Spark's name: ``numRegisteredTimers``, ...)."""
+        self.counts[metric] = self.counts.get(metric, 0) + n
+
+    def operator_metrics(self) -> dict:
+        return dict(self.counts)
 
     def drop(self, name: str) -> None:
         """``deleteIfExists(name)``: every key's value of it written before this batch is
@@ -112,13 +125,31 @@ class ProcessorInstance(Instance):
         :data:`VARIABLES` (each instance of a batch writes the same: its processor's ``init``
         is the same)."""
         self.step.put(VARIABLES, (None, {"dropped": dict(self.dropped),
-                                         "schemas": list(self.schemas)}, ()))
+                                         "schemas": list(self.schemas),
+                                         "variables": dict(self.var_schemas)}, ()))
 
     def _load_variables(self) -> None:
         e = self.step.get(VARIABLES)
         got = e[1] if e is not None else {}
         self.dropped = dict(got.get("dropped", {}))
         self.schemas = list(got.get("schemas", []))
+        self.var_schemas = dict(got.get("variables", {}))
+
+    def declare(self, name: str, schema: StructType) -> None:
+        """State variable ``name`` with value schema ``schema`` in this batch: checked against
+        the one its checkpoint has, as Spark checks it (:mod:`.schemas`), then kept."""
+        from .schemas import check_evolution, check_nullable
+
+        if self.avro:
+            check_nullable(name, schema)
+        js = schema.json()
+        old = self.var_schemas.get(name)
+        if old == js:
+            return
+        if old is not None:
+            check_evolution(name, self._parse(old), schema, self.avro)
+        self.var_schemas[name] = js
+        self._save_variables()
 
     def codec(self, schema) -> Codec:
         if isinstance(schema, str):
@@ -141,41 +172,47 @@ class ProcessorInstance(Instance):
         return c
 
     def _schema_of(self, sid: int) -> StructType:
+        return self._parse(self.schemas[sid])
+
+    @staticmethod
+    def _parse(js: str) -> StructType:
         from pyspark.sql.types import _parse_datatype_json_string
 
-        return _parse_datatype_json_string(self.schemas[sid])
+        return _parse_datatype_json_string(js)
 
-    def _chunks(self, pdf, a: int, z: int, like=None):
+    def _chunks(self, pdf, a: int, z: int, cast=None):
         """The key's rows as pyspark's ``TransformWithStateInPandasSerializer`` gives them: the
-        rows as tuples, made into DataFrames of at most maxRecordsPerBatch rows (so the
-        column types are those pandas infers from the values, as natively). ``like``: the
-        column types the tuples give for this table (:meth:`_tuple_dtypes`), so the frames are
-        cut from the table's columns and cast, not built row by row."""
+        rows as tuples, made into DataFrames of at most :attr:`_per_chunk` rows (so the
+        column types are those pandas infers from the values, as natively). ``cast``: the
+        table with its columns cast to the types the tuples give (:meth:`_tuple_table`), so
+        the frames are cut from it, not built row by row."""
         import pandas as pd
 
-        for lo in range(a, z, self.max_records):
-            hi = min(z, lo + self.max_records)
-            if like is not None:
-                yield pdf.iloc[lo:hi].reset_index(drop=True).astype(like)
+        for lo in range(a, z, self._per_chunk):
+            hi = min(z, lo + self._per_chunk)
+            if cast is not None:
+                frame = cast.iloc[lo:hi]  # (a new frame: its index is its own)
+                frame.index = pd.RangeIndex(hi - lo)
+                yield frame
             else:
                 yield pd.DataFrame(list(pdf.iloc[lo:hi].itertuples(index=False)))
 
-    def _tuple_dtypes(self, table: pa.Table, pdf):
-        """The column types pandas infers for this table's rows made tuples, if casting its
-        columns gives the same frames (checked on its first rows): columns without nulls,
-        names that stay names in a namedtuple; else None (frames built from the tuples)."""
+    def _tuple_table(self, table: pa.Table, pdf):
+        """The table with its columns cast to the types pandas infers for its rows made
+        tuples, if that gives the same frames (checked on its first rows): columns without
+        nulls, names that stay names in a namedtuple; else None (frames built from the
+        tuples)."""
         if table.num_rows == 0 or any(c.null_count for c in table.columns):
             return None
         probe = min(table.num_rows, 64)
         slow = next(self._chunks(pdf, 0, probe))
         if list(slow.columns) != list(pdf.columns):
             return None
-        like = slow.dtypes.to_dict()
         try:
-            fast = next(self._chunks(pdf, 0, probe, like))
+            cast = pdf.astype(slow.dtypes.to_dict())  # (once per table: a key's frame a slice)
         except (TypeError, ValueError):
             return None
-        return like if fast.equals(slow) else None
+        return cast if cast.iloc[:len(slow)].reset_index(drop=True).equals(slow) else None
 
     def _timer_values(self) -> TimerValues:
         if self.time_mode.lower() == "none":
@@ -193,7 +230,7 @@ class ProcessorInstance(Instance):
         for name, v in list(k.vars.items()):  # (values of dropped variables)
             if v[0] < self.dropped.get(name, -1):
                 del k.vars[name]
-        first = prune_expired(k.vars, self.ts_ms)
+        first = prune_expired(k.vars, self.ts_ms, self.count)
         timers = tuple(sorted(k.timers)) + (() if first is None else (TTL_TIMERS + first,))
         if k.vars or k.timers:
             self.step.put(k.kb, (k.key, k.vars, timers))
@@ -210,6 +247,7 @@ class ProcessorInstance(Instance):
         self.current = None
         self.batch_no = int(msg.batch)
         self.uses_ttl = False
+        self.counts = {}
         self._load_variables()
         self._codecs.clear()  # (numbered by this store's list of schemas)
         self.processor.init(StoreHandle(self))
@@ -244,15 +282,22 @@ class ProcessorInstance(Instance):
         """``(key_at(row), values_of(first, end))`` of a table sorted by key: the key of a row
         and the values of a key's rows, as pyspark's serializers give them (the row-based ones:
         Arrow's ``as_py``; the pandas ones: pandas' values)."""
+        # (pyspark cuts a key's rows at maxRecordsPerBatch, or where their Arrow bytes at the
+        # average row size seen reach maxBytesPerBatch: here the table's average)
+        self._per_chunk = self.max_records
+        max_bytes = int(self.spec.runner_conf.get("arrow_max_bytes_per_batch", 2 ** 31 - 1))
+        if max_bytes < 2 ** 31 - 1 and table.num_rows:
+            per_row = table.nbytes / table.num_rows
+            self._per_chunk = max(1, min(self.max_records, math.ceil(max_bytes / per_row)))
         if self.use_rows:
             cols = [table.column(k) for k in keys]
             return (lambda a: tuple(c[a].as_py() for c in cols)), self._rows(table, keys,
                                                                               columns)
         pdf = self._to_pandas(table)
         kvals = [pdf.iloc[:, columns.index(k)]._values for k in keys]
-        like = self._tuple_dtypes(table, pdf)
+        cast = self._tuple_table(table, pdf)
         return ((lambda a: tuple(normalize(v[a]) for v in kvals)),
-                (lambda a, z: self._chunks(pdf, a, z, like)))
+                (lambda a, z: self._chunks(pdf, a, z, cast)))
 
     def _initial_groups(self, msg: I.Batch) -> dict:
         """The first step's initial state per key (``initialState``): store key -> ``(key,
@@ -294,6 +339,7 @@ class ProcessorInstance(Instance):
         tcalls = 0
         mode = self.time_mode.lower()
         if mode != "none":
+            t0 = time.perf_counter()
             threshold = self.ts_ms if mode == "processingtime" else self.wm_ms
             # (a timer at the threshold fires: TimerStateImpl's expiry is inclusive)
             due = sorted((ts, kb, b) for b in owned
@@ -306,10 +352,12 @@ class ProcessorInstance(Instance):
                 self._open(kb, b, e[0])
                 for res in self.processor.handleExpiredTimer(e[0], tv, ExpiredTimerInfo(ts)):
                     out.add(res)
+                self.count("numExpiredTimers")
                 self.current.timers.discard(ts)
                 self.current.changed = True
                 self._close_key()
                 tcalls += 1
+            self.count("timerProcessingTimeMs", round((time.perf_counter() - t0) * 1e3))
         if self.uses_ttl:
             self._drop_expired(owned)
         self.processor.close()

@@ -14,10 +14,10 @@ Ported so far: ``test_transform_with_state_basic``, ``_query_restarts``, ``_proc
 ``_chaining_ops`` (``eventTimeColumnName``, a streaming aggregation after it), ``_init_state``
 (``initialState``), ``_init_state_with_timers``, ``_non_contiguous_grouping_cols_with_init_state``,
 ``test_schema_evolution_scenarios`` (a value state's schema evolving over five restarts),
+``test_schema_evolution_fails``, ``test_not_nullable_fails`` (Spark's errors, asserted on both
+sides),
 ``_in_pandas_composite_type`` (arrays, maps and structs in value, list and map state).
-Not applied: ``_query_restarts``' read of the operator's custom metrics
-(``numValueStateVars``, ``numDeletedStateVars``: counters of Spark's own state store, which
-does not run under ``stretch(df)``). Input files are ordered by their modification times set
+Input files are ordered by their modification times set
 directly, where pyspark sleeps 2 s between them. ``_proc_timer`` runs without no-data
 batches (see there), as does ``_with_wmark_and_non_event_time`` in processing time.
 """
@@ -471,6 +471,10 @@ def test_transform_with_state_query_restarts(rocksdb, tmp_path):
         q.stop()
         q.awaitTermination(10)
         assert q.exception() is None
+
+        # Verify custom metrics.
+        assert q.lastProgress.stateOperators[0].customMetrics["numValueStateVars"] > 0, side
+        assert q.lastProgress.stateOperators[0].customMetrics["numDeletedStateVars"] > 0, side
 
         resource2(input_path)
         q = base_query.start()
@@ -1167,6 +1171,75 @@ def test_schema_evolution_scenarios(rocksdb, tmp_path):
         assert got["stretch"] == got["native"]
     finally:
         spark.conf.unset("spark.sql.streaming.stateStore.encodingFormat")
+
+
+class PandasBasicProcessorNotNullable(PandasBasicProcessor):
+    # (pyspark's BasicProcessorNotNullable: the basic processor's state, its fields not null)
+    state_schema = StructType(
+        [StructField("id", IntegerType(), False), StructField("name", StringType(), False)]
+    )
+
+
+def _fails_with(spark, tmp_path, side, runs, *expected):
+    """The runs of one query from one checkpoint (``(processor, add_input)``), the last one
+    failing: its StreamingQueryException says ``expected``."""
+    from pyspark.errors.exceptions.captured import StreamingQueryException
+
+    input_path = tmp_path / side / "input"
+    input_path.mkdir(parents=True)
+    for i, (processor, add_input) in enumerate(runs):
+        add_input(input_path)
+        out = StructType([StructField("id", StringType(), True),
+                          StructField("value", processor.state_schema, True)])
+        tws_df = build_test_df(spark, input_path).groupBy("id").transformWithStateInPandas(
+            statefulProcessor=processor(), outputStructType=out, outputMode="Update",
+            timeMode="None")
+        if i < len(runs) - 1:
+            run(spark, tws_df, side, lambda *_: None, checkpoint=tmp_path / side / "ckpt",
+                query_name="evolution_test")
+            continue
+        with pytest.raises(StreamingQueryException) as e:
+            run(spark, tws_df, side, lambda *_: None, checkpoint=tmp_path / side / "ckpt",
+                query_name="evolution_test")
+        for text in expected:
+            assert text in str(e.value), (side, str(e.value)[:3000])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", SIDES)
+def test_schema_evolution_fails(rocksdb, tmp_path, side):
+    # Added fields, then upcast (int to long), then back to int: Avro refuses the downcast.
+    # (pyspark's test passes whether or not the last run fails; here it must, on both sides.)
+    rocksdb.conf.set("spark.sql.streaming.stateStore.encodingFormat", "avro")
+    try:
+        _fails_with(rocksdb, tmp_path, side,
+                    [(PandasAddFieldsProcessor, resource1), (PandasUpcastProcessor, resource2),
+                     (PandasBasicProcessor, resource3)],
+                    "[STREAM_FAILED]", "[STATE_STORE_INVALID_VALUE_SCHEMA_EVOLUTION]",
+                    "Schema evolution is not possible")
+    finally:
+        rocksdb.conf.unset("spark.sql.streaming.stateStore.encodingFormat")
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_not_nullable_fails(rocksdb, tmp_path, side):
+    rocksdb.conf.set("spark.sql.streaming.stateStore.encodingFormat", "avro")
+    try:
+        _fails_with(rocksdb, tmp_path, side, [(PandasBasicProcessorNotNullable, resource1)],
+                    "[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE]",
+                    "column family state must be nullable")
+    finally:
+        rocksdb.conf.unset("spark.sql.streaming.stateStore.encodingFormat")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", SIDES)
+def test_unsaferow_schema_change_fails(rocksdb, tmp_path, side):
+    # (not pyspark's) Spark's default encoding keeps a value schema's fields and types: the
+    # added fields of pyspark's second evolution run fail without Avro, on both sides.
+    _fails_with(rocksdb, tmp_path, side,
+                [(PandasBasicProcessor, resource1), (PandasAddFieldsProcessor, resource2)],
+                "[STREAM_FAILED]", "[STATE_STORE_VALUE_SCHEMA_NOT_COMPATIBLE]")
 
 
 # -- composite types (pyspark's test_transform_with_state_in_pandas_composite_type) -----------

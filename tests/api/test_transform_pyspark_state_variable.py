@@ -520,3 +520,58 @@ def test_state_ttl_expires_as_sparks_on_both_sides(no_data_batches_off, tmp_path
     # expired by batch 4, where a only read; b's of batch 1 by batch 2): c's state is left
     ops = queries[0].lastProgress["stateOperators"]
     assert ops[0]["numRowsTotal"] == 1, ops
+
+
+# -- a key's rows cut into DataFrames as pyspark cuts them --------------------------------------
+class ChunkSizes(StatefulProcessor):
+    """Per key, the sizes of the DataFrames its rows came in."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        pass
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        sizes = [len(pdf) for pdf in rows]
+        yield pd.DataFrame({"id": [key[0]], "countAsString": [",".join(map(str, sizes))]})
+
+
+@pytest.mark.parametrize("conf", [
+    {"spark.sql.execution.arrow.maxRecordsPerBatch": "2",
+     # (pyspark's test class sets this one: it sizes the JVM's Arrow batches, not the frames)
+     "spark.sql.execution.arrow.transformWithStateInPandas.maxRecordsPerBatch": "3"},
+    {"spark.sql.execution.arrow.maxBytesPerBatch": "20"}], ids=["records", "bytes"])
+def test_rows_cut_by_max_records_and_max_bytes_per_batch_as_natively(rocksdb, tmp_path, conf):
+    """A key's rows come in DataFrames of at most ``maxRecordsPerBatch`` rows (the frames'
+    sizes equal native's), or fewer where their average Arrow size reaches
+    ``maxBytesPerBatch`` (natively the average over the JVM's Arrow batches, their buffers
+    padded; here the batch's: both cut every key's rows, the sizes may differ by a row)."""
+    spark = rocksdb
+    with open(tmp_path / "a.txt", "w") as fw:
+        fw.write("".join(f"{k}, {t}\n" for k in "012" for t in range(7 * (int(k) + 1))))
+    seen = {}
+
+    def check_results(batch_df, _):
+        seen.setdefault("n", []).append(sorted(batch_df.collect()))
+
+    def make():
+        return build_test_df(spark, tmp_path).groupBy("id").transformWithStateInPandas(
+            statefulProcessor=ChunkSizes(), outputStructType=BASIC_OUT, outputMode="Update",
+            timeMode="None")
+
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    try:
+        both(spark, make, check_results)
+    finally:
+        for k in conf:
+            spark.conf.unset(k)
+    native, stretch = seen["n"]
+
+    def sizes(rows):
+        return {r.id: [int(n) for n in r.countAsString.split(",")] for r in rows}
+
+    if "spark.sql.execution.arrow.maxBytesPerBatch" not in conf:
+        assert native == stretch
+    for side in (native, stretch):
+        got = sizes(side)
+        assert {k: sum(v) for k, v in got.items()} == {"0": 7, "1": 14, "2": 21}, side
+        assert all(max(v) < 7 and len(set(v[:-1])) <= 1 for v in got.values()), side
