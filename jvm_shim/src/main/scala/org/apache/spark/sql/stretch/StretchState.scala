@@ -144,5 +144,10 @@ object StretchState {
       Seq("stateOnCurrentVersionSizeBytes", "rocksdbSstFileSize")
         .foreach(m => save.metrics.get(m).foreach(_.set(disk)))
     }
+    // The operator's own counters the engine keeps under Spark's names (transformWithState's
+    // numValueStateVars, ...), into the operator's metrics of the same names.
+    if (custom != null) custom.fields().asScala.foreach { e =>
+      save.metrics.get(e.getKey).foreach(_.set(e.getValue.asLong()))
+    }
   }
 }
