@@ -415,25 +415,28 @@ def tws_of(grouped, use_pandas: bool, processor, **kw):
     return grouped.transformWithState(statefulProcessor=processor, **kw)
 
 
+def check_basic_results(batch_df, batch_id):
+    """pyspark's ``check_results`` of its basic tests (value state, resources 1 then 2)."""
+    batch_df.collect()
+    if batch_id == 0:
+        assert set(batch_df.sort("id").collect()) == {
+            Row(id="0", countAsString="2"),
+            Row(id="1", countAsString="2"),
+        }
+    else:
+        assert set(batch_df.sort("id").collect()) == {
+            Row(id="0", countAsString="3"),
+            Row(id="1", countAsString="2"),
+        }
+
+
 @pytest.mark.parametrize("use_pandas", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["pandas", "row"])
 def test_transform_with_state_basic(rocksdb, tmp_path, use_pandas):
     spark = rocksdb
     resource1(tmp_path)
     resource2(tmp_path)
-
-    def check_results(batch_df, batch_id):
-        batch_df.collect()
-        if batch_id == 0:
-            assert set(batch_df.sort("id").collect()) == {
-                Row(id="0", countAsString="2"),
-                Row(id="1", countAsString="2"),
-            }
-        else:
-            assert set(batch_df.sort("id").collect()) == {
-                Row(id="0", countAsString="3"),
-                Row(id="1", countAsString="2"),
-            }
+    check_results = check_basic_results
 
     def make():
         proc = PandasSimpleStatefulProcessor() if use_pandas else RowSimpleStatefulProcessor()

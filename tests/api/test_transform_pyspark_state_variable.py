@@ -30,7 +30,8 @@ from pyspark.sql.types import (IntegerType, LongType, StringType, StructField, S
                                TimestampType)
 
 from .test_transform_pyspark import (BASIC_OUT, PandasSimpleStatefulProcessor, both,
-                                     build_test_df, resource1, resource2, rocksdb, run)
+                                     build_test_df, check_basic_results, resource1,
+                                     resource2, rocksdb, run)
 
 # Shipped by value: Python workers and stretch instances cannot import this test module.
 from pyspark import cloudpickle  # noqa: E402
@@ -401,20 +402,8 @@ def test_transform_with_state_map_state_large_ttl(no_data_batches_off, tmp_path)
 
 
 def test_value_state_ttl_basic(no_data_batches_off, tmp_path):
-    def check_results(batch_df, batch_id):
-        if batch_id == 0:
-            assert set(batch_df.sort("id").collect()) == {
-                Row(id="0", countAsString="2"),
-                Row(id="1", countAsString="2"),
-            }
-        else:
-            assert set(batch_df.sort("id").collect()) == {
-                Row(id="0", countAsString="3"),
-                Row(id="1", countAsString="2"),
-            }
-
     got = _basic(no_data_batches_off, tmp_path, PandasSimpleTTLStatefulProcessor,
-                 check_results, False, "processingTime")
+                 check_basic_results, False, "processingTime")
     assert [b for b, _ in got["stretch"]] == [0, 1]
 
 
