@@ -90,7 +90,10 @@ def stretch(df: DataFrame, *, parallelism: int = 1, max_parallelism: int = 4,
     ``df`` may also be ``groupBy(...).transformWithStateInPandas(processor, ...)`` (or the
     row-based ``transformWithState``) as written for Spark: the processor runs in the engine's
     instance processes with its state in the host's store (value, list and map state, timers,
-    an ``initialState``, state TTL) (:mod:`spark_stretch.api.transform`, docs/transform.md).
+    an ``initialState``, state TTL) (:mod:`spark_stretch.api.transform`, docs/transform.md);
+    or ``groupBy(...).applyInPandasWithState(func, ...)``: the drop-in
+    (:func:`~spark_stretch.api.grouped.stretch_apply_in_pandas_with_state`) with the plan's
+    function and arguments.
 
     ``df`` may aggregate the windows of another ``stretch`` result
     (``groupBy(window(window_time("window"), ...), ...)``), and a query may hold several

@@ -83,6 +83,27 @@ class _Recorder:
         return iter([])
 
 
+def _pandas_state(df: DataFrame, plans, info: dict, parallelism: int, max_parallelism: int,
+                  buckets: int, policy) -> DataFrame:
+    """``groupBy(...).applyInPandasWithState(...)`` as written for Spark: the drop-in
+    (:func:`~spark_stretch.api.grouped.stretch_apply_in_pandas_with_state`) with the plan's
+    function and arguments over the DataFrame it groups; ``df`` with a ``FallbackWarning`` if
+    it groups by expressions."""
+    from pyspark.sql.types import _parse_datatype_json_string
+
+    from .grouped import stretch_apply_in_pandas_with_state
+
+    if not info["ok"]:
+        fall_back(df.sparkSession, f"{info['reason']}: not on the engine yet", stacklevel=4)
+        return df
+    data = plans.transform_input(df)
+    return stretch_apply_in_pandas_with_state(
+        data.groupBy(*info["grouping"]), _function_of(base64.b64decode(info["command"])),
+        df.schema, _parse_datatype_json_string(info["state_schema"]), info["output_mode"],
+        info["timeout"], parallelism=parallelism, max_parallelism=max_parallelism,
+        buckets=buckets, elastic=policy)
+
+
 def _tws_runner_conf(spark) -> dict:
     """What Spark's transformWithState runner gives pyspark's worker: the pandas settings,
     ``maxRecordsPerBatch`` and ``maxBytesPerBatch`` (the key's rows cut by both; Spark's
@@ -95,18 +116,23 @@ def _tws_runner_conf(spark) -> dict:
                                     "unsaferow").lower()}
 
 
-def _processor_of(command: bytes):
-    """The ``StatefulProcessor`` in the pickled function of Spark's plan (pyspark
-    pickles ``(TransformWithStateInPandasUdfUtils(...).transformWithStateUDF, returnType)``)."""
+def _function_of(command: bytes):
+    """The Python function of a pickled command of Spark's plan (pyspark pickles
+    ``(function, returnType)``, broadcast when over 1 MB)."""
     from pyspark.broadcast import Broadcast
     from pyspark.serializers import CloudPickleSerializer
 
     ser = CloudPickleSerializer()
     got = ser.loads(command)
-    if isinstance(got, Broadcast):  # (a function of more than 1 MB is broadcast)
+    if isinstance(got, Broadcast):
         got = ser.loads(got.value)
-    func = got[0] if isinstance(got, tuple) else got
-    utils = getattr(func, "__self__", None)
+    return got[0] if isinstance(got, tuple) else got
+
+
+def _processor_of(command: bytes):
+    """The ``StatefulProcessor`` in the pickled function of Spark's plan (pyspark's is
+    ``TransformWithStateInPandasUdfUtils(...).transformWithStateUDF``)."""
+    utils = getattr(_function_of(command), "__self__", None)
     proc = getattr(utils, "_stateful_processor", None)
     if proc is None:
         raise ValueError("no StatefulProcessor in the plan's function (pyspark changed?)")
@@ -142,6 +168,8 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
     spark = df.sparkSession
     plans = jvm.ShimPlans(spark)
     info = plans.transform_info(df)
+    if info.get("pandas_state"):
+        return _pandas_state(df, plans, info, parallelism, max_parallelism, buckets, policy)
     if not info.get("tws"):
         return None
     reason = None if info["ok"] else info["reason"]

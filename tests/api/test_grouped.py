@@ -23,6 +23,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql.group import GroupedData
 from pyspark.sql.streaming.state import GroupStateTimeout
 
+import spark_stretch
 import spark_stretch.api
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import TWEETS, publish, write_tweets
@@ -188,6 +189,19 @@ def test_sessionization_event_time_timeout_equals_native(spark, stream, tmp_path
     assert _committed(src.parent / "native-ckpt") == list(range(7))
     assert [p for p in m["plans"] if "Exchange" in p] == []
     assert _shm_dirs() <= before  # the state directory in /dev/shm went with the query
+
+
+def test_stretch_of_apply_in_pandas_with_state_as_written_equals_native(spark, stream,
+                                                                         tmp_path):
+    """``stretch(df)`` over ``groupBy(...).applyInPandasWithState(...)`` as written for Spark
+    (event-time timeouts, a watermark): the drop-in on the engine, native's rows."""
+    src, args, want = stream
+    q = run_stretch(spark_stretch.stretch(
+        source(spark, src).groupBy("user").applyInPandasWithState(*args), parallelism=2,
+        buckets=64), tmp_path / "o")
+    equal(read(spark, tmp_path / "o"), want)
+    m = q.metrics()
+    assert m["engine"]["timeout_calls"] > 0 and m["engine"]["late_rows"] > 0
 
 
 def test_running_count_no_timeout_equals_native(spark, tmp_path):

@@ -349,6 +349,7 @@ def _two_per_key(batch_df, _):
     }
 
 
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
 def test_transform_with_state_non_exist_value_state(rocksdb, tmp_path):
     def check_results(batch_df, _):
         assert set(batch_df.sort("id").collect()) == {
@@ -364,6 +365,7 @@ def test_transform_with_state_list_state(no_data_batches_off, tmp_path):
            "processingTime")
 
 
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
 def test_transform_with_state_list_state_large_list(rocksdb, tmp_path):
     def check_results(batch_df, batch_id):
         if batch_id == 0:
@@ -387,6 +389,7 @@ def test_transform_with_state_list_state_large_list(rocksdb, tmp_path):
     assert [b for b, _ in got["stretch"]] == [0, 1]
 
 
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
 def test_transform_with_state_list_state_large_ttl(no_data_batches_off, tmp_path):
     _basic(no_data_batches_off, tmp_path, PandasListStateLargeTTLProcessor, _two_per_key, True,
            "processingTime")
@@ -396,6 +399,7 @@ def test_transform_with_state_map_state(rocksdb, tmp_path):
     _basic(rocksdb, tmp_path, PandasMapStateProcessor, _two_per_key, True)
 
 
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
 def test_transform_with_state_map_state_large_ttl(no_data_batches_off, tmp_path):
     _basic(no_data_batches_off, tmp_path, PandasMapStateLargeTTLProcessor, _two_per_key, True,
            "processingTime")
@@ -527,7 +531,8 @@ class ChunkSizes(StatefulProcessor):
     {"spark.sql.execution.arrow.maxRecordsPerBatch": "2",
      # (pyspark's test class sets this one: it sizes the JVM's Arrow batches, not the frames)
      "spark.sql.execution.arrow.transformWithStateInPandas.maxRecordsPerBatch": "3"},
-    {"spark.sql.execution.arrow.maxBytesPerBatch": "20"}], ids=["records", "bytes"])
+    pytest.param({"spark.sql.execution.arrow.maxBytesPerBatch": "20"},
+                 marks=pytest.mark.slow)], ids=["records", "bytes"])
 def test_rows_cut_by_max_records_and_max_bytes_per_batch_as_natively(rocksdb, tmp_path, conf):
     """A key's rows come in DataFrames of at most ``maxRecordsPerBatch`` rows (the frames'
     sizes equal native's), or fewer where their average Arrow size reaches

@@ -8,7 +8,7 @@ import com.fasterxml.jackson.databind.node.ObjectNode
 import org.apache.spark.sql.Row
 import org.apache.spark.sql.catalyst.analysis.UnsupportedOperationChecker
 import org.apache.spark.sql.catalyst.expressions.{Alias, Attribute, BoundReference, PythonUDF}
-import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, LogicalPlan, Project, TransformWithStateInPySpark, UpdateEventTimeWatermarkColumn}
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Filter, FlatMapGroupsInPandasWithState, LogicalPlan, Project, TransformWithStateInPySpark, UpdateEventTimeWatermarkColumn}
 import org.apache.spark.sql.catalyst.streaming.InternalOutputModes
 import org.apache.spark.sql.catalyst.types.DataTypeUtils
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset, SparkSession => ClassicSession}
@@ -97,6 +97,10 @@ object StretchPlans {
     def no(reason: String): String = { out.put("ok", false); out.put("reason", reason); out.toString }
     val tws = transformOf(df.logicalPlan)
     out.put("tws", tws.isDefined)
+    df.logicalPlan match {
+      case f: FlatMapGroupsInPandasWithState => return pandasStateInfo(f, out)
+      case _ =>
+    }
     tws match {
       case Some(t) =>
         val (keys, input) = groupedBy(t.child, t.groupingAttributesLen)
@@ -135,6 +139,32 @@ object StretchPlans {
 
   /** The transformWithState of a plan: its root, or under the root when `eventTimeColumnName`
    * put Spark's watermark column update over it. */
+  /** [[transformInfo]] of a `groupBy(...).applyInPandasWithState(...)`: `{"pandas_state": true,
+   * "ok", "grouping", "output_mode", "timeout", "state_schema" (JSON), "command"}`. */
+  private def pandasStateInfo(f: FlatMapGroupsInPandasWithState, out: ObjectNode): String = {
+    out.put("pandas_state", true)
+    val missing = f.groupingAttributes.filterNot(k => f.child.output.exists(_.exprId == k.exprId))
+    val udf = f.functionExpr match {
+      case u: PythonUDF => Some(u)
+      case _ => None
+    }
+    if (missing.nonEmpty || udf.isEmpty) {
+      out.put("ok", false)
+      out.put("reason", if (udf.isEmpty) s"its function is a ${f.functionExpr.nodeName}"
+        else s"it groups by expressions (${missing.map(_.name).mkString(", ")}), not " +
+          "columns of the DataFrame; add them as columns first")
+      return out.toString
+    }
+    out.put("ok", true)
+    val names = out.putArray("grouping")
+    f.groupingAttributes.foreach(k => names.add(k.name))
+    out.put("output_mode", f.outputMode.toString)
+    out.put("timeout", f.timeout.toString)
+    out.put("state_schema", f.stateType.json)
+    out.put("command", java.util.Base64.getEncoder.encodeToString(udf.get.func.command.toArray))
+    out.toString
+  }
+
   private def transformOf(plan: LogicalPlan): Option[TransformWithStateInPySpark] = plan match {
     case t: TransformWithStateInPySpark => Some(t)
     case UpdateEventTimeWatermarkColumn(_, _, t: TransformWithStateInPySpark) => Some(t)
@@ -165,6 +195,10 @@ object StretchPlans {
   }
 
   private def transformSide(df: ClassicDataset[Row], initial: Boolean): ClassicDataset[Row] = {
+    df.logicalPlan match {  // (applyInPandasWithState: the DataFrame it groups, as it is)
+      case f: FlatMapGroupsInPandasWithState => return ClassicDataset.ofRows(df.sparkSession, f.child)
+      case _ =>
+    }
     val t = transformOf(df.logicalPlan).getOrElse(throw new IllegalArgumentException(
       s"not a transformWithState: ${df.logicalPlan.nodeName}"))
     val (side, len) = if (initial) (t.initialState, t.initGroupingAttrsLen)
