@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -278,6 +278,10 @@ def merged(batch: int, hosts: List[BatchMetrics], max_parallelism: int, groups: 
     def total_of(name):
         return sum(getattr(h, name) for h in hosts)
 
+    operator = Counter()  # (update, not +: a counter of 0 stays)
+    for h in hosts:
+        operator.update(h.operator_metrics)
+
     return BatchMetrics(
         batch=batch, parallelism=par, max_parallelism=max_parallelism,
         utilization=[u for h in hosts for u in h.utilization],
@@ -296,7 +300,7 @@ def merged(batch: int, hosts: List[BatchMetrics], max_parallelism: int, groups: 
         live_windows=total_of("live_windows"), state_bytes=total_of("state_bytes"),
         state_disk_bytes=(None if all(h.state_disk_bytes is None for h in hosts)
                           else sum(h.state_disk_bytes or 0 for h in hosts)),
-        operator_metrics=_summed(h.operator_metrics for h in hosts),
+        operator_metrics=dict(operator),
         rows_updated=total_of("rows_updated"), rows_removed=total_of("rows_removed"),
         late_rows=total_of("late_rows"), time_ms=max((h.time_ms for h in hosts), default=0),
         batches_since_switch=since, switched=switched,
@@ -322,14 +326,6 @@ def sink_figures(m: Optional[BatchMetrics]) -> dict:
         return {}
     row = m.row()
     return {f"stretch.{name}": row[key] for name, key in _SINK_KEYS if row.get(key) is not None}
-
-
-def _summed(dicts) -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0) + int(v)
-    return out
 
 
 def state_figures(m: Optional[BatchMetrics]) -> dict:

@@ -46,6 +46,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
@@ -260,12 +261,11 @@ class GroupedRuntime(GroupedState, Runtime):
         self.state_changes = {"state_rows": self.state_keys,
                               "rows_updated": sum(r.updated for r in replies.values()),
                               "rows_removed": sum(r.removed for r in replies.values())}
-        operator: dict = {}
+        operator = Counter()  # (update, not +: a counter of 0 stays)
         for r in replies.values():
-            for k, v in r.operator.items():
-                operator[k] = operator.get(k, 0) + int(v)
+            operator.update(r.operator)
         m = {"calls": calls, "timeout_calls": timeouts, "state_keys": self.state_keys,
-             "operator_metrics": operator,
+             "operator_metrics": dict(operator),
              "changed_buckets": len(dirty), "state_disk_bytes": self.kv.disk_bytes(),
              "split_ms": (t_split - t0) * 1e3,
              "instances_ms": (t_run - t_split) * 1e3, "instances": per,

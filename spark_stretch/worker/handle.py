@@ -109,24 +109,28 @@ def prune_expired(variables: Dict[str, Any], now: int, count=None) -> Optional[i
     variables written with a TTL (``(batch, value, schemas, expiry)``: one expiry for a value,
     one per element of a list, one per key of a map); return the earliest expiry left.
     ``count(metric, n)``: told how many values went (``numValuesRemovedDueToTTLExpiry``)."""
-    first = None
+    soonest = []
     for name, v in list(variables.items()):
         if len(v) < 4:
             continue
         live, exps = _alive(v[1], v[3], now)
-        if count is not None:
-            gone = (1 if live is None else 0) if not isinstance(v[3], (list, dict)) else (
-                len(v[3]) - (0 if exps is None else len(exps)))
-            if gone:
-                count("numValuesRemovedDueToTTLExpiry", gone)
+        left = [] if live is None else _expiries(exps)
+        gone = len(_expiries(v[3])) - len(left)
+        if count is not None and gone:
+            count("numValuesRemovedDueToTTLExpiry", gone)
         if live is None:
             del variables[name]
-            continue
-        variables[name] = (v[0], live, v[2], exps)
-        soonest = min(exps.values()) if isinstance(exps, dict) else (
-            min(exps) if isinstance(exps, list) else exps)
-        first = soonest if first is None else min(first, soonest)
-    return first
+        else:
+            variables[name] = (v[0], live, v[2], exps)
+            soonest.append(min(left))
+    return min(soonest, default=None)
+
+
+def _expiries(exps) -> list:
+    """A variable's expiries: the value's, its list elements', its map keys'."""
+    if isinstance(exps, dict):
+        return list(exps.values())
+    return exps if isinstance(exps, list) else [exps]
 
 
 def _alive(value, exps, now: int):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -95,8 +96,7 @@ class ProcessorInstance(Instance):
         self.schemas: List[str] = []  # (the query's state schemas, Spark JSON, numbered)
         self.batch_no = -1
         self.uses_ttl = False  # (a variable of this batch's processor has a TTL)
-        self.counts: Dict[str, int] = {}  # (this step's, as Spark's customMetrics)
-        self._per_chunk = self.max_records  # (rows per DataFrame: _groups sets it per table)
+        self.counts: Counter = Counter()  # (this step's, as Spark's customMetrics)
         self.var_schemas: Dict[str, str] = {}  # (variable -> its value schema, Spark JSON)
         self.avro = self.spec.runner_conf.get("state_encoding", "unsaferow") == "avro"
         self.use_rows = self.spec.api == "transformWithState"  # (else ...InPandas)
@@ -108,7 +108,7 @@ class ProcessorInstance(Instance):
 
     def count(self, metric: str, n: int = 1) -> None:
         """Add ``n`` to this step's ``metric`` (Spark's name: ``numRegisteredTimers``, ...)."""
-        self.counts[metric] = self.counts.get(metric, 0) + n
+        self.counts[metric] += n
 
     def operator_metrics(self) -> dict:
         return dict(self.counts)
@@ -180,16 +180,26 @@ class ProcessorInstance(Instance):
 
         return _parse_datatype_json_string(js)
 
-    def _chunks(self, pdf, a: int, z: int, cast=None):
+    def _rows_per_frame(self, table: pa.Table) -> int:
+        """How many of a key's rows pyspark puts in one DataFrame: maxRecordsPerBatch, or fewer
+        where their Arrow bytes at the average row size reach maxBytesPerBatch (natively the
+        average over the JVM's Arrow batches; here the table's)."""
+        max_bytes = int(self.spec.runner_conf.get("arrow_max_bytes_per_batch", 2 ** 31 - 1))
+        if max_bytes >= 2 ** 31 - 1 or not table.num_rows:
+            return self.max_records
+        per_row = table.nbytes / table.num_rows
+        return max(1, min(self.max_records, math.ceil(max_bytes / per_row)))
+
+    def _chunks(self, pdf, a: int, z: int, per: int, cast=None):
         """The key's rows as pyspark's ``TransformWithStateInPandasSerializer`` gives them: the
-        rows as tuples, made into DataFrames of at most :attr:`_per_chunk` rows (so the
-        column types are those pandas infers from the values, as natively). ``cast``: the
-        table with its columns cast to the types the tuples give (:meth:`_tuple_table`), so
-        the frames are cut from it, not built row by row."""
+        rows as tuples, made into DataFrames of at most ``per`` rows (so the column types are
+        those pandas infers from the values, as natively). ``cast``: the table with its
+        columns cast to the types the tuples give (:meth:`_tuple_table`), so the frames are
+        cut from it, not built row by row."""
         import pandas as pd
 
-        for lo in range(a, z, self._per_chunk):
-            hi = min(z, lo + self._per_chunk)
+        for lo in range(a, z, per):
+            hi = min(z, lo + per)
             if cast is not None:
                 frame = cast.iloc[lo:hi]  # (a new frame: its index is its own)
                 frame.index = pd.RangeIndex(hi - lo)
@@ -197,7 +207,7 @@ class ProcessorInstance(Instance):
             else:
                 yield pd.DataFrame(list(pdf.iloc[lo:hi].itertuples(index=False)))
 
-    def _tuple_table(self, table: pa.Table, pdf):
+    def _tuple_table(self, table: pa.Table, pdf, per: int):
         """The table with its columns cast to the types pandas infers for its rows made
         tuples, if that gives the same frames (checked on its first rows): columns without
         nulls, names that stay names in a namedtuple; else None (frames built from the
@@ -205,7 +215,7 @@ class ProcessorInstance(Instance):
         if table.num_rows == 0 or any(c.null_count for c in table.columns):
             return None
         probe = min(table.num_rows, 64)
-        slow = next(self._chunks(pdf, 0, probe))
+        slow = next(self._chunks(pdf, 0, probe, per))
         if list(slow.columns) != list(pdf.columns):
             return None
         try:
@@ -247,7 +257,7 @@ class ProcessorInstance(Instance):
         self.current = None
         self.batch_no = int(msg.batch)
         self.uses_ttl = False
-        self.counts = {}
+        self.counts = Counter()
         self._load_variables()
         self._codecs.clear()  # (numbered by this store's list of schemas)
         self.processor.init(StoreHandle(self))
@@ -282,22 +292,16 @@ class ProcessorInstance(Instance):
         """``(key_at(row), values_of(first, end))`` of a table sorted by key: the key of a row
         and the values of a key's rows, as pyspark's serializers give them (the row-based ones:
         Arrow's ``as_py``; the pandas ones: pandas' values)."""
-        # (pyspark cuts a key's rows at maxRecordsPerBatch, or where their Arrow bytes at the
-        # average row size seen reach maxBytesPerBatch: here the table's average)
-        self._per_chunk = self.max_records
-        max_bytes = int(self.spec.runner_conf.get("arrow_max_bytes_per_batch", 2 ** 31 - 1))
-        if max_bytes < 2 ** 31 - 1 and table.num_rows:
-            per_row = table.nbytes / table.num_rows
-            self._per_chunk = max(1, min(self.max_records, math.ceil(max_bytes / per_row)))
         if self.use_rows:
             cols = [table.column(k) for k in keys]
             return (lambda a: tuple(c[a].as_py() for c in cols)), self._rows(table, keys,
                                                                               columns)
         pdf = self._to_pandas(table)
         kvals = [pdf.iloc[:, columns.index(k)]._values for k in keys]
-        cast = self._tuple_table(table, pdf)
+        per = self._rows_per_frame(table)  # (each table its own: initialState's is read first)
+        cast = self._tuple_table(table, pdf, per)
         return ((lambda a: tuple(normalize(v[a]) for v in kvals)),
-                (lambda a, z: self._chunks(pdf, a, z, cast)))
+                (lambda a, z: self._chunks(pdf, a, z, per, cast)))
 
     def _initial_groups(self, msg: I.Batch) -> dict:
         """The first step's initial state per key (``initialState``): store key -> ``(key,

@@ -137,8 +137,6 @@ object StretchPlans {
     }
   }
 
-  /** The transformWithState of a plan: its root, or under the root when `eventTimeColumnName`
-   * put Spark's watermark column update over it. */
   /** [[transformInfo]] of a `groupBy(...).applyInPandasWithState(...)`: `{"pandas_state": true,
    * "ok", "grouping", "output_mode", "timeout", "state_schema" (JSON), "command"}`. */
   private def pandasStateInfo(f: FlatMapGroupsInPandasWithState, out: ObjectNode): String = {
@@ -165,6 +163,8 @@ object StretchPlans {
     out.toString
   }
 
+  /** The transformWithState of a plan: its root, or under the root when `eventTimeColumnName`
+   * put Spark's watermark column update over it. */
   private def transformOf(plan: LogicalPlan): Option[TransformWithStateInPySpark] = plan match {
     case t: TransformWithStateInPySpark => Some(t)
     case UpdateEventTimeWatermarkColumn(_, _, t: TransformWithStateInPySpark) => Some(t)
