@@ -160,9 +160,10 @@ def _initial_state(spark, plans, df: DataFrame, info: dict, buckets: int):
 
 def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buckets: int,
                       policy) -> Optional[DataFrame]:
-    """``df`` on the engine if its last step is a ``transformWithStateInPandas`` (the frame, or
-    ``df`` itself with a ``FallbackWarning`` when the engine cannot run it); None if it is not
-    one (``stretch`` reads it as an aggregation then)."""
+    """``df`` on the engine if its last stateful step is a ``transformWithStateInPandas`` (the
+    frame, the row-by-row steps after it kept; or ``df`` itself with a ``FallbackWarning`` when
+    the engine cannot run it); None if it is not one (``stretch`` reads it as an aggregation
+    then)."""
     from pyspark import cloudpickle
 
     spark = df.sparkSession
@@ -192,7 +193,7 @@ def stretch_transform(df: DataFrame, parallelism: int, max_parallelism: int, buc
     present, ts_column, delay = watermark_of(data)
     spec = GroupedSpec(
         key_columns=list(info["grouping"]), columns=list(data.columns),
-        out_schema=df.schema.json(), state_schema=StructType([]).json(),
+        out_schema=info["out_schema"], state_schema=StructType([]).json(),
         output_mode=info["output_mode"], timeout_conf=timeout_conf, ts_column=ts_column,
         delay_ms=int(delay), watermark_present=present, runner_conf=_tws_runner_conf(spark),
         parallelism=parallelism, max_parallelism=max_parallelism, buckets=buckets,

@@ -41,19 +41,25 @@ VARIABLES = RESERVED_BUCKET.to_bytes(2, "big") + b"variables"
 
 class _Output:
     """What pyspark's serializers do with what the processor returns: each DataFrame converted
-    on its own with pyspark's conversion (columns by name, Arrow casts:
+    with pyspark's conversion (columns by name, Arrow casts:
     ``TransformWithStateInPandasSerializer``), or the Rows as dicts into Arrow of the output's
-    type (``TransformWithStateInPySparkRowSerializer``, row-based ``transformWithState``)."""
+    type (``TransformWithStateInPySparkRowSerializer``, row-based ``transformWithState``).
+
+    Consecutive DataFrames with the same columns and column types, none of them Python objects,
+    are converted together (what each gives is the same, its values typed by its column; one
+    conversion costs about what one DataFrame's does, and a processor often yields one row per
+    call); if that fails, each is converted alone, so an error is pyspark's for its frame."""
 
     def __init__(self, inst: "ProcessorInstance"):
         self.inst = inst
         self.batches: List[pa.RecordBatch] = []
         self.rows: list = []
+        self.frames: list = []  # (DataFrames of one signature, not converted yet)
+        self.signature = None
 
     def add(self, item) -> None:
         import pandas as pd
         from pyspark.errors import PySparkTypeError
-        from pyspark.sql.conversion import PandasToArrowConversion
 
         inst = self.inst
         want = Row if inst.use_rows else pd.DataFrame
@@ -65,17 +71,61 @@ class _Output:
         if inst.use_rows:
             self.rows.append(item.asDict(True))
         elif len(item) > 0:
-            self.batches.append(PandasToArrowConversion.convert(
-                item, inst.out_schema, timezone=inst.tz, safecheck=inst.safecheck,
-                arrow_cast=True, assign_cols_by_name=inst.assign_cols_by_name,
-                int_to_decimal_coercion_enabled=inst.int_to_decimal))
+            sig = _signature(item)
+            if sig is None or sig != self.signature:
+                self._flush()
+            self.frames.append(item)
+            self.signature = sig
+            if sig is None:
+                self._flush()
+
+    def _convert(self, frame) -> pa.RecordBatch:
+        from pyspark.sql.conversion import PandasToArrowConversion
+
+        inst = self.inst
+        return PandasToArrowConversion.convert(
+            frame, inst.out_schema, timezone=inst.tz, safecheck=inst.safecheck,
+            arrow_cast=True, assign_cols_by_name=inst.assign_cols_by_name,
+            int_to_decimal_coercion_enabled=inst.int_to_decimal)
+
+    def _flush(self) -> None:
+        frames, self.frames, self.signature = self.frames, [], None
+        if len(frames) > 1:
+            try:
+                self.batches.append(self._convert(_concat(frames)))
+                return
+            except Exception:  # noqa: BLE001 (each alone: pyspark's error for its frame)
+                pass
+        self.batches.extend(self._convert(f) for f in frames)
 
     def finish(self) -> List[pa.RecordBatch]:
+        self._flush()
         if self.rows:
             self.batches.append(pa.RecordBatch.from_pylist(self.rows,
                                                            schema=self.inst.row_schema))
             self.rows = []
         return self.batches
+
+
+def _signature(frame) -> Optional[tuple]:
+    """A DataFrame's columns and their types, if none holds Python objects (whose conversion
+    may depend on the other values of the column); else None."""
+    dtypes = tuple(frame.dtypes)
+    if any(getattr(d, "kind", "O") == "O" and str(d) not in ("str", "string") for d in dtypes):
+        return None
+    return tuple(frame.columns), dtypes
+
+
+def _concat(frames):
+    """DataFrames of one signature as one, each column one Arrow chunk where it is Arrow-backed
+    (pyspark's conversion takes an array, not a chunked one)."""
+    import pandas as pd
+
+    out = pd.concat(frames, ignore_index=True)
+    for i, dt in enumerate(out.dtypes):
+        if hasattr(out.iloc[:, i].array, "__arrow_array__"):
+            out.isetitem(i, out.iloc[:, i].astype(object).astype(dt))
+    return out
 
 
 class ProcessorInstance(Instance):

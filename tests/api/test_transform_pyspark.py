@@ -324,6 +324,7 @@ class PandasSimpleStatefulProcessorWithInitialState(StatefulProcessor):
 # -- the test class's input (TransformWithStateTestsMixin) -------------------------------------
 def _write(path, name, col1, col2, mtime, col3=None):
     """One input file, its modification time ``mtime`` (files are read in that order)."""
+    os.makedirs(path, exist_ok=True)
     with open(f"{path}/{name}", "w") as fw:
         for i, (e1, e2) in enumerate(zip(col1, col2)):
             fw.write(f"{e1}, {e2}\n" if col3 is None else f"{e1},{e2},{col3[i]}\n")
@@ -398,9 +399,13 @@ def run(spark, tws_df, side, check_results, checkpoint=None, query_name="this_qu
     return seen
 
 
-def both(spark, make, check_results, **kw):
-    """Run natively and through ``stretch``: the checks hold on both, the same batches."""
-    got = {side: run(spark, make(), side, check_results, **kw) for side in SIDES}
+def both(spark, make, check_results, checkpoint=None, **kw):
+    """Run natively and through ``stretch``: the checks hold on both, the same batches.
+    ``check_results`` may be a dict of one per side; ``checkpoint``, a folder for both."""
+    got = {side: run(spark, make(), side,
+                     check_results[side] if isinstance(check_results, dict) else check_results,
+                     checkpoint=None if checkpoint is None else checkpoint / side, **kw)
+           for side in SIDES}
     assert got["native"], "native ran no batch"
     assert got["stretch"] == got["native"]
     return got
@@ -823,19 +828,23 @@ class PandasStatefulProcessorWithInitialStateTimers(PandasSimpleStatefulProcesso
         self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() - 1)
 
 
-def _init_state_run(spark, tmp_path, processor, check_results, time_mode, use_pandas=True):
-    """pyspark's ``_test_transform_with_state_init_state``, both sides."""
+def _init_state_run(spark, tmp_path, processor, check_results, time_mode, use_pandas=True,
+                    initial_state=None, then=None, **kw):
+    """pyspark's ``_test_transform_with_state_init_state``, both sides: ``initial_state`` (a
+    grouped DataFrame) or pyspark's two keys; ``then`` a step after the operator (its
+    ``with_extra_transformation``); ``kw`` to ``run``."""
     resource1(tmp_path)
     _write(tmp_path, "text-test2.txt", [0, 3], [67, 12], 1e9 + 10)
 
     def make():
-        initial_state = spark.createDataFrame([("0", 789), ("3", 987)],
-                                              "id string, initVal int").groupBy("id")
-        return tws_of(build_test_df(spark, tmp_path).groupBy("id"), use_pandas, processor(),
-                      outputStructType="id string, value string", outputMode="Update",
-                      timeMode=time_mode, initialState=initial_state)
+        init = initial_state if initial_state is not None else spark.createDataFrame(
+            [("0", 789), ("3", 987)], "id string, initVal int").groupBy("id")
+        tws_df = tws_of(build_test_df(spark, tmp_path).groupBy("id"), use_pandas, processor(),
+                        outputStructType="id string, value string", outputMode="Update",
+                        timeMode=time_mode, initialState=init)
+        return tws_df if then is None else then(tws_df)
 
-    both(spark, make, check_results)
+    return both(spark, make, check_results, **kw)
 
 
 @pytest.mark.parametrize("use_pandas", [True, pytest.param(False, marks=pytest.mark.slow)],
@@ -1205,7 +1214,7 @@ def _fails_with(spark, tmp_path, side, runs, *expected):
             run(spark, tws_df, side, lambda *_: None, checkpoint=tmp_path / side / "ckpt",
                 query_name="evolution_test")
         for text in expected:
-            assert text in str(e.value), (side, str(e.value)[:3000])
+            assert text in str(e.value), (side, str(e.value)[:6000])
 
 
 @pytest.mark.slow
@@ -1243,6 +1252,50 @@ def test_unsaferow_schema_change_fails(rocksdb, tmp_path, side):
     _fails_with(rocksdb, tmp_path, side,
                 [(PandasBasicProcessor, resource1), (PandasAddFieldsProcessor, resource2)],
                 "[STREAM_FAILED]", "[STATE_STORE_VALUE_SCHEMA_NOT_COMPATIBLE]")
+
+
+class PandasMapStringKeyProcessor(StatefulProcessor):
+    """(not pyspark's) A map state whose user key schema the next runs change."""
+    state_schema = StructType([StructField("n", IntegerType(), True)])
+    key_schema = StructType([StructField("k", StringType(), True)])
+    user_key = ("a",)
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.map = handle.getMapState("map", self.key_schema, self.state_schema)
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        n = sum(len(pdf) for pdf in rows)
+        self.map.updateValue(self.user_key, (n,))
+        yield pd.DataFrame({"id": key, "value": [(n,)]})
+
+
+class PandasMapIntKeyProcessor(PandasMapStringKeyProcessor):
+    key_schema = StructType([StructField("k", IntegerType(), True)])
+    user_key = (1,)
+
+
+class PandasMapTwoKeysProcessor(PandasMapStringKeyProcessor):
+    key_schema = StructType([StructField("k", StringType(), True),
+                             StructField("j", StringType(), True)])
+    user_key = ("a", "b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding", ["unsaferow", "avro"])
+@pytest.mark.parametrize("then", [PandasMapIntKeyProcessor, PandasMapTwoKeysProcessor],
+                         ids=["retyped", "added"])
+@pytest.mark.parametrize("side", SIDES)
+def test_map_key_schema_change_fails(rocksdb, tmp_path, side, then, encoding):
+    # (not pyspark's) A map state's user key may not change, with either encoding (Avro evolves
+    # values only): Spark's error on both sides.
+    rocksdb.conf.set("spark.sql.streaming.stateStore.encodingFormat", encoding)
+    try:
+        _fails_with(rocksdb, tmp_path, side,
+                    [(PandasMapStringKeyProcessor, resource1), (then, resource2)],
+                    "[STREAM_FAILED]", "[STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE]",
+                    "StructField(userKey,StructType(StructField(k,StringType,true)),true)")
+    finally:
+        rocksdb.conf.unset("spark.sql.streaming.stateStore.encodingFormat")
 
 
 # -- composite types (pyspark's test_transform_with_state_in_pandas_composite_type) -----------

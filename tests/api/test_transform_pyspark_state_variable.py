@@ -8,11 +8,17 @@ Ported from ``python/pyspark/sql/tests/pandas/streaming/``
 assertions holding on both, the batch ids and row counts of every micro-batch equal:
 ``test_transform_with_state_non_exist_value_state``, ``_list_state``, ``_list_state_large_list``,
 ``_list_state_large_ttl``, ``_map_state``, ``_map_state_large_ttl``,
-``test_value_state_ttl_basic``. Not ported here: ``test_value_state_ttl_expiration`` (skipped
-upstream as flaky: its expectations depend on the wall-clock gap between batches; expiry is
-tested below against a model fed the batches' own timestamps instead); the ``_metadata`` tests
-(white-box reads of Spark's own state store files, which do not exist under ``stretch(df)``);
-the ``initialState`` ones (in ``test_transform_pyspark.py``).
+``test_value_state_ttl_basic``, ``test_transform_with_state_init_state_with_extra_transformation``
+(a ``select`` after the operator), ``_restart_with_multiple_rows_init_state`` (an initial state
+of several rows per key, read natively from a first query's state; its last check, a read of
+the second query's state files, native only), ``_with_timers_single_partition``;
+``_init_state`` and ``_init_state_with_timers`` are in ``test_transform_pyspark.py`` (the same
+in both pyspark files). Not ported: ``test_value_state_ttl_expiration`` (skipped upstream as
+flaky: its expectations depend on the wall-clock gap between batches; expiry is tested below
+against a model fed the batches' own timestamps instead); the ``_metadata`` tests (white-box
+reads of Spark's own state store files, which do not exist under ``stretch(df)``). Not
+pyspark's: TTL expiry against a model, frames cut by ``maxRecordsPerBatch`` and
+``maxBytesPerBatch``, values of hundreds of KB against a model.
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ from typing import Iterator
 import pandas as pd
 import pytest
 from pyspark.sql import Row
+from pyspark.sql import functions as fn
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 from pyspark.sql.types import (IntegerType, LongType, StringType, StructField, StructType,
                                TimestampType)
 
-from .test_transform_pyspark import (BASIC_OUT, PandasSimpleStatefulProcessor, both,
-                                     build_test_df, check_basic_results, resource1,
-                                     resource2, rocksdb, run)
+from .test_transform_pyspark import (BASIC_OUT, PandasSimpleStatefulProcessor,
+                                     PandasSimpleStatefulProcessorWithInitialState,
+                                     _init_state_run, both, build_test_df,
+                                     check_basic_results, resource1, resource2, rocksdb, run,
+                                     test_transform_with_state_init_state_with_timers
+                                     as _init_state_with_timers)
 
 # Shipped by value: Python workers and stretch instances cannot import this test module.
 from pyspark import cloudpickle  # noqa: E402
@@ -411,6 +421,100 @@ def test_value_state_ttl_basic(no_data_batches_off, tmp_path):
     assert [b for b, _ in got["stretch"]] == [0, 1]
 
 
+class PandasStatefulProcessorWithListStateInitialState(
+    PandasSimpleStatefulProcessorWithInitialState
+):
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        super().init(handle)
+        list_ele_schema = StructType([StructField("value", IntegerType(), True)])
+        self.list_state = handle.getListState("list_state", list_ele_schema)
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        for val in initialState["initVal"].tolist():
+            self.list_state.appendValue((val,))
+
+
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+def test_transform_with_state_init_state_with_extra_transformation(rocksdb, tmp_path):
+    def check_results(batch_df, batch_id):
+        if batch_id == 0:
+            assert set(batch_df.sort("key").collect()) == {
+                Row(key="0", value=f'{{"value":"{789 + 123 + 46}"}}'),
+                Row(key="1", value=f'{{"value":"{146 + 346}"}}'),
+            }
+        else:
+            assert set(batch_df.sort("key").collect()) == {
+                Row(key="0", value=f'{{"value":"{789 + 123 + 46 + 67}"}}'),
+                Row(key="3", value=f'{{"value":"{987 + 12}"}}'),
+            }
+
+    def then(tws_df):
+        return tws_df.select(fn.col("id").cast("string").alias("key"),
+                             fn.to_json(fn.struct(fn.col("value"))).alias("value"))
+
+    _init_state_run(rocksdb, tmp_path, PandasSimpleStatefulProcessorWithInitialState,
+                    check_results, "None", then=then)
+
+
+def _restart_with_multiple_rows_init_state(spark, tmp_path):
+    """pyspark's test: a list-state query's state, read back natively with Spark's
+    ``statestore`` source, is the next query's initial state (several rows per key), on both
+    sides. pyspark then reads the new query's list state the same way; that white-box read is
+    asserted natively only (``stretch(df)`` keeps no Spark state store files)."""
+    (tmp_path / "ckpt").mkdir(parents=True)
+    resource1(tmp_path / "first")
+    first = tmp_path / "first-ckpt"
+    run(spark, build_test_df(spark, tmp_path / "first").groupBy("id").transformWithStateInPandas(
+        statefulProcessor=PandasListStateProcessor(), outputStructType=BASIC_OUT,
+        outputMode="Update", timeMode="None"), "native", _two_per_key, checkpoint=first)
+    init_df = (spark.read.format("statestore").option("path", str(first))
+               .option("stateVarName", "listState1").load()
+               ).selectExpr("key.id AS id", "list_element.temperature AS initVal")
+    assert sorted(r.initVal for r in init_df.collect()) == sorted([20, 20, 111, 120, 120] * 2)
+
+    def check_results(batch_df, batch_id, ckpt=None):
+        if batch_id == 0:
+            assert set(batch_df.sort("id").collect()) == {
+                Row(id="0", value=str(123 + 46)),
+                Row(id="1", value=str(146 + 346)),
+            }
+        else:
+            assert set(batch_df.sort("id").collect()) == {
+                Row(id="0", value=str(123 + 46 + 67)),
+                Row(id="3", value=str(12)),
+            }
+            if ckpt is not None:  # (native)
+                df = (batch_df.sparkSession.read.format("statestore")
+                      .option("path", str(ckpt)).option("stateVarName", "list_state")
+                      .load()).selectExpr("key.id AS id", "list_element.value AS value")
+                for k in ("0", "1"):
+                    assert sorted(r.value for r in df.filter(df.id == k).collect()) \
+                        == [20, 20, 111, 120, 120]
+
+    ckpt = tmp_path / "ckpt"
+    checks = {"native": lambda df, b: check_results(df, b, ckpt / "native"),
+              "stretch": check_results}
+    got = _init_state_run(spark, tmp_path / "input",
+                          PandasStatefulProcessorWithListStateInitialState, checks, "None", initial_state=init_df.groupBy("id"), checkpoint=ckpt)
+    assert [b for b, _ in got["stretch"]] == [0, 1]
+
+
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+def test_transform_with_state_restart_with_multiple_rows_init_state(rocksdb, tmp_path):
+    _restart_with_multiple_rows_init_state(rocksdb, tmp_path)
+
+
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+def test_transform_with_state_with_timers_single_partition(rocksdb, tmp_path):
+    old = rocksdb.conf.get("spark.sql.shuffle.partitions")
+    rocksdb.conf.set("spark.sql.shuffle.partitions", "1")
+    try:
+        _init_state_with_timers(rocksdb, tmp_path / "timers")
+        _restart_with_multiple_rows_init_state(rocksdb, tmp_path / "restart")
+    finally:
+        rocksdb.conf.set("spark.sql.shuffle.partitions", old)
+
+
 # -- state TTL expiring, against a sequential model of Spark's TTL ---------------------------
 TTL_MS = 3_000
 TTL_OUT = StructType([StructField("id", StringType()), StructField("ts", LongType()),
@@ -569,3 +673,90 @@ def test_rows_cut_by_max_records_and_max_bytes_per_batch_as_natively(rocksdb, tm
         got = sizes(side)
         assert {k: sum(v) for k, v in got.items()} == {"0": 7, "1": 14, "2": 21}, side
         assert all(max(v) < 7 and len(set(v[:-1])) <= 1 for v in got.values()), side
+
+
+# -- large values ------------------------------------------------------------------------------
+BLOB = 100_000  # (characters added per key and batch: values of hundreds of KB)
+LARGE_OUT = StructType([StructField("id", StringType()), StructField("value", LongType()),
+                        StructField("listed", StringType()), StructField("mapped", StringType())])
+
+
+class LargeValues(StatefulProcessor):
+    """(not pyspark's) Per key and batch, ``BLOB`` characters more in a value state string, one
+    ``BLOB``-long element more in a list state and one more map entry: it outputs their sizes and
+    checksums."""
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.value = handle.getValueState("v", "s string")
+        self.list = handle.getListState("l", "s string")
+        self.map = handle.getMapState("m", "k int", "s string, b binary")
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[pd.DataFrame]:
+        import zlib
+
+        t = int(sum(int(pdf["temperature"].sum()) for pdf in rows))
+        blob = (f"{key[0]}:{t};" * BLOB)[:BLOB]
+        old = self.value.get()
+        v = (old[0] if old else "") + blob
+        self.value.update((v,))
+        self.list.appendValue((blob,))
+        self.map.updateValue((len(v) // BLOB,), (blob, blob.encode()))
+        listed = [x[0] for x in self.list.get()]
+        mapped = sorted((k[0], s, bytes(b)) for k, (s, b) in self.map.iterator())
+        assert all(s.encode() == b for _, s, b in mapped)
+        yield pd.DataFrame({
+            "id": [key[0]], "value": [zlib.crc32(v.encode())],
+            "listed": [f"{len(listed)}:{sum(map(len, listed))}:"
+                       f"{zlib.crc32(''.join(listed).encode())}"],
+            "mapped": [";".join(f"{k}:{len(s)}:{zlib.crc32(b)}" for k, s, b in mapped)]})
+
+
+def _large_values_model(batches):
+    """What ``LargeValues`` outputs, computed sequentially."""
+    import zlib
+
+    state, out = {}, []
+    for rows in batches:
+        sums = {}
+        for k, t in rows:
+            sums[k] = sums.get(k, 0) + t
+        got = []
+        for k, t in sums.items():
+            blob = (f"{k}:{t};" * BLOB)[:BLOB]
+            v, listed, mapped = state.get(k, ("", [], {}))
+            v += blob
+            listed = listed + [blob]
+            mapped = {**mapped, len(v) // BLOB: blob}
+            state[k] = (v, listed, mapped)
+            got.append(Row(id=k, value=zlib.crc32(v.encode()),
+                           listed=f"{len(listed)}:{sum(map(len, listed))}:"
+                                  f"{zlib.crc32(''.join(listed).encode())}",
+                           mapped=";".join(f"{m}:{len(s)}:{zlib.crc32(s.encode())}"
+                                           for m, s in sorted(mapped.items()))))
+        out.append(sorted(got))
+    return out
+
+
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+def test_large_values_in_value_list_and_map_state(rocksdb, tmp_path):
+    """Values of 100 KB to 300 KB (a value state string, list elements, map entries of a string
+    and its bytes), three batches: each side's rows are the sequential model's."""
+    import os
+
+    batches = [[("0", 1), ("1", 2), ("2", 3)], [("0", 4), ("1", 5)], [("0", 6), ("2", 7)]]
+    for i, rows in enumerate(batches):
+        f = tmp_path / f"in{i}.txt"
+        f.write_text("".join(f"{k}, {t}\n" for k, t in rows))
+        os.utime(f, (1e9 + i, 1e9 + i))
+    want = _large_values_model(batches)
+
+    def check_results(batch_df, batch_id):
+        assert sorted(batch_df.collect()) == want[batch_id]
+
+    def make():
+        return build_test_df(rocksdb, tmp_path).groupBy("id").transformWithStateInPandas(
+            statefulProcessor=LargeValues(), outputStructType=LARGE_OUT, outputMode="Update",
+            timeMode="None")
+
+    got = both(rocksdb, make, check_results)
+    assert [b for b, _ in got["stretch"]] == [0, 1, 2]

@@ -165,7 +165,8 @@ def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
 def test_pysparks_own_transform_with_state_tests_on_two_hosts(cluster):
     # tests/api/test_transform_pyspark.py (pyspark's own transformWithState tests, native and
     # through stretch(df)), all of them: an engine on each host, key groups across both
-    out = _pyspark_tests_on(cluster, "test_transform_pyspark.py", None)
+    # (but the map key schema's errors: Spark's planning on the driver, not the hosts)
+    out = _pyspark_tests_on(cluster, "test_transform_pyspark.py", "not map_key_schema")
     assert re.search(r"\b23 passed\b", out), out[-2000:]
 
 
@@ -174,7 +175,7 @@ def test_pysparks_own_state_variable_tests_on_two_hosts(cluster):
     # tests/api/test_transform_pyspark_state_variable.py (list, map, TTL; frames cut as
     # natively): an engine on each host
     out = _pyspark_tests_on(cluster, "test_transform_pyspark_state_variable.py", None)
-    assert re.search(r"\b10 passed\b", out), out[-2000:]
+    assert re.search(r"\b14 passed\b", out), out[-2000:]
 
 
 @pytest.mark.slow  # a kill on the cluster: in `make test-slow`

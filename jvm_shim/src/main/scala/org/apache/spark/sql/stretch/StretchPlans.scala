@@ -89,7 +89,8 @@ object StretchPlans {
   }
 
   /** `df` read as a `groupBy(...).transformWithStateInPandas(...)` the engine runs:
-   * `{"ok": true, "grouping": [names], "output_mode", "time_mode", "pandas", "command"}`
+   * `{"ok": true, "grouping": [names], "output_mode", "out_schema" (its own, JSON),
+   * "time_mode", "pandas", "command"}`
    * (`command`: the pickled Python function, base64), or `{"ok": false, "reason": ...}`; with
    * `"tws"`: whether its last step is a transformWithState at all. */
   def transformInfo(df: ClassicDataset[Row]): String = {
@@ -127,6 +128,7 @@ object StretchPlans {
         val names = out.putArray("grouping")
         keys.foreach(k => names.add(k.name))
         out.put("output_mode", t.outputMode.toString)
+        out.put("out_schema", t.schema.json)
         out.put("time_mode", t.timeMode.toString)
         out.put("pandas", t.userFacingDataType.toString.toLowerCase.contains("pandas"))
         out.put("command", java.util.Base64.getEncoder.encodeToString(udf.func.command.toArray))
@@ -163,23 +165,28 @@ object StretchPlans {
     out.toString
   }
 
-  /** The transformWithState of a plan: its root, or under the root when `eventTimeColumnName`
-   * put Spark's watermark column update over it. */
+  /** The transformWithState of a plan: its root, or under the stateless steps over it (row by
+   * row: `select`/`where` with deterministic expressions) and the watermark column update that
+   * `eventTimeColumnName` puts over it. */
   private def transformOf(plan: LogicalPlan): Option[TransformWithStateInPySpark] = plan match {
     case t: TransformWithStateInPySpark => Some(t)
-    case UpdateEventTimeWatermarkColumn(_, _, t: TransformWithStateInPySpark) => Some(t)
+    case UpdateEventTimeWatermarkColumn(_, _, c) => transformOf(c)
+    case p @ (_: Project | _: Filter) if p.expressions.forall(_.deterministic) =>
+      transformOf(p.children.head)
     case _ => None
   }
 
-  /** [[markGrouped]] for a transformWithState `df` (over `input`): the marker over Spark's
-   * node, and Spark's watermark column update (`eventTimeColumnName`) over the marker, where
-   * `df` has one. */
+  /** [[markGrouped]] for a transformWithState `df` (over `input`): the marker in place of
+   * Spark's node, the steps over it (see [[transformOf]]) kept over the marker (which outputs
+   * the node's own attributes). */
   def markTransform(df: ClassicDataset[Row], input: ClassicDataset[Row],
-                    id: String): ClassicDataset[Row] = df.logicalPlan match {
-    case u @ UpdateEventTimeWatermarkColumn(_, _, t: TransformWithStateInPySpark) =>
-      val marked = markGrouped(ClassicDataset.ofRows(df.sparkSession, t), input, id)
-      ClassicDataset.ofRows(df.sparkSession, u.withNewChildren(Seq(marked.logicalPlan)))
-    case _ => markGrouped(df, input, id)
+                    id: String): ClassicDataset[Row] = {
+    def over(plan: LogicalPlan): LogicalPlan = plan match {
+      case t: TransformWithStateInPySpark =>
+        markGrouped(ClassicDataset.ofRows(df.sparkSession, t), input, id).logicalPlan
+      case step => step.withNewChildren(Seq(over(step.children.head)))
+    }
+    ClassicDataset.ofRows(df.sparkSession, over(df.logicalPlan))
   }
 
   /** The grouping attributes of a grouped side of a transformWithState (its input or its
