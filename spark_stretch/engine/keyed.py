@@ -206,6 +206,34 @@ class KeyedStore:
                     for t in timers_of(pickle.loads(raw)[2]):
                         w.put(_timer(kb, t), b"", db=self.timers)
 
+    def rebucketed(self, buckets_of, keep=None, chunk: int = 100_000):
+        """This store's entries as changelogs (of ``chunk`` keys or fewer) with each key in the
+        bucket ``buckets_of(keys)`` gives it (an int per key tuple, or -1: left out), for
+        :meth:`apply` into another store: keys placed by another rule (a checkpoint of the
+        query on one host taken to several, or back). ``keep``: a bool per bucket of this
+        store, the others' keys left out. The query's own entries (bucket
+        :data:`RESERVED_BUCKET`) come as they are."""
+        with self.env.begin(buffers=False) as t:
+            cur = t.cursor(db=self.state)
+            more = cur.first()
+            while more:
+                kbs, raws = [], []
+                while more and len(kbs) < chunk:
+                    kb, raw = cur.item()
+                    kbs.append(kb)
+                    raws.append(raw)
+                    more = cur.next()
+                own = [i for i, kb in enumerate(kbs) if kb[:2] == _RESERVED]
+                rest = [i for i, kb in enumerate(kbs) if kb[:2] != _RESERVED
+                        and (keep is None or keep[int.from_bytes(kb[:2], "big")])]
+                new = (np.asarray(buckets_of([pickle.loads(kbs[i][2:]) for i in rest]), np.int64)
+                       if rest else np.empty(0, np.int64))
+                keys = [kbs[i] for i in own] + [int(b).to_bytes(2, "big") + kbs[i][2:]
+                                                for i, b in zip(rest, new) if b >= 0]
+                values = [raws[i] for i in own] + [raws[i] for i, b in zip(rest, new) if b >= 0]
+                yield pa.table({"key": pa.array(keys, pa.binary()),
+                                "value": pa.array(values, pa.binary())}, schema=CHANGELOG_SCHEMA)
+
     def load(self, entries: Dict[bytes, Entry]) -> None:
         """Put ``entries`` (store key -> entry), e.g. converted from an older checkpoint."""
         log = pa.table({"key": list(entries),

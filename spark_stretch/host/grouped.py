@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -64,7 +64,7 @@ from ..protocol.layout import GROUPED_META, shm_prefix, shm_root, state_root
 from ..protocol.specs import GroupedSpec
 from . import faults, load
 from .checkpoints import read_arrow
-from .grouped_state import BUCKET, GroupedState
+from .grouped_state import BUCKET, GroupedState, siphash_buckets
 from .instances import InstancePool
 from .runtime import Runtime
 
@@ -135,6 +135,8 @@ class GroupedRuntime(GroupedState, Runtime):
             raise BadRequest("rows with buckets (routed to several hosts) to a query on one")
         if table is not None and table.num_rows:
             self.counters["input_rows"] += table.num_rows
+            if self.key_schema is None:  # (kept with the checkpoints: _convert)
+                self.key_schema = pa.schema([table.schema.field(k) for k in s.key_columns])
             if s.ts_column:
                 ts = table.column(s.ts_column)
                 if ts.null_count < len(ts):
@@ -327,28 +329,6 @@ class GroupedRuntime(GroupedState, Runtime):
             self.state_dir.with_name(self.state_dir.name + suffix).unlink(missing_ok=True)
 
 
-def _buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:
-    """The bucket of each row's key: pandas' SipHash of the key columns (a fixed hash key, so the
-    same in every process and run), placed by :func:`~spark_stretch.protocol.placement.bucket_of`."""
-    import pandas as pd
-
-    cols = {}
-    for k in keys:
-        col = table.column(k)
-        t = col.type
-        if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t) \
-                or pa.types.is_duration(t):
-            col = pc.cast(col, pa.int64())
-        elif pa.types.is_decimal(t):
-            col = pc.cast(col, pa.string())
-        s = col.to_pandas()
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
-            s = s.astype(object)
-        cols[k] = s
-    h = pd.util.hash_pandas_object(pd.DataFrame(cols), index=False).to_numpy()
-    return placement.bucket_of(h, B)
-
-
 def split_rows(table: pa.Table, keys, n_buckets: int, owner: np.ndarray):
     """Rows per owning instance (of ``owner``, per bucket), sorted by (bucket, key), with their
     group starts and buckets; and the rows per bucket (the step's figures). Rows that carry
@@ -359,7 +339,7 @@ def split_rows(table: pa.Table, keys, n_buckets: int, owner: np.ndarray):
         if len(b) and (b.min() < 0 or b.max() >= n_buckets):
             raise BadRequest(f"a row's bucket is outside 0..{n_buckets - 1}")
     else:
-        b = _buckets(table, keys, n_buckets)
+        b = siphash_buckets(table, keys, n_buckets)
     bucket_rows = np.bincount(b, minlength=n_buckets)
     table = table.append_column("__b", pa.array(b))
     order = pc.sort_indices(table, sort_keys=[("__b", "ascending")] +

@@ -13,18 +13,26 @@
   checkpoints of the same batch of the hosts that held its groups, the entries of those groups'
   buckets (a key group is the buckets ``b`` with ``pmod(b, G)`` its number).
 - Keys are placed in buckets by the engine (SipHash) on one host and by Spark (``xxhash64``,
-  :data:`BUCKET`) on several: a checkpoint records which (``placement``), and a run of the other
-  kind refuses it.
+  :data:`BUCKET`) on several: a checkpoint records which (``placement``) and the key columns'
+  Arrow types (``key_schema``). A query that ran on several hosts and runs on one now, or the
+  other way, converts the state of the batch it continues after (:meth:`GroupedState._convert`):
+  every key of the other layout's checkpoints placed again by this one's rule (Spark's
+  ``xxhash64`` computed here, :func:`~spark_stretch.engine.hashing.spark_xxhash64`), on several
+  hosts each host keeping its own groups'; the next checkpoint is full.
 """
 
 from __future__ import annotations
 
+import base64
 import shutil
 import threading
+from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..engine.keyed import KeyedStore, pickled_bucket_entries
 from ..protocol import placement
@@ -33,7 +41,7 @@ from ..protocol.errors import StateError
 from ..protocol.specs import Checkpointing
 from .checkpoints import CheckpointStore, read_arrow
 
-__all__ = ["BUCKET", "GroupedState", "restored"]
+__all__ = ["BUCKET", "GroupedState", "restored", "siphash_buckets"]
 
 # How keys are placed in buckets: by the engine (SipHash) on one host, by Spark (xxhash64) on
 # several; a checkpoint holds keys in the buckets of one of them.
@@ -45,6 +53,7 @@ class GroupedState:
 
     _promoter: Optional[threading.Thread] = None  # a delta being made full (_promote)
     promoted: Optional[dict] = None  # the last promotion's outcome
+    key_schema: Optional[pa.Schema] = None  # the key columns' types (from the first rows)
 
     def _save(self, batch: int, full: bool = False, out=None) -> None:
         """Checkpoint the state after ``batch``: the step's changelogs (a delta); the first
@@ -67,6 +76,7 @@ class GroupedState:
                 "owner_map": [int(x) for x in self.owner], "epoch": self.epoch,
                 "buckets": self.B, "state_keys": self.state_keys,
                 "placement": _PLACEMENT[self.spec.share is not None],
+                "key_schema": _schema_text(self.key_schema),
                 "host_map": None if self.spec.share is None else list(self.spec.share.host_map)}
         if delta or promote:
             def files():  # (moved into the checkpoint by the store's writer thread)
@@ -121,10 +131,16 @@ class GroupedState:
         when this host's key groups are not those of its checkpoint: :meth:`_reshard`."""
         share = self.spec.share
         meta = self.store.read_meta(batch) if self.store.latest(batch) == batch else None
+        if share is None and meta is None:  # (it ran on several hosts until then?)
+            stores = _stores_of(sorted((self.store.dir.parent / "hosts").glob("*/state")),
+                                batch, self.META)
+            if stores:
+                return self._convert(batch, stores)
         if share is not None and (meta is None or share.groups_changed(meta.get("host_map"))):
             return self._reshard(batch, meta is not None)
         self.kv, chain, converted = restored(self.store, batch, self.state_dir)
         self._check_meta(meta)
+        self.key_schema = _schema_of(meta.get("key_schema")) or self.key_schema
         self._restore_common(meta)
         self.max_event_ms = meta["max_event_ms"]
         self._take_owner_map(meta)
@@ -141,12 +157,11 @@ class GroupedState:
         share = self.spec.share
         hosts = self.store.dir.parent.parent  # (<root>/hosts/<slot>/state)
         own, G = share.host, share.key_groups
-        stores = {}
-        for d in sorted(hosts.glob("*/state")):
-            st = CheckpointStore(Checkpointing(state_dir=str(d)), self.META)
-            if st.latest(batch) == batch:
-                stores[int(d.parent.name)] = st
-        if not stores:
+        stores = _stores_of(sorted(hosts.glob("*/state")), batch, self.META)
+        if not stores:  # (it ran on one host until then?)
+            one = _stores_of([hosts.parent / "state"], batch, self.META)
+            if one:
+                return self._convert(batch, one)
             raise StateError(f"no host of the query has a checkpoint of batch {batch} under "
                              f"{hosts} to take key groups from")
         metas = {j: st.read_meta(batch) for j, st in stores.items()}
@@ -180,12 +195,82 @@ class GroupedState:
             meta[k] = max(m[k] for m in metas.values())
         tops = [m["max_event_ms"] for m in metas.values() if m["max_event_ms"] is not None]
         self._restore_common(meta)
+        self.key_schema = _schema_of(meta.get("key_schema")) or self.key_schema
         self.max_event_ms = max(tops) if tops else None
         if have:
             self._take_owner_map(meta)
         self.state_keys = self.kv.rows()
         self.store.chain = None
         self.checkpoint = batch
+
+    def _convert(self, batch: int, stores: Dict[int, CheckpointStore]) -> None:
+        """The query ran in the other layout until ``batch`` (on several hosts and now on one,
+        or the other way): this store from ``stores``' checkpoints of ``batch`` (each host's
+        own groups' keys, or the one host's), every key placed again by this layout's rule
+        (see the module doc); the next checkpoint is full."""
+        metas = {j: st.read_meta(batch) for j, st in stores.items()}
+        for j, m in metas.items():
+            if int(m["buckets"]) != self.B:
+                raise StateError(f"the checkpoint has {m['buckets']} buckets, the query "
+                                 f"{self.B}: keep buckets= the same across restarts")
+            if not m.get("key_schema"):
+                raise StateError(
+                    f"the checkpoint of batch {batch} was written on "
+                    f"{'one host' if self.spec.share else 'several hosts'} by an earlier "
+                    "spark-stretch, which did not record its key columns' types, and the query "
+                    f"runs on {'several' if self.spec.share else 'one'} now: the two place keys "
+                    "in buckets differently. Run it where it was written (a master whose "
+                    "executors are on the driver's host, or on other hosts), or start it from "
+                    "a new checkpointLocation")
+        self.key_schema = _schema_of(next(iter(metas.values()))["key_schema"])
+        bucket_of = self._placement_rule()
+        self.kv = KeyedStore(self.state_dir)
+        for j, st in stores.items():
+            was = metas[j].get("host_map")
+            keep = (None if was is None else  # (a host's own groups then, in its buckets)
+                    (np.asarray(was) == j)[np.arange(self.B) % len(was)])
+            tmp = self.state_dir.with_name(f"{self.state_dir.name}.from{j}")
+            src = restored(st, batch, tmp)[0]
+            try:
+                for log in src.rebucketed(bucket_of, keep):
+                    self.kv.apply(log)
+            finally:
+                src.close()
+                shutil.rmtree(tmp, ignore_errors=True)
+        first = next(iter(metas.values()))
+        meta = dict(first, counters={} if self.spec.share else dict(
+            sum((Counter(m["counters"]) for m in metas.values()), Counter())))
+        for k in ("watermark_ms", "next_watermark_ms"):
+            meta[k] = max(m[k] for m in metas.values())
+        tops = [m["max_event_ms"] for m in metas.values() if m["max_event_ms"] is not None]
+        self._restore_common(meta)
+        self.max_event_ms = max(tops) if tops else None
+        self._take_owner_map(first)
+        self.state_keys = self.kv.rows()
+        self.store.chain = None
+        self.checkpoint = batch
+
+    def _placement_rule(self):
+        """This layout's bucket of each key tuple: the engine's (SipHash) on one host; on
+        several, Spark's ``pmod(xxhash64(k1, ...), B)`` if the key's group is this host's, else
+        -1 (another host's)."""
+        names = list(self.key_schema.names)
+        share = self.spec.share
+
+        def table(keys: List[tuple]) -> pa.Table:
+            return pa.table([pa.array([k[i] for k in keys], type=f.type)
+                             for i, f in enumerate(self.key_schema)], schema=self.key_schema)
+
+        if share is None:
+            return lambda keys: siphash_buckets(table(keys), names, self.B)
+        from ..engine.hashing import spark_xxhash64
+
+        mine = np.asarray(share.host_map) == share.host
+
+        def several(keys: List[tuple]) -> np.ndarray:
+            b = np.mod(spark_xxhash64(table(keys).columns), self.B)
+            return np.where(mine[b % share.key_groups], b, -1)
+        return several
 
     def _check_meta(self, meta: dict) -> None:
         """A checkpoint this run can continue: the same buckets, placed the same way."""
@@ -209,6 +294,47 @@ class GroupedState:
             self.parallelism = min(self.parallelism, self.n)
             self.owner = placement.balanced_owner_map(self.B, range(self.parallelism))
         self.epoch = int(meta.get("epoch", 0))
+
+
+def siphash_buckets(table: pa.Table, keys: List[str], B: int) -> np.ndarray:
+    """The bucket of each row's key on one host: pandas' SipHash of the key columns (a fixed hash key, so the
+    same in every process and run), placed by :func:`~spark_stretch.protocol.placement.bucket_of`."""
+    import pandas as pd
+
+    cols = {}
+    for k in keys:
+        col = table.column(k)
+        t = col.type
+        if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t) \
+                or pa.types.is_duration(t):
+            col = pc.cast(col, pa.int64())
+        elif pa.types.is_decimal(t):
+            col = pc.cast(col, pa.string())
+        s = col.to_pandas()
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            s = s.astype(object)
+        cols[k] = s
+    h = pd.util.hash_pandas_object(pd.DataFrame(cols), index=False).to_numpy()
+    return placement.bucket_of(h, B)
+
+
+def _stores_of(dirs, batch: int, meta_name: str) -> Dict[int, CheckpointStore]:
+    """The checkpoint stores among ``dirs`` (``<...>/hosts/<slot>/state``, or the one host's
+    ``state``: slot 0) with a checkpoint of ``batch``, by slot."""
+    out = {}
+    for d in dirs:
+        st = CheckpointStore(Checkpointing(state_dir=str(d)), meta_name)
+        if st.latest(batch) == batch:
+            out[int(d.parent.name) if d.parent.name.isdigit() else 0] = st
+    return out
+
+
+def _schema_text(schema: Optional[pa.Schema]) -> Optional[str]:
+    return None if schema is None else base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _schema_of(text: Optional[str]) -> Optional[pa.Schema]:
+    return None if not text else pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
 def restored(store: CheckpointStore, batch: int, dest: Path):

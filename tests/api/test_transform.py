@@ -210,3 +210,26 @@ def test_state_ttl_outside_processing_time_falls_back_for_sparks_error(spark, st
     assert out is q
     assert any(issubclass(w.category, FallbackWarning) and "TTL in timeMode EventTime" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
+
+
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+def test_elastic_policy_and_control_as_for_the_other_drop_in(spark, stream, tmp_path):
+    # stretch(df, elastic=<a user's policy>): two instances after batch 1, every bucket to
+    # instance 1 after batch 3 (ownership only); control(q) beside it; stateOperators as
+    # Spark's; the table equal to native's
+    from .test_elastic import _ScaleOutThenRebalance
+
+    src, want = stream
+    policy = _ScaleOutThenRebalance()
+    q = start(on_engine(tws(spark, src), parallelism=1, elastic=policy), tmp_path / "o")
+    q.awaitTermination()
+    assert q.exception() is None
+    equal(spark, tmp_path / "o", want)
+    c = spark_stretch.control(q)
+    recs = c.metrics()["reconfigurations"]
+    assert [(r["cause"], r["parallelism"]) for r in recs] == \
+        [("scale_out", 2), ("rebalance", 2)], recs
+    assert all(r["state_copied_bytes"] == 0 for r in recs)
+    assert policy.seen[:6] == list(range(6))
+    op = q.lastProgress["stateOperators"][0]
+    assert op["numRowsTotal"] == c.metrics()["engine"]["state_keys"] > 0, op

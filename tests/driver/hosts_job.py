@@ -19,6 +19,9 @@ Parts (each prints ``RESULT <json>``):
   every key group moved to one host and back mid-stream, and into a memory sink (Spark reads
   each host's rows), each against native Spark; then kill -9 of one host's engine mid-batch
   (``SPARK_STRETCH_TEST_FAULT``, armed for that query only), against native Spark;
+- ``layout``: one phase of the drop-in's query moving between one host (run with a local
+  master) and two, from one checkpoint: the next 3 of 9 files, natively too; after the last,
+  against native Spark;
 - ``elastic``: an elastic query whose hot key groups start on one host: the controller moves
   groups to the other (routed rows), against native Spark (an aggregation, then the drop-in), with the input's keys per group
   (Spark's own ``pmod(xxhash64(k), 16)``) for an independent look at the host loads.
@@ -69,7 +72,7 @@ if part == "configure":
 else:
     spark = spark_stretch.session(master=url, app_name=f"stretch hosts {part}", conf=conf)
 spark.sparkContext.setLogLevel("ERROR")
-deadline = time.time() + 90
+deadline = time.time() + (0 if url.startswith("local") else 90)
 while len(jvm.executor_hosts(spark, driver=False)) < 2 and time.time() < deadline:
     time.sleep(0.3)
 result = {"hosts": sorted(jvm.executor_hosts(spark, driver=False)),
@@ -115,6 +118,42 @@ def wordcount():
     result["wordcount_rows"] = got.count()
     result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
     return q
+
+
+def sessions(key, pdfs, state):
+    """Sessions per (user, parity of len): one closes 20 s of event time after its last
+    event."""
+    import pandas as pd
+
+    if state.hasTimedOut:
+        start, end, n = state.get
+        state.remove()
+        yield pd.DataFrame({"user": [key[0]], "kind": [int(key[1])], "start": [start],
+                            "end": [end], "n": [n], "closed": [True]})
+        return
+    start, end, n = state.get if state.exists else (None, None, 0)
+    for pdf in pdfs:
+        lo, hi = (pd.Timestamp(pdf["ts"].min()).value // 10 ** 6,
+                  pd.Timestamp(pdf["ts"].max()).value // 10 ** 6)
+        start = lo if start is None else min(start, lo)
+        end = hi if end is None else max(end, hi)
+        n += len(pdf)
+    state.update((start, end, n))
+    state.setTimeoutTimestamp(max(end + 20_000, state.getCurrentWatermarkMs()))
+    yield pd.DataFrame({"user": [key[0]], "kind": [int(key[1])], "start": [start],
+                        "end": [end], "n": [n], "closed": [False]})
+
+
+def sessions_dropin(folder):
+    """The applyInPandasWithState drop-in of :func:`sessions` over the tweets in ``folder``."""
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    return (source(spark, folder, files_per_batch=1)
+            .withColumn("kind", (F.col("len") % 2).cast("int"))
+            .groupBy("user", "kind").stretchApplyInPandasWithState(
+                sessions, "user string, kind int, start long, end long, n long, "
+                "closed boolean", "start long, end long, n long", "Append",
+                GroupStateTimeout.EventTimeTimeout, max_parallelism=2))
 
 
 def equal(got, want):
@@ -330,37 +369,8 @@ try:
         # (stopped, not ended: the windows the last watermark did not close are not out yet)
         equal(got, want.where(F.col("window.end") <= F.lit(got.agg(F.max("window.end")).first()[0])))
     elif part == "grouped":
-        import pandas as pd
-        from pyspark.sql.streaming.state import GroupStateTimeout
-
-        def sessions(key, pdfs, state):
-            """Sessions per (user, parity of len): one closes 20 s of event time after its
-            last event."""
-            if state.hasTimedOut:
-                start, end, n = state.get
-                state.remove()
-                yield pd.DataFrame({"user": [key[0]], "kind": [int(key[1])], "start": [start],
-                                    "end": [end], "n": [n], "closed": [True]})
-                return
-            start, end, n = state.get if state.exists else (None, None, 0)
-            for pdf in pdfs:
-                lo, hi = (pd.Timestamp(pdf["ts"].min()).value // 10 ** 6,
-                          pd.Timestamp(pdf["ts"].max()).value // 10 ** 6)
-                start = lo if start is None else min(start, lo)
-                end = hi if end is None else max(end, hi)
-                n += len(pdf)
-            state.update((start, end, n))
-            state.setTimeoutTimestamp(max(end + 20_000, state.getCurrentWatermarkMs()))
-            yield pd.DataFrame({"user": [key[0]], "kind": [int(key[1])], "start": [start],
-                                "end": [end], "n": [n], "closed": [False]})
-
         def dropin():
-            return (source(spark, src, files_per_batch=1)
-                    .withColumn("kind", (F.col("len") % 2).cast("int"))
-                    .groupBy("user", "kind").stretchApplyInPandasWithState(
-                        sessions, "user string, kind int, start long, end long, n long, "
-                        "closed boolean", "start long, end long, n long", "Append",
-                        GroupStateTimeout.EventTimeTimeout, max_parallelism=2))
+            return sessions_dropin(src)
 
         def moves(q):
             try:
@@ -449,6 +459,33 @@ try:
         q, got, want = run(gd, "eg", rows_path=True)
         equal(got, want)
         result["dropin_reconfigurations"] = q.metrics()["reconfigurations"]
+    elif part == "layout":
+        # one phase of a query that moves between one host (a local master) and two: the
+        # next 3 of 9 files, availableNow, from the same checkpoint; after the last, the table
+        # against native Spark over all 9
+        everything = tmp / "all9"
+        if not everything.exists():
+            write_tweets(everything, 6000, files=9, rate=20.0, vocab=300, late_fraction=0.02,
+                         jitter_s=4.0, seed=13)
+        lsrc = tmp / "lsrc"
+        lsrc.mkdir(exist_ok=True)
+        have = sorted(p.name for p in lsrc.glob("*.parquet"))
+        for f in sorted(everything.glob("*.parquet"))[len(have):len(have) + 3]:
+            shutil.copy2(f, lsrc / f.name)  # (with its modification time: the batch order)
+        spark.conf.set("spark.stretch.ingest.files", "false")
+        q = (sessions_dropin(lsrc).writeStream.format("delta")
+             .option("checkpointLocation", str(tmp / "lay-c")).trigger(availableNow=True)
+             .start(str(tmp / "lay")))
+        q.awaitTermination()
+        m = q.metrics()["engine"]
+        result["layout_hosts"] = sorted(h["host"] for h in m.get("hosts", [])) or ["one"]
+        result["layout_keys"] = [h.get("state_keys") for h in m.get("hosts", [m])]
+        # native Spark in the same phases (an availableNow run ends with the no-data batch
+        # that fires the timeouts its watermark passed: one run over 9 files would not)
+        want = run_native(spark, sessions_dropin(lsrc), tmp / "lay-n")
+        if len(list(lsrc.glob("*.parquet"))) == 9:
+            equal(spark.read.format("delta").load(str(tmp / "lay")), want)
+            result["layout_rows"] = want.count()
     elif part == "hold":
         wc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)

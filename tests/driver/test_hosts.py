@@ -154,6 +154,21 @@ def _pyspark_tests_on(cluster, file: str, select) -> str:
 
 
 @pytest.mark.slow  # (a few minutes: make test-slow)
+def test_the_drop_in_moves_between_one_host_and_two(cluster, tmp_path):
+    # one query, one checkpoint: 3 batches on one host (a local master: the engine's SipHash
+    # placement), 3 on the two hosts (Spark's xxhash64: the state converted, each host keeping
+    # its groups' keys), 3 on one host again (converted back): the table equal to native
+    # Spark's run in the same phases
+    phases = [("local[2]", ["one"]), (cluster.url, ["127.0.0.2", "127.0.0.3"]),
+              ("local[2]", ["one"])]
+    for i, (master, hosts) in enumerate(phases):
+        r = run_script(JOB, master, "layout", tmp_path, timeout=900)
+        assert r["layout_hosts"] == hosts, (i, r)
+        assert all(k and k > 0 for k in r["layout_keys"]), (i, r)
+    assert r["layout_rows"] > 0
+
+
+@pytest.mark.slow  # (a few minutes: make test-slow)
 def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
     # tests/api/test_grouped_pyspark.py's drop-in side (pyspark's own applyInPandasWithState
     # tests, all of them): an engine on each host

@@ -44,12 +44,12 @@ def test_an_owner_map_that_leaves_a_bucket_without_an_active_owner_is_refused(ow
 
 
 def test_the_drop_in_places_key_columns_by_the_same_rule():
-    from spark_stretch.host.grouped import _buckets
+    from spark_stretch.host.grouped_state import siphash_buckets
 
     import pandas as pd
 
     t = pa.table({"user": ["a", "b", "a", None], "n": [1, 2, 1, 3]})
-    b = _buckets(t, ["user", "n"], 256)
+    b = siphash_buckets(t, ["user", "n"], 256)
     h = pd.util.hash_pandas_object(pd.DataFrame({"user": t["user"].to_pandas().astype(object),
                                                  "n": t["n"].to_pandas()}), index=False)
     assert b.tolist() == placement.bucket_of(h.to_numpy(), 256).tolist()
