@@ -204,7 +204,8 @@ def test_files_spark_wrote_with_int96_timestamps_are_read_by_the_engine(spark, t
     assert _event_times(q) == _event_times(native)
 
 
-@pytest.mark.parametrize("mapping,path", [("none", "files"), ("name", "columnar")])
+@pytest.mark.parametrize("mapping,path", [
+    ("none", "files"), pytest.param("name", "columnar", marks=pytest.mark.slow)])
 def test_delta_source_equals_native(spark, tweets, tmp_path, mapping, path):
     # The usual source: a Delta table Spark appended to, a version per file. Its files are
     # plain Parquet without column mapping, and the engine reads them itself; with it (files

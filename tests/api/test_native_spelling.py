@@ -158,7 +158,7 @@ def test_session_windows_in_update_mode_are_sparks_own_error(spark, events, tmp_
         spark.conf.unset("spark.stretch.fallback")
 
 
-@pytest.mark.parametrize("gap", ["static", "dynamic"])
+@pytest.mark.parametrize("gap", ["static", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, gap):
     # dynamic: a gap per row, from a column (rows whose gap is not positive are in no session)
     g = "12 seconds" if gap == "static" else (
@@ -460,7 +460,8 @@ def typed(spark, tmp_path):
 @pytest.mark.parametrize("window", [
     lambda: F.window("ts", "20 seconds"),
     pytest.param(lambda: F.window("ts", "20 seconds", "10 seconds"), marks=pytest.mark.slow),
-    lambda: F.session_window("ts", "5 seconds")], ids=["tumbling", "sliding", "session"])
+    pytest.param(lambda: F.session_window("ts", "5 seconds"), marks=pytest.mark.slow)],
+    ids=["tumbling", "sliding", "session"])
 def test_first_last_typed_min_max_and_decimal_sums_equal_native(spark, typed, tmp_path, window):
     def agg(df):
         return (df.groupBy(window(), "k")

@@ -712,8 +712,8 @@ class PandasStatefulProcessorChainingOps(StatefulProcessor):
         pass
 
 
-@pytest.mark.parametrize("grouping_cols", [
-    ["outputTimestamp"], pytest.param(["outputTimestamp", "id"], marks=pytest.mark.slow)])
+@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.parametrize("grouping_cols", [["outputTimestamp"], ["outputTimestamp", "id"]])
 def test_transform_with_state_chaining_ops(rocksdb, tmp_path, grouping_cols):
     import datetime
 

@@ -578,6 +578,7 @@ def ttl_model(batches, stamps):
     return out
 
 
+@pytest.mark.slow  # (28 s of TTL waits: make test-slow; the default run stays under 20 min)
 def test_state_ttl_expires_as_sparks_on_both_sides(no_data_batches_off, tmp_path):
     """Value, list and map state with a TTL, batches apart by more and by less than it: each
     side's rows are what the model gives for that side's own batch timestamps (native Spark
