@@ -27,6 +27,7 @@ import base64
 import shutil
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -183,25 +184,12 @@ class GroupedState:
         bucket_group = np.arange(self.B) % G
         for j in sources:
             keep = (mine_now & (np.asarray(was) == j))[bucket_group]  # per bucket
-            tmp = self.state_dir.with_name(f"{self.state_dir.name}.from{j}")
-            src = restored(stores[j], batch, tmp)[0]
-            try:
+            with self._source(stores[j], batch, j) as src:
                 self.kv.apply(src.changelog_of(keep))
-            finally:
-                src.close()
-                shutil.rmtree(tmp, ignore_errors=True)
         meta = dict(metas[own]) if have else dict(next(iter(metas.values())), counters={})
-        for k in ("watermark_ms", "next_watermark_ms"):  # (one watermark: a new slot's is 0)
-            meta[k] = max(m[k] for m in metas.values())
-        tops = [m["max_event_ms"] for m in metas.values() if m["max_event_ms"] is not None]
-        self._restore_common(meta)
-        self.key_schema = _schema_of(meta.get("key_schema")) or self.key_schema
-        self.max_event_ms = max(tops) if tops else None
+        self._adopt(batch, meta, metas)
         if have:
             self._take_owner_map(meta)
-        self.state_keys = self.kv.rows()
-        self.store.chain = None
-        self.checkpoint = batch
 
     def _convert(self, batch: int, stores: Dict[int, CheckpointStore]) -> None:
         """The query ran in the other layout until ``batch`` (on several hosts and now on one,
@@ -209,10 +197,8 @@ class GroupedState:
         own groups' keys, or the one host's), every key placed again by this layout's rule
         (see the module doc); the next checkpoint is full."""
         metas = {j: st.read_meta(batch) for j, st in stores.items()}
-        for j, m in metas.items():
-            if int(m["buckets"]) != self.B:
-                raise StateError(f"the checkpoint has {m['buckets']} buckets, the query "
-                                 f"{self.B}: keep buckets= the same across restarts")
+        for m in metas.values():
+            self._check_buckets(m)
             if not m.get("key_schema"):
                 raise StateError(
                     f"the checkpoint of batch {batch} was written on "
@@ -229,23 +215,37 @@ class GroupedState:
             was = metas[j].get("host_map")
             keep = (None if was is None else  # (a host's own groups then, in its buckets)
                     (np.asarray(was) == j)[np.arange(self.B) % len(was)])
-            tmp = self.state_dir.with_name(f"{self.state_dir.name}.from{j}")
-            src = restored(st, batch, tmp)[0]
-            try:
+            with self._source(st, batch, j) as src:
                 for log in src.rebucketed(bucket_of, keep):
                     self.kv.apply(log)
-            finally:
-                src.close()
-                shutil.rmtree(tmp, ignore_errors=True)
         first = next(iter(metas.values()))
-        meta = dict(first, counters={} if self.spec.share else dict(
-            sum((Counter(m["counters"]) for m in metas.values()), Counter())))
+        self._adopt(batch, dict(first, counters={} if self.spec.share else dict(
+            sum((Counter(m["counters"]) for m in metas.values()), Counter()))), metas)
+        self._take_owner_map(first)
+
+    @contextmanager
+    def _source(self, store: CheckpointStore, batch: int, slot: int):
+        """Host slot ``slot``'s checkpoint of ``batch`` restored beside this store, for the
+        time of the ``with``."""
+        tmp = self.state_dir.with_name(f"{self.state_dir.name}.from{slot}")
+        src = restored(store, batch, tmp)[0]
+        try:
+            yield src
+        finally:
+            src.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _adopt(self, batch: int, meta: dict, metas: Dict[int, dict]) -> None:
+        """After this store was built from the checkpoints ``metas`` of ``batch``: ``meta``'s
+        figures, with the sources' latest watermarks (one watermark: a new slot's is 0) and
+        event time; the next checkpoint is full."""
+        meta = dict(meta)
         for k in ("watermark_ms", "next_watermark_ms"):
             meta[k] = max(m[k] for m in metas.values())
         tops = [m["max_event_ms"] for m in metas.values() if m["max_event_ms"] is not None]
         self._restore_common(meta)
+        self.key_schema = _schema_of(meta.get("key_schema")) or self.key_schema
         self.max_event_ms = max(tops) if tops else None
-        self._take_owner_map(first)
         self.state_keys = self.kv.rows()
         self.store.chain = None
         self.checkpoint = batch
@@ -272,11 +272,14 @@ class GroupedState:
             return np.where(mine[b % share.key_groups], b, -1)
         return several
 
-    def _check_meta(self, meta: dict) -> None:
-        """A checkpoint this run can continue: the same buckets, placed the same way."""
+    def _check_buckets(self, meta: dict) -> None:
         if int(meta["buckets"]) != self.B:
             raise StateError(f"the checkpoint has {meta['buckets']} buckets, the query "
                              f"{self.B}: keep buckets= the same across restarts")
+
+    def _check_meta(self, meta: dict) -> None:
+        """A checkpoint this run can continue: the same buckets, placed the same way."""
+        self._check_buckets(meta)
         several = self.spec.share is not None
         placed = meta.get("placement", _PLACEMENT[False])
         if placed != _PLACEMENT[several]:

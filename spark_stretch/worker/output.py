@@ -7,7 +7,7 @@ from typing import List
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["OutputBuffer", "concat_padded"]
+__all__ = ["OutputBuffer", "concat_padded", "to_arrow"]
 
 
 class OutputBuffer:
@@ -33,23 +33,27 @@ class OutputBuffer:
         self.states += 1
 
     def _convert(self) -> None:
-        from pyspark.sql.conversion import PandasToArrowConversion
-
         inst = self.inst
         if self.rows:
-            schema = inst.out_schema
             total = max(1, max(self.rows, self.states))
-            merged = concat_padded(self.pdfs, schema.names, total - self.rows)
-            rb = PandasToArrowConversion.convert(
-                merged, schema, timezone=inst.tz, safecheck=inst.safecheck, arrow_cast=True,
-                assign_cols_by_name=inst.assign_cols_by_name,
-                int_to_decimal_coercion_enabled=inst.int_to_decimal)
-            self.batches.append(rb.slice(0, self.rows))
+            merged = concat_padded(self.pdfs, inst.out_schema.names, total - self.rows)
+            self.batches.append(to_arrow(inst, merged).slice(0, self.rows))
         self.pdfs, self.rows, self.states = [], 0, 0
 
     def finish(self) -> List[pa.RecordBatch]:
         self._convert()
         return self.batches
+
+
+def to_arrow(inst, pdf) -> pa.RecordBatch:
+    """``pdf`` in Arrow of instance ``inst``'s output schema, by pyspark's own conversion
+    (columns by name or position, Arrow casts), with the query's Arrow settings."""
+    from pyspark.sql.conversion import PandasToArrowConversion
+
+    return PandasToArrowConversion.convert(
+        pdf, inst.out_schema, timezone=inst.tz, safecheck=inst.safecheck, arrow_cast=True,
+        assign_cols_by_name=inst.assign_cols_by_name,
+        int_to_decimal_coercion_enabled=inst.int_to_decimal)
 
 
 def concat_padded(pdfs: list, names: List[str], pad: int):

@@ -32,6 +32,7 @@ from ..engine.keyed import RESERVED_BUCKET, encode_key
 from ..protocol import instances as I
 from .handle import TTL_TIMERS, Codec, KeyState, StoreHandle, normalize, prune_expired
 from .instance import Instance
+from .output import to_arrow
 
 __all__ = ["ProcessorInstance", "VARIABLES"]
 
@@ -79,24 +80,15 @@ class _Output:
             if sig is None:
                 self._flush()
 
-    def _convert(self, frame) -> pa.RecordBatch:
-        from pyspark.sql.conversion import PandasToArrowConversion
-
-        inst = self.inst
-        return PandasToArrowConversion.convert(
-            frame, inst.out_schema, timezone=inst.tz, safecheck=inst.safecheck,
-            arrow_cast=True, assign_cols_by_name=inst.assign_cols_by_name,
-            int_to_decimal_coercion_enabled=inst.int_to_decimal)
-
     def _flush(self) -> None:
         frames, self.frames, self.signature = self.frames, [], None
         if len(frames) > 1:
             try:
-                self.batches.append(self._convert(_concat(frames)))
+                self.batches.append(to_arrow(self.inst, _concat(frames)))
                 return
             except Exception:  # noqa: BLE001 (each alone: pyspark's error for its frame)
                 pass
-        self.batches.extend(self._convert(f) for f in frames)
+        self.batches.extend(to_arrow(self.inst, f) for f in frames)
 
     def finish(self) -> List[pa.RecordBatch]:
         self._flush()
