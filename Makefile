@@ -40,6 +40,7 @@ bench: setup
 	$(PY) python/bench/ingest.py --repeat 5
 	$(PY) python/bench/join.py
 	$(PY) python/bench/checkpoint.py
+	$(PY) python/bench/aggstate.py --keys 1000000
 	$(PY) python/bench/recovery.py --tweets 20000
 	$(PY) python/bench/grouped.py --events 100000
 	$(PY) python/bench/transform.py --events 300000 --users 30000

@@ -142,7 +142,8 @@ def _spec(spark, got: dict, parallelism: int, max_parallelism: int, buckets: int
         return None, "window slide longer than its size"
     spec = AggregateSpec(
         ts_column=got["ts_column"], delay_ms=int(got["delay_ms"]), key_kind=got["key_kind"],
-        key_column=got["key_column"], key_type=got["key_type"], window_us=size, slide_us=slide,
+        key_column=got["key_column"], key_type=got["key_type"],
+        key_nullable=bool(got.get("key_nullable", False)), window_us=size, slide_us=slide,
         aggs=[tuple(a) for a in got["aggs"]], value_types=got["value_types"],
         drop_null_ts=True, finish=got.get("finish"), session_end=got.get("session_end"),
         prepare=got.get("prepare"), parallelism=parallelism, max_parallelism=max_parallelism,

@@ -6,7 +6,7 @@ A key's bucket is ``((mix64(key) >> 32) * B) >> 32`` of ``B`` buckets
 (:func:`bucket_of`; the placement policy of :mod:`spark_stretch.protocol.placement`): all
 windows of a key share it. Per bucket ``b`` an open-addressing table of ``cap`` slots (a power
 of two), one int64 record per slot ``rec[b, s] = (key, window start l or EMPTY, acc_i...)``
-(one cache line per probe) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
+(unpadded; at most 3/4 of the slots live) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
 slots, ``bminl[b]`` earliest window start (``NO_L`` when empty), ``dirty[b]`` "modified since
 last checkpoint". A window's first slot is :func:`_slot0` of its key's hash and its start,
 then linear probing; keys are compared in full (key and window start), so there are no

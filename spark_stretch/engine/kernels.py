@@ -263,7 +263,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                             break
                         s = (s + 1) & mask
                     p = opos[0]
-                    full = cur == EMPTY and (bcount[b] + 1) * 2 > cap
+                    full = cur == EMPTY and (bcount[b] + 1) * 4 > cap * 3
                     short = cur == EMPTY and pool.shape[1] > 0 and free[j, 0] == 0
                     if full or short or p + max_out_upd > cap_out:
                         resume[1] = i

@@ -279,10 +279,10 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 if owner[b] != j:
                     continue
                 if keep:
-                    if (bcount[b] + 1) * 2 > cap or (pool.shape[1] > 0 and free[j, 0] == 0):
+                    if (bcount[b] + 1) * 4 > cap * 3 or (pool.shape[1] > 0 and free[j, 0] == 0):
                         resume[1] = i
                         resume[2] = ki
-                        return 1 if (bcount[b] + 1) * 2 > cap else NEED_POOL
+                        return 1 if (bcount[b] + 1) * 4 > cap * 3 else NEED_POOL
                     _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i,
                           init_f, bcount, bminl, pool, free, j)
                     if dirty[b] == 0:
@@ -296,7 +296,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     s = (s + 1) & mask
                 p = opos[0]
                 fresh = cur == EMPTY or t > rec[b, s, 3]
-                if cur == EMPTY and (bcount[b] + 1) * 2 > cap:
+                if cur == EMPTY and (bcount[b] + 1) * 4 > cap * 3:
                     resume[1] = i
                     resume[2] = ki
                     return 1

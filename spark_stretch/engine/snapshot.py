@@ -1,7 +1,7 @@
 """Checkpoints of an :class:`~spark_stretch.engine.runtime.Engine`: :meth:`Snapshots.snapshot`
 and :meth:`Snapshots.restore`.
 
-A snapshot pickles the buckets, owner map, epoch, both ESGs (pending tuples and watermarks),
+A snapshot pickles (protocol 5) the buckets, owner map, epoch, both ESGs (pending tuples and watermarks),
 the interner and the counters; an incremental one (``delta=True``) holds only the buckets
 changed since the previous snapshot, which :meth:`~Snapshots.restore` applies on top of its
 base. The engines keep their state differently (shared buckets, the shared-nothing engine's
@@ -10,10 +10,24 @@ per-instance ones, the join's tuple store): each says how through ``_state_array
 
 :class:`Snapshots` is a part of :class:`~spark_stretch.engine.runtime.Engine` (a base class of
 it): it reads the engine's state, ESGs and locks.
+
+A snapshot is a :class:`Blob`: the pickle of its structure, with the buffers of its large arrays
+(the live windows, copied once by ``compact``) kept *out of band* and written after it as they
+are, so a checkpoint of N windows holds them once in memory, not twice (a copy and its pickled
+bytes). :func:`loads` reads a blob, its bytes, or a snapshot written before blobs (one pickle).
+
+Examples
+--------
+>>> import numpy as np
+>>> b = dumps({"rec": np.arange(300_000), "epoch": 3})
+>>> len(bytes(b)) == len(b), int(loads(bytes(b))["rec"][-1]), loads(b)["epoch"]
+(True, 299999, 3)
 """
 from __future__ import annotations
 
+import io
 import pickle
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +35,81 @@ import numpy as np
 from .errors import EngineError
 from .esg import Control
 from .state import BucketState
+
+
+MAGIC = b"STRETCH-SNAP-5\n"  # (a pickle starts with b"\x80": a snapshot before blobs)
+_LEN = struct.Struct("<Q")
+OUT_OF_BAND = 1 << 16  # buffers from this size are written after the pickle, not copied into it
+
+
+class Blob:
+    """A snapshot: ``MAGIC``, the pickle's length, the pickle, the buffer count, then each
+    out-of-band buffer's length and bytes (little-endian lengths). ``len()`` is its size in
+    bytes, :meth:`write_to` writes it to a file without joining its parts, ``bytes()`` joins
+    them."""
+
+    def __init__(self, head: bytes, buffers: list):
+        self.head, self.buffers = head, buffers
+
+    def __len__(self) -> int:
+        return (len(MAGIC) + 2 * _LEN.size + len(self.head)
+                + sum(_LEN.size + b.nbytes for b in self.buffers))
+
+    def write_to(self, f) -> None:
+        f.write(MAGIC)
+        f.write(_LEN.pack(len(self.head)))
+        f.write(self.head)
+        f.write(_LEN.pack(len(self.buffers)))
+        for b in self.buffers:
+            f.write(_LEN.pack(b.nbytes))
+            f.write(b)
+
+    def __bytes__(self) -> bytes:
+        out = io.BytesIO()
+        self.write_to(out)
+        return out.getvalue()
+
+
+def dumps(obj) -> Blob:
+    """``obj`` as a :class:`Blob` (its large contiguous buffers referenced, not copied: they must
+    not change until the blob is written)."""
+    bufs: list = []
+
+    def out_of_band(pb) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < OUT_OF_BAND:
+            return True  # (in band: small, and maybe an array the engine keeps changing)
+        bufs.append(raw)
+        return False
+
+    return Blob(pickle.dumps(obj, protocol=5, buffer_callback=out_of_band), bufs)
+
+
+def loads(src):
+    """The object of a :class:`Blob`, of its bytes (read without copying its buffers), or of
+    a snapshot written as one pickle."""
+    if isinstance(src, Blob):
+        return pickle.loads(src.head, buffers=src.buffers)
+    mv = memoryview(src)
+    if bytes(mv[:len(MAGIC)]) != MAGIC:
+        return pickle.loads(src)
+    at = len(MAGIC)
+    (n,) = _LEN.unpack_from(mv, at)
+    head = mv[at + _LEN.size:at + _LEN.size + n]
+    at += _LEN.size + n
+    (k,) = _LEN.unpack_from(mv, at)
+    at += _LEN.size
+    bufs = []
+    for _ in range(k):
+        (m,) = _LEN.unpack_from(mv, at)
+        bufs.append(mv[at + _LEN.size:at + _LEN.size + m])
+        at += _LEN.size + m
+    return pickle.loads(head, buffers=bufs)
+
+
+def snapshot_bytes(src) -> bytes:
+    """A snapshot (a :class:`Blob` or bytes) as bytes."""
+    return bytes(src) if isinstance(src, Blob) else src
 
 
 class Snapshots:
@@ -51,7 +140,7 @@ class Snapshots:
         self.state.dirty[:] = 0
 
     def snapshot(self, path=None, clear_dirty=True, delta=False):
-        """The engine state as bytes (or written to ``path``/engine.snap): buckets, owner map, epoch,
+        """The engine state as a :class:`Blob` (or written to ``path``/engine.snap): buckets, owner map, epoch,
         watermarks, pending ESG tuples, interner. Call when idle (after :meth:`drain`).
 
         With ``delta=True`` the buckets part holds only the buckets changed since the previous
@@ -61,18 +150,19 @@ class Snapshots:
         with self._drain_lock:
             snap_in = self.esg_in.snapshot()
             snap_in["log"] = [_strip(it) for it in snap_in["log"]]
-            blob = pickle.dumps({
+            blob = dumps({
                 "mode": self.mode, "m": self.m, "n": self.n, "n_buckets": self.n_buckets,
                 "lateness": self.lateness, "delta": bool(delta),
                 "state": self._state_arrays(delta), "owner_map": self.owner_map, "epoch": self.epoch,
                 "active": self.active, "esg_in": snap_in, "esg_out": self.esg_out.snapshot(),
-                "interner": self.interner.strings(), "metrics": self._m}, protocol=5)
+                "interner": self.interner.strings(), "metrics": self._m})
             if clear_dirty:
                 self._clear_dirty()
         if path is not None:
             p = Path(path)
             p.mkdir(parents=True, exist_ok=True)
-            (p / "engine.snap").write_bytes(blob)
+            with open(p / "engine.snap", "wb") as f:
+                blob.write_to(f)
         return blob
 
     @classmethod
@@ -83,12 +173,12 @@ class Snapshots:
         """
         if isinstance(src, (str, Path)):
             src = (Path(src) / "engine.snap").read_bytes()
-        d = pickle.loads(src)
+        d = loads(src)
         if d["mode"] != cls.mode:
             raise EngineError(f"snapshot is of a {d['mode']!r} engine; restore it with that engine class")
         if d.get("delta"):
             raise EngineError("restore needs a full snapshot first; incremental ones go in deltas=")
-        ds = [pickle.loads(blob) for blob in deltas]
+        ds = [loads(blob) for blob in deltas]
         base, d = d, (ds[-1] if ds else d)  # the engine as of the last snapshot
         eng = cls(op, d["m"], d["n"], n_buckets=d["n_buckets"], threads=threads, out_reader=None,
                   lateness=d.get("lateness", "tuple"))

@@ -204,9 +204,8 @@ class BucketState:
         self.free = np.zeros((int(n), 1), np.int64)
 
     def _new_rec(self, cap):
-        # (key, start, acc_i...) padded to a power of two: a record never straddles two cache lines
-        width = 1 << (1 + self.init_i.shape[0]).bit_length()
-        rec = np.zeros((self.n_buckets, cap, width), np.int64)
+        # (key, start, acc_i...), unpadded: a window's bytes are the state's size
+        rec = np.zeros((self.n_buckets, cap, 2 + self.init_i.shape[0]), np.int64)
         rec[:, :, 1] = K.EMPTY
         return rec
 
@@ -324,7 +323,9 @@ class BucketState:
             self.rec[:, :, 1] = K.EMPTY
         else:
             self.rec[np.asarray(only, np.int64), :, 1] = K.EMPTY
-        rows = np.asarray(a["rec"], np.int64)
+        # (a snapshot written before records lost their padding has wider rows: the padding
+        # is zeros, after every slot a record uses)
+        rows = np.ascontiguousarray(np.asarray(a["rec"], np.int64)[:, :self.rec.shape[2]])
         if self.pool_slots:  # (the windows' words as new rows; the rows of those they replace
             #                   are collected by the next refill)
             words = a["pool"][1]

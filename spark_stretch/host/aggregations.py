@@ -83,7 +83,7 @@ def engine_columns(s: AggregateSpec, codec: KeyCodec, share, table: pa.Table) ->
         cols["end"] = pc.cast(table.column(s.session_end), pa.int64()).to_numpy()
     key = table.column(s.key_column).combine_chunks()
     if s.key_kind == "scalar":
-        cols["key"] = codec.ids(key)
+        cols["key"] = codec.key_ids(key) if s.key_nullable else codec.ids(key)
     else:
         offsets, values = list_parts(key)
         ids = codec.ids(values, force_intern=s.key_kind == "pairs")
@@ -160,7 +160,9 @@ def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:
                             f"batch {batch}")
     key = table.column(s.key_column)
     # a null list is no key (as explode); a null element of one would be a null key
-    nulls = key.null_count if s.key_kind == "scalar" else pc.list_flatten(key).null_count
+    # (a nullable scalar key column's nulls are the null key, Spark's null group)
+    nulls = (0 if s.key_nullable else key.null_count) if s.key_kind == "scalar" \
+        else pc.list_flatten(key).null_count
     if nulls:
         col = s.key_column
         raise InputRejected(
@@ -244,4 +246,6 @@ def _decode_keys(s: AggregateSpec, codec: KeyCodec, keys: np.ndarray) -> pa.Arra
     if s.key_kind == "pairs":
         return pa.StructArray.from_arrays([decode(keys >> 32), decode(keys & 0xFFFFFFFF)],
                                           names=["_1", "_2"])
+    if s.key_nullable:
+        return codec.key_values(keys, s.key_type)
     return decode(keys) if strings else pa.array(keys, pa.int64())

@@ -220,7 +220,7 @@ class CheckpointStore:
             raise StateError(f"writing the engine state to {self.dir} failed: {e}") from e
 
     def _write_dir(self, batch: int, blobs: dict) -> None:
-        """Write ``blobs`` (file name -> bytes, the meta last) as the checkpoint of ``batch``:
+        """Write ``blobs`` (file name -> bytes or an engine snapshot's ``Blob``, the meta last) as the checkpoint of ``batch``:
         into a temporary directory, then renamed, so a crash leaves whole checkpoints only; then
         clean old ones. As durable as Spark's own checkpoint files (written, renamed, not
         fsynced: a process crash loses nothing, a power cut may) unless ``fsync``
@@ -238,7 +238,10 @@ class CheckpointStore:
                         os.fsync(f.fileno())
                 continue
             with open(tmp / name, "wb") as f:
-                f.write(blob)
+                if hasattr(blob, "write_to"):  # (an engine snapshot: its parts, unjoined)
+                    blob.write_to(f)
+                else:
+                    f.write(blob)
                 if sync:
                     os.fsync(f.fileno())
         if sync:

@@ -23,11 +23,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..engine import Interner
+from ..engine.errors import EngineError
 
-__all__ = ["TS", "list_parts", "window_array", "KeyCodec", "sample", "finish", "prepare",
+__all__ = ["TS", "NULL_LONG_KEY", "list_parts", "window_array", "KeyCodec", "sample", "finish", "prepare",
            "unsafe_rows", "unsafe_row_field"]
 
 TS = pa.timestamp("us", tz="UTC")
+NULL_LONG_KEY = np.iinfo(np.int64).min  # the null key of a nullable long key column
 
 
 def list_parts(arr: pa.Array):
@@ -64,6 +66,32 @@ class KeyCodec:
                 or pa.types.is_binary(arr.type) or force_intern):
             return self.interner.intern(arr)
         return pc.cast(arr, pa.int64()).to_numpy(zero_copy_only=False)
+
+    def key_ids(self, arr: pa.Array) -> np.ndarray:
+        """:meth:`ids` of a scalar key column that may hold nulls: the null key is -1 (strings:
+        every interned id is >= 0) or :data:`NULL_LONG_KEY` (longs; that value itself is then
+        refused, naming it), so a nullable key column is never encoded as binary keys."""
+        if not arr.null_count:
+            ids = self.ids(arr)
+            if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) \
+                    and len(ids) and ids.min() == NULL_LONG_KEY:
+                raise EngineError(f"key value {NULL_LONG_KEY} of a nullable key column: the "
+                                  "engine keeps the null key in its place; group by another "
+                                  "column, or make the column non-nullable")
+            return ids
+        valid = pc.is_valid(arr).to_numpy(zero_copy_only=False)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            out = np.full(len(arr), -1, np.int64)
+        else:
+            out = np.full(len(arr), NULL_LONG_KEY, np.int64)
+        out[valid] = self.key_ids(arr.drop_null())
+        return out
+
+    def key_values(self, ids: np.ndarray, typ: str) -> pa.Array:
+        """The key column of ``ids`` from :meth:`key_ids` (``typ``: ``string`` or ``long``)."""
+        if typ == "string":
+            return self.strings(pa.array(ids, pa.int64(), mask=ids < 0))
+        return pa.array(ids, pa.int64(), mask=ids == NULL_LONG_KEY)
 
     def strings(self, ids: np.ndarray) -> pa.Array:
         return self._dictionary(pa.string()).take(pa.array(ids))

@@ -38,7 +38,7 @@ from .aggregations import engine_agg
 from ..protocol.layout import input_log_of
 from .checkpoints import CheckpointStore
 from .input_log import InputLog
-from .columns import KeyCodec
+from .columns import NULL_LONG_KEY, KeyCodec
 from .share import KeyShare
 
 __all__ = ["Resharding", "load_resharded"]
@@ -76,6 +76,7 @@ class _Mapping:
         self.n = len(strings)
         self.share = share
         self.interned = spec.key_kind != "scalar" or spec.key_type in ("string", "binary")
+        self.nullable = spec.key_nullable
         self.ids = np.empty(self.n, np.int64)
         # (the interner keeps a composite key's bytes and a string value's text apart: each is
         # interned again as what it was; a key's content is its bytes either way)
@@ -98,8 +99,12 @@ class _Mapping:
 
     def owned(self, keys: np.ndarray) -> np.ndarray:
         if self.interned:
-            return self.mine[keys]
-        return self.share.is_mine(pa.array(keys, pa.int64()))
+            out = self.mine[np.maximum(keys, 0)] if self.n else np.zeros(len(keys), np.bool_)
+            if self.nullable:  # (the null key, -1: the group of a null)
+                out[keys < 0] = self.share.is_mine(pa.nulls(1, pa.string()))[0]
+            return out
+        mask = keys == NULL_LONG_KEY if self.nullable else None
+        return self.share.is_mine(pa.array(keys, pa.int64(), mask=mask))
 
 
 def _records(rec, acc_f, m: _Mapping, spec: AggregateSpec, base: int):

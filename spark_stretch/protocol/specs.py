@@ -95,6 +95,8 @@ class AggregateSpec(QuerySpec):
     key_kind: str                      # "scalar" | "array" | "pairs"
     key_column: str
     key_type: str                      # "string" | "long" | "binary" (several columns, encoded)
+    key_nullable: bool = False         # a scalar string or long key column with nulls: the null
+    #                                    key's id is -1 (strings) or NULL_LONG_KEY (longs)
     distance: Optional[int] = None     # pairs: largest j - i (None: every pair)
     window_us: int
     slide_us: int

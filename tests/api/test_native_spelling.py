@@ -12,6 +12,7 @@ from pyspark.sql import functions as F
 import spark_stretch
 from spark_stretch import FallbackWarning
 from spark_stretch.driver.engine import HostEngine
+from spark_stretch.driver.jvm import ShimPlans
 
 SCHEMA = "k string, d string, v int, ts timestamp"
 
@@ -73,6 +74,35 @@ def test_composite_keys_nulls_and_functions_equal_native(spark, events, tmp_path
     assert len(_rows(spark, "nat_composite")) > 5
     figures = spark_stretch.control(q).metrics()
     assert figures["batches"] >= 4 and figures["engine"]["late_rows"] == 1
+
+
+@pytest.mark.parametrize("key", ["k", "v"])
+def test_one_nullable_key_column_is_the_engines_key_nulls_and_all(spark, events, tmp_path, key):
+    """A nullable string (k) or int (v) key column, as every file and Kafka source has: its
+    values are the engine's keys and its nulls Spark's null group (not one binary key each)."""
+    def agg(df):
+        return df.groupBy(F.window("ts", "20 seconds"), key).agg(
+            F.count("*").alias("n"), F.max("ts").alias("last"), F.count("d").alias("nd"))
+
+    _run(agg(events()), tmp_path, f"nat_nullable_{key}")
+    q = _run(spark_stretch.stretch(agg(events())), tmp_path, f"st_nullable_{key}")
+    got, want = _rows(spark, f"st_nullable_{key}"), _rows(spark, f"nat_nullable_{key}")
+    assert got == want and any(r[key] is None for r in want)
+    spec = ShimPlans(spark).analyze(agg(events()), "probe")["spec"]
+    assert (spec["key_type"], spec["key_nullable"]) == ("string" if key == "k" else "long", True)
+    assert spark_stretch.control(q).metrics()["batches"] >= 4
+
+
+def test_the_null_long_key_value_itself_is_refused_naming_it(spark, tmp_path):
+    src = str(tmp_path / "in")
+    (spark.createDataFrame([(-2**63, 1), (None, 2), (5, 3)], "u bigint, t int")
+     .select("u", F.timestamp_seconds("t").alias("ts")).coalesce(1).write.parquet(src))
+    df = (spark.readStream.schema("u bigint, ts timestamp").parquet(src)
+          .withWatermark("ts", "5 seconds").groupBy(F.window("ts", "10 seconds"), "u").count())
+    q = (spark_stretch.stretch(df).writeStream.format("memory").queryName("st_min_key")
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    with pytest.raises(Exception, match="-9223372036854775808 of a nullable key column"):
+        q.awaitTermination()
 
 
 def test_stretch_agg_spelling_and_explode_as_multi_key(spark, tmp_path):

@@ -8,6 +8,7 @@ from numba import njit
 
 from spark_stretch.engine import Engine, EngineError, ListColumn, Operator, SNEngine, reconfigure, setup
 from spark_stretch.engine.reference import ref_aggregate, reference_run
+from spark_stretch.engine.snapshot import Blob, loads
 from spark_stretch.ops import aggregate, aggregate_many, paircount, wordcount
 from spark_stretch.testing.engine import batch_to_rows, rows_to_batch, run_engine, same_rows
 
@@ -311,7 +312,7 @@ def test_incremental_snapshot_holds_only_the_changed_buckets():
     op = wordcount(WS=100)
     eng = Engine(op, 2, 2, n_buckets=1024, lateness="window")
     eng.esg_in.add_sources([0], ordered=False)
-    n = 5000
+    n = 20000
     eng.esg_in.add({"ts": np.ones(n, np.int64),
                     "words": ListColumn(np.arange(n + 1), np.arange(n, dtype=np.int64))}, 0)
     eng.esg_in.advance_watermark(5)
@@ -326,7 +327,7 @@ def test_incremental_snapshot_holds_only_the_changed_buckets():
     dirty = np.flatnonzero(eng.state.dirty)
     assert len(dirty) == 1
     delta = eng.snapshot(delta=True)
-    part = __import__("pickle").loads(delta)["state"]["shared"]
+    part = loads(delta)["state"]["shared"]
     assert list(part["only"]) == list(dirty)
     assert set(part["b"]) == set(dirty) and len(part["b"]) == eng.state.bcount[dirty[0]]
     assert len(part["b"]) < n / 100 and len(delta) < len(full) / 10
@@ -835,3 +836,27 @@ def test_a_snapshot_of_another_window_layout_is_refused():
         eng.close()
     with pytest.raises(EngineError, match="0 pool words each.*2, 2 and 7.*new checkpoint"):
         Engine.restore(new, snap)
+
+
+def test_a_snapshot_holds_the_windows_once_and_reads_as_written_before():
+    """A snapshot's large arrays are written out of band (not copied into the pickle); its
+    bytes, the file it writes and a snapshot of the format before (one pickle) all restore."""
+    import pickle
+
+    op = aggregate("sum", keys="words", value="v", WS=10, WA=5)
+    eng = Engine(op, 1, 1, n_buckets=64)
+    eng.esg_in.add_sources([0], ordered=False)
+    n = 50_000
+    eng.esg_in.add({"ts": np.ones(n, np.int64), "v": np.arange(n, dtype=np.float64),
+                    "words": ListColumn(np.arange(n + 1), np.arange(n, dtype=np.int64))}, 0)
+    eng.esg_in.advance_watermark(2)
+    eng.drain()
+    blob = eng.snapshot(clear_dirty=False)
+    assert isinstance(blob, Blob) and len(blob.head) < 100_000 < len(blob) == len(bytes(blob))
+    old = pickle.dumps(loads(blob), protocol=5)  # (a snapshot as written before blobs)
+    want = sorted(zip(*[a.tolist() for a in eng.state.bucket_rows()[:2]]))
+    for src in (blob, bytes(blob), old):
+        again = Engine.restore(op, src)
+        assert sorted(zip(*[a.tolist() for a in again.state.bucket_rows()[:2]])) == want
+        again.close()
+    eng.close()

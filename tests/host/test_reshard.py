@@ -216,3 +216,16 @@ def test_each_host_reports_the_keys_of_its_key_groups(kind, tmp_path):
             got[g] += n
         rt.close()
     assert got.tolist() == want.tolist() and want.min() > 0
+
+
+@pytest.mark.parametrize("typ", [pa.int64(), pa.string()])
+def test_a_null_key_is_in_the_group_sparks_routing_gives_it(typ):
+    """Spark's ``xxhash64`` of a null is its seed (42), so the driver routes a null key to key
+    group ``42 % G``; a host keeps it there too (a nullable key column's null group)."""
+    from spark_stretch.host.share import KeyShare
+
+    host_map = [1 if g == 42 % G else 0 for g in range(G)]  # (not the group of a hash 0)
+    for h in range(2):
+        share = KeyShare(HostShare(host=h, hosts=2, key_groups=G, host_map=host_map),
+                         "scalar", "k", "ts")
+        assert share.is_mine(pa.array([None], typ)).tolist() == [host_map[42 % G] == h]

@@ -64,7 +64,9 @@ private[stretch] object StretchTranslate {
         ("array", arr, if (el == StringType) "string" else "long", g)
       case None => normalized match {
         case Seq() => ("scalar", Literal(0L), "long", x)  // (the window alone: one key)
-        case Seq(k) if !k.nullable && (k.dataType == StringType || isIntegral(k.dataType)) =>
+        // (one key column, nulls and all: its values are the engine's keys, the null key
+        // one of its own; several columns are encoded as one binary key)
+        case Seq(k) if k.dataType == StringType || isIntegral(k.dataType) =>
           ("scalar", k, if (k.dataType == StringType) "string" else "long", x)
         case _ => ("scalar", StretchKeyEncode(normalized), "binary", x)
       }
@@ -167,6 +169,7 @@ private[stretch] object StretchTranslate {
     spec.put("key_kind", keyKind)
     spec.put("key_column", keyNamed.name)
     spec.put("key_type", keyType)
+    spec.put("key_nullable", keyKind == "scalar" && keyType != "binary" && keyExpr.nullable)
     val w = spec.putArray("window")
     durations.foreach(d => w.add(d))
     endNamed.foreach(e => spec.put("session_end", e.name))

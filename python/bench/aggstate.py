@@ -1,0 +1,185 @@
+"""Aggregation state at scale: memory per live window and time, native Spark (RocksDB) against
+``stretch(df)``, side by side in one run.
+
+    python python/bench/aggstate.py [--keys 1000000] [--files 10] [--no-native] [--json]
+
+The query, as a Spark user writes it (bigint users, a 1-hour tumbling window)::
+
+    df.withWatermark("ts", "10 minutes")
+      .groupBy(F.window("ts", "1 hour"), "user")
+      .agg(F.count("*").alias("n"), F.sum("x").alias("s"), F.max("x").alias("m"))
+
+over a parquet stream of ``3 * keys`` events (``--files`` files = micro-batches, availableNow,
+local[2]): users drawn uniformly from ``keys`` random bigint ids (3 events per key on average,
+about 0.95 * keys distinct), event time rising through one hour, so every window stays live
+until one last event three hours later closes them all and both sides emit every window
+(append mode, into Delta). Tables checked equal (exceptAll both ways).
+
+Reported per side: time and events/s; for the engine, its processes' peak resident memory
+(VmHWM of the host engine and its instance processes, read every 0.5 s), the live windows before
+the closing batch, and bytes per live window: the peak RSS over live windows, and the same with
+the engine's RSS at its start subtracted (the interpreter, numba's code and pyarrow, which do
+not grow with the state). The peak is the closing batch's, which emits every window at once;
+``live_rss_bytes`` is the largest RSS sampled while the windows were live, before it.
+``AGGSTATE_TRACE=1`` prints the engine's RSS as the batches go.
+
+Fair set-up for native Spark: the same session (local[2], spark.driver.memory=4g),
+spark.sql.shuffle.partitions=2 (one per core), the RocksDB state store provider (state larger
+than memory on disk, as users run large state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark.sql import functions as F
+
+import spark_stretch
+
+SCHEMA = "ts TIMESTAMP, user BIGINT, x BIGINT"
+HOUR_S = 3_600
+T0 = 472_222 * HOUR_S * 1_000_000  # us, an hour boundary (2023-11-14 22:00 UTC)
+HOUR = 3_600 * 1_000_000
+
+
+def write_events(dst: Path, keys: int, files: int, seed: int = 7) -> int:
+    """``3 * keys`` events over ``files`` parquet files (event time rising through one hour),
+    then a last file of one event three hours on (closing every window). Returns the events."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 1 << 62, size=keys, dtype=np.int64)  # (random bigints, distinct enough)
+    n, step = 3 * keys, HOUR // files
+    per = -(-n // files)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        m = min(per, n - f * per)
+        ts = T0 + f * step + rng.integers(0, step, size=m)
+        t = pa.table({"ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                      "user": ids[rng.integers(0, keys, size=m)],
+                      "x": rng.integers(0, 1_000_000, size=m)})
+        pq.write_table(t, dst / f"part-{f:04d}.parquet")
+    last = pa.table({"ts": pa.array([T0 + 3 * HOUR], pa.timestamp("us", tz="UTC")),
+                     "user": pa.array([0], pa.int64()), "x": pa.array([0], pa.int64())})
+    pq.write_table(last, dst / f"part-{files:04d}.parquet")
+    return n + 1
+
+
+def query(spark, src: Path):
+    return (spark.readStream.option("maxFilesPerTrigger", 1).schema(SCHEMA).parquet(str(src))
+            .withWatermark("ts", "10 minutes")
+            .groupBy(F.window("ts", "1 hour"), "user")
+            .agg(F.count("*").alias("n"), F.sum("x").alias("s"), F.max("x").alias("m")))
+
+
+class Peak(threading.Thread):
+    """The engine's processes' peak RSS (VmHWM) and live windows, read while the query runs."""
+
+    def __init__(self, q):
+        super().__init__(daemon=True)
+        self.q, self.hwm, self.live, self.base, self.stop = q, {}, 0, None, False
+        self.live_rss = 0  # (the largest RSS sampled while windows are live)
+        self.trace = bool(int(os.environ.get("AGGSTATE_TRACE", "0")))
+
+    def run(self):
+        while not self.stop:
+            try:
+                m = self.q.metrics()["engine"]
+                pids = [p for p in m.get("instance_pids", []) + [m.get("engine_pid")] if p]
+                rss = 0
+                for pid in pids:
+                    with open(f"/proc/{pid}/status") as f:
+                        for ln in f:
+                            if ln.startswith("VmHWM"):
+                                self.hwm[pid] = int(ln.split()[1]) * 1024
+                            elif ln.startswith("VmRSS"):
+                                rss += int(ln.split()[1]) * 1024
+                            if ln.startswith("VmRSS") and self.trace:
+                                print(f"trace batch={m.get('batches')} live={m.get('live_windows')} "
+                                      f"rss={int(ln.split()[1]) >> 10} MB", file=sys.stderr)
+                live = int(m.get("live_windows") or 0)
+                if live and live >= self.live:
+                    self.live_rss = max(self.live_rss, rss)
+                self.live = max(self.live, live)
+                if self.base is None and self.hwm:  # (the first reading: the engine at its start)
+                    self.base = sum(self.hwm.values())
+            except Exception:
+                pass
+            time.sleep(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--keys", type=int, default=1_000_000)
+    p.add_argument("--files", type=int, default=10)
+    p.add_argument("--no-native", dest="native", action="store_false")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="aggstate-"))
+    try:
+        src = tmp / "events"
+        events = write_events(src, a.keys, a.files)
+        conf = {"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
+                "spark.sql.streaming.stateStore.providerClass":
+                    "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"}
+        spark = spark_stretch.session(conf=conf)
+        res = {"keys": a.keys, "events": events, "files": a.files}
+
+        def run(df, name):
+            t0 = time.perf_counter()
+            q = (df.writeStream.format("delta").outputMode("append")
+                 .option("checkpointLocation", str(tmp / f"{name}-ckpt"))
+                 .trigger(availableNow=True).start(str(tmp / name)))
+            peak = None
+            if name == "stretch":
+                peak = Peak(q)
+                peak.start()
+            q.awaitTermination()
+            s = time.perf_counter() - t0
+            if peak is not None:
+                peak.stop = True
+                peak.join()
+            return s, peak
+
+        if a.native:
+            res["native_s"], _ = run(query(spark, src), "native")
+        res["stretch_s"], peak = run(spark_stretch.stretch(query(spark, src)), "stretch")
+        rss = sum(peak.hwm.values())
+        res.update(stretch_peak_rss_bytes=rss, live_windows=peak.live,
+                   stretch_base_rss_bytes=peak.base, live_rss_bytes=peak.live_rss,
+                   live_bytes_per_window=peak.live_rss / max(peak.live, 1),
+                   bytes_per_window=rss / max(peak.live, 1),
+                   bytes_per_window_above_base=(rss - (peak.base or 0)) / max(peak.live, 1))
+        got = spark.read.format("delta").load(str(tmp / "stretch"))
+        if a.native:
+            want = spark.read.format("delta").load(str(tmp / "native"))
+            res["throughput_ratio"] = res["native_s"] / res["stretch_s"]
+        else:  # a batch SQL query over the same files
+            want = (spark.read.schema(SCHEMA).parquet(str(src)).where(f"ts < timestamp_micros({T0 + HOUR})")
+                    .groupBy(F.window("ts", "1 hour"), "user")
+                    .agg(F.count("*").alias("n"), F.sum("x").alias("s"), F.max("x").alias("m")))
+        res["rows"] = got.count()
+        res["equal"] = res["rows"] == want.count() and got.exceptAll(want).isEmpty() \
+            and want.exceptAll(got).isEmpty()
+        for side in ("native", "stretch"):
+            if f"{side}_s" in res:
+                res[f"{side}_events_per_s"] = events / res[f"{side}_s"]
+        print(json.dumps(res) if a.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+        spark.stop()
+        if not res["equal"]:
+            sys.exit("outputs differ")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
