@@ -44,7 +44,8 @@ from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META
 from . import faults, load
 from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
-                           per_aggregation, rank_strings, reject_nulls, state_output)
+                           per_aggregation, rank_strings, reject_nulls, state_output,
+                           check_keys, key_encoding)
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
@@ -238,7 +239,8 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         meta = {**self._common_meta(batch), "strings_from": since,
                 "host_map": None if self.share is None else self.spec.share.host_map,
                 "stream_max_ms": self.stream_max_ms,
-                "output_mode": getattr(self.spec, "output_mode", "append")}
+                "output_mode": getattr(self.spec, "output_mode", "append"),
+                "keys": key_encoding(self.spec)}
 
         def files():  # (in the store's writer thread; the next step waits for it)
             blobs = {f"engine{i}.snap": eng.snapshot(delta=delta)
@@ -259,6 +261,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         meta = self.store.read_meta(batch)
         check_checkpoint(getattr(self.spec, "output_mode", "append"), meta, batch,
                          len(list(dirs[0].glob("engine*.snap"))), len(ops))
+        check_keys(self.spec, meta, batch)
         self._restore_common(meta)
         self.stream_max_ms = meta.get("stream_max_ms", [meta.get("max_event_ms")])
         strings = []

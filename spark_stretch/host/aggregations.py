@@ -14,7 +14,7 @@ from ..protocol.specs import AggregateSpec
 from .columns import KeyCodec, finish, list_parts, window_array, window_struct
 
 __all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "engine_columns", "output_table", "per_aggregation", "rank_strings",
-           "reject_nulls", "state_output"]
+           "reject_nulls", "state_output", "key_encoding", "check_keys"]
 
 
 def builtin_operators(s: AggregateSpec) -> list:
@@ -149,6 +149,26 @@ def check_checkpoint(mode: str, meta: dict, batch: int, kept: int, running: int)
         raise StateError(f"the engine checkpoint of batch {batch} keeps {kept} engines, this "
                          f"version runs {running} (one for all aggregations): restart the "
                          "query from a new checkpoint location")
+
+
+def key_encoding(s: AggregateSpec) -> str:
+    """How the engine keeps this query's keys (a checkpoint records it): ``kind:type``, ``?``
+    after a nullable scalar key column's type (its values, the null key one of them)."""
+    return f"{s.key_kind}:{s.key_type}{'?' if s.key_nullable else ''}"
+
+
+def check_keys(s: AggregateSpec, meta: dict, batch: int) -> None:
+    """Raise StateError if the engine checkpoint of ``batch`` keeps its keys otherwise than
+    this run would: a checkpoint with no record of it was written before a nullable key column
+    became the engine's key (it kept such a column as interned bytes of Spark's row)."""
+    now = key_encoding(s)
+    was = meta.get("keys", now if not s.key_nullable else f"{s.key_kind}:binary")
+    if was != now:
+        raise StateError(
+            f"the engine checkpoint of batch {batch} keeps the keys of column "
+            f"'{s.key_column}' as {was}, this version as {now} (a nullable key column's values "
+            "are its keys): finish the query with the version that wrote the "
+            "checkpoint, or restart it from a new checkpoint location")
 
 
 def reject_nulls(s: AggregateSpec, table: pa.Table, batch: int) -> None:

@@ -34,7 +34,7 @@ from ..engine.state import BucketState
 from ..protocol.errors import StateError
 from ..protocol.placement import bucket_of
 from ..protocol.specs import AggregateSpec, Checkpointing
-from .aggregations import engine_agg
+from .aggregations import check_keys, engine_agg
 from ..protocol.layout import input_log_of
 from .checkpoints import CheckpointStore
 from .input_log import InputLog
@@ -238,6 +238,8 @@ class Resharding:
         # the batches after it, from every source's input log (a lost host's too)
         self.sources = [(InputLog(input_log_of(d)), self.share.of_source(m["host_map"], j))
                         for j, d, m in zip(slots, dirs, metas)]
+        for m in metas:
+            check_keys(self.spec, m, batch)
         meta = dict(metas[slots.index(own)]) if have else dict(metas[0], counters={})
         for k in ("watermark_ms", "next_watermark_ms"):  # (one watermark: a new slot's is 0)
             meta[k] = max(m[k] for m in metas)

@@ -5,6 +5,8 @@ batch by batch."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -229,3 +231,26 @@ def test_a_null_key_is_in_the_group_sparks_routing_gives_it(typ):
         share = KeyShare(HostShare(host=h, hosts=2, key_groups=G, host_map=host_map),
                          "scalar", "k", "ts")
         assert share.is_mine(pa.array([None], typ)).tolist() == [host_map[42 % G] == h]
+
+
+def test_a_checkpoint_keeping_a_nullable_key_as_bytes_is_refused(tmp_path):
+    """A checkpoint with no record of its keys was written when a nullable key column was kept
+    as interned bytes of Spark's row: read as values, its windows would be other keys."""
+    from dataclasses import replace
+
+    from spark_stretch.protocol.errors import StateError
+
+    spec = replace(_spec("scalar", tmp_path / "state", interval=1), key_nullable=True)
+    rt = AggregateRuntime("q", spec, _Offers())
+    for b, t in enumerate(_batches(2)):
+        rt.ingest(f"in:{b}", "j", t)
+        rt.step(b)
+    rt.close()
+    meta = next((tmp_path / "state").glob("**/1/*.json"))
+    assert json.loads(meta.read_text())["keys"] == "scalar:string?"
+    AggregateRuntime("q", replace(spec, resume_batch=1), _Offers()).close()  # (as written: fine)
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items()
+                                if k != "keys"}))
+    with pytest.raises(StateError, match="column 'user' as scalar:binary, this version as "
+                                         "scalar:string\\?.*new checkpoint location"):
+        AggregateRuntime("q", replace(spec, resume_batch=1), _Offers())
