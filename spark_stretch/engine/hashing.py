@@ -127,7 +127,7 @@ def _ints(values, seeds, out):
 def xxhash64(arr, seed: int = XXHASH_SEED) -> np.ndarray:
     """Spark's ``xxhash64(value)`` of each value of ``arr`` (int64): an Arrow string or binary
     array (its bytes), or integers (as longs, Spark's hash of a ``bigint``; cast an int column
-    to ``bigint`` in Spark for the same value). Nulls are not hashed (their slot is 0)."""
+    to ``bigint`` in Spark for the same value). A null's hash is ``seed``, as Spark's."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     out = np.empty(len(arr), np.uint64)
@@ -138,6 +138,8 @@ def xxhash64(arr, seed: int = XXHASH_SEED) -> np.ndarray:
         values = (pc.fill_null(pc.cast(arr, pa.int64()), 0).to_numpy() if isinstance(arr, pa.Array)
                   else np.asarray(arr, np.int64))
         _longs(np.ascontiguousarray(values, np.int64), seeds, out)
+    if isinstance(arr, pa.Array) and arr.null_count:
+        out[~arr.is_valid().to_numpy(zero_copy_only=False)] = np.uint64(seed)
     return out.view(np.int64)
 
 

@@ -107,11 +107,6 @@ def loads(src):
     return pickle.loads(head, buffers=bufs)
 
 
-def snapshot_bytes(src) -> bytes:
-    """A snapshot (a :class:`Blob` or bytes) as bytes."""
-    return bytes(src) if isinstance(src, Blob) else src
-
-
 class Snapshots:
     """Snapshot and restore of an engine (mixed into :class:`~spark_stretch.engine.runtime.Engine`)."""
 

@@ -71,20 +71,17 @@ class KeyCodec:
         """:meth:`ids` of a scalar key column that may hold nulls: the null key is -1 (strings:
         every interned id is >= 0) or :data:`NULL_LONG_KEY` (longs; that value itself is then
         refused, naming it), so a nullable key column is never encoded as binary keys."""
+        null = -1 if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type) \
+            else NULL_LONG_KEY
         if not arr.null_count:
             ids = self.ids(arr)
-            if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) \
-                    and len(ids) and ids.min() == NULL_LONG_KEY:
+            if null == NULL_LONG_KEY and len(ids) and ids.min() == NULL_LONG_KEY:
                 raise EngineError(f"key value {NULL_LONG_KEY} of a nullable key column: the "
                                   "engine keeps the null key in its place; group by another "
                                   "column, or make the column non-nullable")
             return ids
-        valid = pc.is_valid(arr).to_numpy(zero_copy_only=False)
-        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-            out = np.full(len(arr), -1, np.int64)
-        else:
-            out = np.full(len(arr), NULL_LONG_KEY, np.int64)
-        out[valid] = self.key_ids(arr.drop_null())
+        out = np.full(len(arr), null, np.int64)
+        out[pc.is_valid(arr).to_numpy(zero_copy_only=False)] = self.key_ids(arr.drop_null())
         return out
 
     def key_values(self, ids: np.ndarray, typ: str) -> pa.Array:

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..engine.hashing import XXHASH_SEED, xxhash64
+from ..engine.hashing import xxhash64
 from ..protocol.placement import key_group
 from ..protocol.specs import HostShare
 from .columns import list_parts
@@ -113,10 +113,7 @@ class KeyShare:
 
     def _mine(self, keys: pa.Array):
         """``(is_mine, keys of each group it owns)`` of ``keys``."""
-        h = xxhash64(keys)
-        if keys.null_count:  # (Spark's xxhash64 of a null is its seed, as the routing's)
-            h[~pc.is_valid(keys).to_numpy(zero_copy_only=False)] = XXHASH_SEED
-        groups = key_group(h, self.share.key_groups)
+        groups = key_group(xxhash64(keys), self.share.key_groups)
         mine = self.mine[groups]
         return mine, np.bincount(groups[mine], minlength=self.share.key_groups)
 

@@ -29,6 +29,11 @@ def test_xxhash64_equals_sparks_for_strings_binaries_and_longs(spark):
     assert xxhash64(pa.array(strs).slice(5, 40)).tolist() == [r[0] for r in want[5:45]]
     # ints are hashed as Spark hashes a bigint (the routing casts integral keys to bigint)
     assert xxhash64(pa.array([1, -1], pa.int32())).tolist() == [r[2] for r in want[1:3]]
+    # a null's hash is Spark's (the seed): the group the routing gives a nullable key's nulls
+    nulls = spark.createDataFrame([(None, None)], "s string, v bigint").select(
+        F.xxhash64("s"), F.xxhash64("v")).first()
+    assert xxhash64(pa.array([None, "a"])).tolist() == [nulls[0], want[1][0]]
+    assert xxhash64(pa.array([None, 1], pa.int64())).tolist() == [nulls[1], want[1][2]]
 
 
 def test_spark_xxhash64_of_several_columns_equals_sparks(spark):
