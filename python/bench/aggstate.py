@@ -1,7 +1,8 @@
 """Aggregation state at scale: memory per live window and time, native Spark (RocksDB) against
 ``stretch(df)``, side by side in one run.
 
-    python python/bench/aggstate.py [--keys 1000000] [--files 10] [--no-native] [--json]
+    python python/bench/aggstate.py [--keys 1000000] [--files 10] [--no-native]
+                                    [--state-memory 128m] [--json]
 
 The query, as a Spark user writes it (bigint users, a 1-hour tumbling window)::
 
@@ -88,6 +89,7 @@ class Peak(threading.Thread):
         super().__init__(daemon=True)
         self.q, self.hwm, self.live, self.base, self.stop = q, {}, 0, None, False
         self.live_rss = 0  # (the largest RSS sampled while windows are live)
+        self.disk = 0  # (the largest state on disk reported)
         self.trace = bool(int(os.environ.get("AGGSTATE_TRACE", "0")))
 
     def run(self):
@@ -112,6 +114,11 @@ class Peak(threading.Thread):
                 self.live = max(self.live, live)
                 if self.base is None and self.hwm:  # (the first reading: the engine at its start)
                     self.base = sum(self.hwm.values())
+                last = self.q.lastProgress
+                so = json.loads(last.json)["stateOperators"] if last is not None else []
+                if so:  # (past a memory budget: the tables' files)
+                    disk = so[0]["customMetrics"].get("stateOnCurrentVersionSizeBytes", 0)
+                    self.disk = max(self.disk, int(disk))
             except Exception:
                 pass
             time.sleep(0.5)
@@ -122,6 +129,9 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=1_000_000)
     p.add_argument("--files", type=int, default=10)
     p.add_argument("--no-native", dest="native", action="store_false")
+    p.add_argument("--state-memory", default=None,
+                   help="spark.stretch.state.memory for the engine (e.g. 128m): its tables past "
+                        "it in files on local disk")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="aggstate-"))
@@ -132,7 +142,10 @@ def main() -> None:
                 "spark.sql.streaming.stateStore.providerClass":
                     "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"}
         spark = spark_stretch.session(conf=conf)
-        res = {"keys": a.keys, "events": events, "files": a.files}
+        res = {"keys": a.keys, "events": events, "files": a.files,
+               "state_memory": a.state_memory}
+        if a.state_memory:
+            spark.conf.set("spark.stretch.state.memory", a.state_memory)
 
         def run(df, name):
             t0 = time.perf_counter()
@@ -156,6 +169,7 @@ def main() -> None:
         rss = sum(peak.hwm.values())
         res.update(stretch_peak_rss_bytes=rss, live_windows=peak.live,
                    stretch_base_rss_bytes=peak.base, live_rss_bytes=peak.live_rss,
+                   state_disk_bytes=peak.disk,
                    live_bytes_per_window=peak.live_rss / max(peak.live, 1),
                    bytes_per_window=rss / max(peak.live, 1),
                    bytes_per_window_above_base=(rss - (peak.base or 0)) / max(peak.live, 1))

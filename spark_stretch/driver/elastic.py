@@ -350,7 +350,8 @@ def state_figures(m: Optional[BatchMetrics]) -> dict:
               "stepMs": round(m.step_ms), "busyMsMax": round(max(m.busy_ms, default=0.0))}
     if m.switch_ms is not None:
         custom["epochSwitchMicros"] = round(m.switch_ms * 1e3)
-    if m.state_disk_bytes is not None:  # the drop-in's store: its file (pages the kernel caches)
+    if m.state_disk_bytes is not None:  # the state's files (the drop-in's store, the tables
+        #                                 past the engine's memory budget)
         custom["stateOnDiskBytes"] = int(m.state_disk_bytes)
     custom.update(m.operator_metrics)
     return {"numRowsTotal": m.live_windows, "numRowsUpdated": m.rows_updated,

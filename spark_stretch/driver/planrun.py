@@ -120,7 +120,8 @@ class PlanRun:
         if marked.settle is not None:
             spec = marked.settle(spec, settings)
         spec = replace(spec, input_schema=wire,
-                       checkpoint=recovery.checkpointing(self.layout, settings))
+                       checkpoint=recovery.checkpointing(self.layout, settings),
+                       state_memory=settings.state_memory)
         self.spec = spec
         self.metrics = QueryMetrics()
         self._interval_ms = None if query is None else jvm.processing_interval_ms(query)

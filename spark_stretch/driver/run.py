@@ -87,7 +87,8 @@ class QueryRun:
         self.stopped = False
         schema = arrow_schema(kind.input_df().schema)
         spec = replace(kind.engine_spec(), input_schema=schema,
-                       checkpoint=recovery.checkpointing(self.layout, settings))
+                       checkpoint=recovery.checkpointing(self.layout, settings),
+                       state_memory=settings.state_memory)
         sink_options = {k: v for k, v in options.items() if k != "checkpointLocation"}
         self.sink = Sink(kind, fmt, sink_options, path, table, self.stretch_id, app_id,
                          settings.direct_write, lambda: self.recovery.engine, self.metrics)

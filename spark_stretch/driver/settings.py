@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from ..protocol.specs import parse_bytes
+
 __all__ = ["Setting", "SETTINGS", "QuerySettings", "read_settings"]
 
 
@@ -138,6 +140,12 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
             "figures to (`q.metrics()[\"per_batch\"]`: rates, latency, utilization, "
             "parallelism, switches), in the background",
             choices=(("", "a Delta table path or a table name"),), pattern=r"\S+"),
+    Setting("spark.stretch.state.memory", "", "text",
+            "the memory an engine keeps its aggregation state in on each host (`512m`, `4g`); "
+            "past it, the state's tables live in files on the host's local disk, paged in as "
+            "batches touch them (slower, not out of memory); unset: half the host's memory",
+            choices=(("", "a size such as '512m' or '4g'"),),
+            pattern=r"\d+(\.\d+)?[kKmMgGtT]?[bB]?"),
     Setting("spark.stretch.testClockMs", "", "text",
             "tests only: `<start>[+<step>]` makes the drop-in's batch N run at processing time "
             "`start + N * step` ms",
@@ -164,6 +172,7 @@ class QuerySettings:
     metrics_table: str
     key_groups: int
     lease_s: int
+    state_memory: int  # bytes (0: the engine's default, half its host's memory)
     # Spark's own state store settings, followed by the engine's checkpoints
     min_deltas: int
     min_batches_to_retain: int
@@ -188,5 +197,6 @@ def read_settings(conf) -> QuerySettings:
         metrics_table=v["spark.stretch.metrics.table"],
         key_groups=v["spark.stretch.keyGroups"],
         lease_s=v["spark.stretch.engine.leaseSeconds"],
+        state_memory=parse_bytes(v["spark.stretch.state.memory"] or 0),
         min_deltas=int(conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "10")),
         min_batches_to_retain=int(conf.get("spark.sql.streaming.minBatchesToRetain", "100")))

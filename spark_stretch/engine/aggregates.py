@@ -3,8 +3,9 @@ kernel (:mod:`spark_stretch.engine.kernels`) and the session kernel
 (:mod:`spark_stretch.engine.sessions`).
 
 An aggregate is an integer code (``AGG_*``) in the operator's integer parameters ``ip``; its
-state is one int and one float accumulator of the window's record (``rec[b, s, base + q]``,
-``acc_f[b, s, q]``: :mod:`spark_stretch.engine.buckets`). :func:`_apply` updates one aggregate
+state is an int and a float accumulator of the window's record (``rec[b, s, base + q]``,
+``acc_f[b, s, f]``: :mod:`spark_stretch.engine.buckets`); a fused aggregation keeps a float
+slot only for the aggregates that use one (:func:`uses_float`). :func:`_apply` updates one aggregate
 by one tuple's values, :func:`_result` reads its result; a *fused* aggregation
 (``AGG_MULTI``: several aggregates in one record, ``ops.aggregate_many``) goes through
 :func:`_multi_update` and :func:`_multi_out`. The helpers take scalars and indices, never array
@@ -34,7 +35,9 @@ AGG_FIRST_I, AGG_FIRST_F, AGG_LAST_I, AGG_LAST_F = range(8, 12)
 # several aggregates in one state record (stream 0 only): ip[8] = K aggregates, ip[9] and
 # ip[10] the int and float value columns per tuple (``vi``/``vf`` hold them row-major); then per
 # aggregate q its code and value columns, ip[MULTI + 3q : MULTI + 3q + 3] (-1: none), its
-# state the int slot q and the float slot q of the record's accumulators
+# state the int slot q of the record and, if it keeps a float (:func:`uses_float`), the float
+# slot ip[MULTI + 4K + q] of its accumulators (-1: none; a count, sum, min or max of ints has
+# none, so a window of count, sum and max keeps no floats)
 AGG_MULTI = 12
 MULTI = 11
 # the int value of the tuple with the largest (smallest) float ordering value ``vf``, ties: the
@@ -125,6 +128,19 @@ def _hll_max(word, shift, pw):
     return word
 
 
+def uses_float(code: int) -> bool:
+    """Whether the aggregate ``code`` keeps a float accumulator (its value, a timestamp, an
+    ordering or a string's rank); the others keep their state in their int slot (or a pool row)."""
+    return code not in (AGG_COUNT, AGG_SUM_I, AGG_MIN_I, AGG_MAX_I, AGG_MAXBY_L, AGG_MINBY_L,
+                        AGG_BY_KEY) and code < AGG_HLL
+
+
+@njit(**HOT)
+def _fslot(ip, q):
+    """Fused aggregate q's float slot (-1: it keeps none)."""
+    return ip[MULTI + 4 * ip[8] + q]
+
+
 @njit(**HOT)
 def _is_float(code):
     """Whether the aggregate's result is a float (else an int)."""
@@ -151,7 +167,7 @@ def _hll_words(code):
 @njit(**HOT)
 def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
     """A fused aggregation's update by tuple row ``ri`` at ``t`` of the window in slot ``s``:
-    aggregate q's state in int slot ``base + q`` and float slot q (an HLL++'s registers in the
+    aggregate q's state in int slot ``base + q`` and its float slot (an HLL++'s registers in the
     pool row it holds; a max_by/min_by by an exact ordering also in the int slot after).
     (Called once per tuple and window, not per aggregate: the reference counts of the arrays it
     takes are paid once for all.)"""
@@ -159,11 +175,15 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
     for q in range(ip[8]):
         c = MULTI + 3 * q
         code = ip[c]
+        f = _fslot(ip, q)
         xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
         xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
         if code < AGG_MIN_S:
-            rec[b, s, base + q], acc_f[b, s, q] = _apply(
-                code, rec[b, s, base + q], acc_f[b, s, q], xi, xf, t)
+            ci, cf = _apply(code, rec[b, s, base + q], acc_f[b, s, f] if f >= 0 else 0.0,
+                            xi, xf, t)
+            rec[b, s, base + q] = ci
+            if f >= 0:
+                acc_f[b, s, f] = cf
         elif code >= AGG_HLL:  # a register in the window's pool row
             if xf != 0.0:
                 w, sh, pw = _hll_at(code, xi)
@@ -173,9 +193,9 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
         elif code < AGG_BY_KEY and xf != 0.0:  # (an AGG_BY_KEY: nothing)
             if code <= AGG_MAX_S:  # a string by its rank
                 r = fp[1 + xi]
-                if r < acc_f[b, s, q] if code == AGG_MIN_S else r > acc_f[b, s, q]:
+                if r < acc_f[b, s, f] if code == AGG_MIN_S else r > acc_f[b, s, f]:
                     rec[b, s, base + q] = xi
-                    acc_f[b, s, q] = r
+                    acc_f[b, s, f] = r
             else:  # by the ordering the AGG_BY_KEY after it reads
                 o = vi0[ri * kv + ip[c + 4]]
                 if code <= AGG_MINBY_L:
@@ -185,10 +205,10 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
                         rec[b, s, base + q + 1] = o
                 else:
                     r = fp[1 + o]
-                    if r >= acc_f[b, s, q] if code == AGG_MAXBY_S else r <= acc_f[b, s, q]:
+                    if r >= acc_f[b, s, f] if code == AGG_MAXBY_S else r <= acc_f[b, s, f]:
                         rec[b, s, base + q] = xi
                         rec[b, s, base + q + 1] = o
-                        acc_f[b, s, q] = r
+                        acc_f[b, s, f] = r
 
 
 @njit(**HOT)
@@ -208,11 +228,12 @@ def _pool_take(rec, b, s, base, pool, free, j, ip):
 @njit(**HOT)
 def _multi_out(rec, acc_f, b, s, base, oi, of, p, ii, ip):
     """Output row ``p`` of a fused aggregation: aggregate q's result from the record's slot
-    ``base + q`` (and float slot q) into the next int (from column ``ii``) or float column."""
+    ``base + q`` (and its float slot) into the next int (from column ``ii``) or float column."""
     ff = 0
     for q in range(ip[8]):
         code = ip[MULTI + 3 * q]
-        vi, vf = _result(code, rec[b, s, base + q], acc_f[b, s, q])
+        f = _fslot(ip, q)
+        vi, vf = _result(code, rec[b, s, base + q], acc_f[b, s, f] if f >= 0 else 0.0)
         if _is_float(code):
             of[p, ff] = vf
             ff += 1

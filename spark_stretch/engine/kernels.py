@@ -19,8 +19,10 @@ whose codes and arithmetic the session kernel shares); both are imported here, a
 
 The kernels never block: when a bucket is full (``NEED_GROW``), the instance's output block is full
 (``NEED_OUT``) or its free rows of the register pool are used up (``NEED_POOL``) they store a resume
-position in ``resume`` and return; the runtime grows the arrays and calls again. Every step before the
-resume position is applied exactly once.
+position in ``resume`` and return; the runtime grows the arrays and calls again. (So too, for state
+past a memory budget, every ``resume[4]`` tuples and after emitting windows from ``resume[5]``
+buckets at the watermark: ``NEED_TRIM``, and the runtime drops the pages touched.) Every step
+before the resume position is applied exactly once.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from .aggregates import (AGG_BY_KEY, AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HL
 from .buckets import (EMPTY, HOT, NO_L, _bucket_h, _slot0, bucket_of, buckets_of, insert_rows,
                       mix64, rebuild_bucket, rehash_into)
 
-DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF, NEED_POOL = 0, 1, 2, 3, 4
+DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF, NEED_POOL, NEED_TRIM = 0, 1, 2, 3, 4, 5
 
 # window kinds
 W_NONE, W_MULTI, W_SINGLE = 0, 1, 2
@@ -202,6 +204,9 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
     if phase == 0:
         i0 = resume[1]
         for i in range(i0, ts.shape[0]):
+            if i - i0 == resume[4] and i > i0:  # (past a memory budget: drop the pages)
+                resume[1] = i
+                return NEED_TRIM
             t = ts[i]
             wt = w_prev if w_prev > t else t  # implicit watermark at t: every ts < t is final
             if _BUILTIN:  # built-in f_MK and value, written out (no array passed to a helper)
@@ -329,12 +334,17 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
         resume[0] = 1
         resume[1] = 0
     if wkind != 0:
+        fired = 0
         for b in range(resume[1], nb):
             if owner[b] == j and bcount[b] > 0 and bminl[b] <= w_seg - WS:
                 if not _fire_bucket(b, w_seg, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
                                     o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
                     resume[1] = b
                     return 2
+                fired += 1
+                if fired == resume[5]:  # (a budget's worth of buckets read: drop their pages)
+                    resume[1] = b + 1
+                    return NEED_TRIM
     resume[0] = 2
     return 0
 

@@ -115,12 +115,13 @@ class Meter:
             return out
 
 
-def state_bytes(eng) -> int:
-    """Bytes of an engine's state tables (allocated, empty slots included)."""
+def state_bytes(eng, where="memory") -> int:
+    """Bytes of an engine's state tables (allocated, empty slots included): those it holds in
+    memory, or (``where="disk"``) those in files past its memory budget (:mod:`.spill`)."""
     total = 0
     for st in eng._states():
-        if hasattr(st, "nbytes"):
-            total += int(st.nbytes())
-        elif hasattr(st, "arrays"):
+        if hasattr(st, "memory"):
+            total += int(st.memory()[where])
+        elif hasattr(st, "arrays") and where == "memory":
             total += sum(int(a.nbytes) for a in st.arrays().values())
     return total

@@ -28,6 +28,7 @@ restore).
 """
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +56,7 @@ class Instance:
         self.n_oi, self.n_of = op.n_out_int, op.n_out_float
         self._alloc(cap)
         self.opos = np.zeros(1, np.int64)
-        self.resume = np.zeros(4, np.int64)
+        self.resume = np.zeros(6, np.int64)  # (4, 5: tuples, buckets between page drops)
         self.keybuf = np.empty(64, np.int64)
         # the pool words of its output rows before ``gathered_to`` (their windows' rows are
         # free to be taken again; the rows after it hold pool rows: ``Engine._refill_pool``)
@@ -121,7 +122,7 @@ class Engine(Epochs, Snapshots):
     mode = "vsn"
 
     def __init__(self, op, m, n, n_buckets=1024, esg_in=None, threads=True, cap=8, out_reader="driver",
-                 inline_rows=INLINE_ROWS, lateness="tuple"):
+                 inline_rows=INLINE_ROWS, lateness="tuple", spill=None):
         _check_mn(m, n)
         if getattr(op, "engine_kind", "vsn") == "join" and self.mode != "vsn-join":
             raise EngineError(f"operator {op.name} is a JoinOperator; run it with JoinEngine (or setup(), "
@@ -159,6 +160,7 @@ class Engine(Epochs, Snapshots):
         self.active = list(range(m))
         self.epoch = 0
         self.owner_map = balanced_owner_map(n_buckets, self.active)
+        self.spill = spill  # (the state's memory budget: engine.spill; None: no budget)
         self._make_state(cap)
         self._rw = RWLock()
         self._drain_lock = threading.RLock()
@@ -184,7 +186,7 @@ class Engine(Epochs, Snapshots):
     def _make_state(self, cap):
         op = self.op
         self.state = BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap,
-                                 self._pool_spec())
+                                 self._pool_spec(), spill=self.spill)
 
     def _pool_spec(self):
         """The register pool of the operator's HLL++ aggregates (``Operator.pool``: (aggregate
@@ -234,6 +236,7 @@ class Engine(Epochs, Snapshots):
         WS = op.WS or 1
         while True:
             st = self._state_for(j)
+            inst.resume[4:6] = self._trim_every(st)  # (a grow may have put the tables in files)
             self._rw.acquire_read()
             ver = st.version
             try:
@@ -254,6 +257,8 @@ class Engine(Epochs, Snapshots):
                 self._grow_state(st, ver)
             elif status == K.NEED_POOL:
                 self._refill_pool(j, st)
+            elif status == K.NEED_TRIM:
+                st.trim()
             elif status == K.NEED_KEYBUF:
                 inst.keybuf = np.empty(max(int(inst.resume[2]), 2 * inst.keybuf.shape[0]), np.int64)
                 inst.resume[2] = inst.resume[3] = 0
@@ -344,6 +349,17 @@ class Engine(Epochs, Snapshots):
             self._emit(j, blk, seg.watermark)
         self._m["tuples"] += len(seg)
         self._m["segments"] += 1
+
+    def _trim_every(self, st) -> tuple:
+        """Tuples, and buckets emitted from, between two drops of the pages a kernel touched, for
+        tables past the memory budget (0, 0: no drops; the tables are in memory). A tuple maps
+        up to 16 pages of each table (on a read fault the kernel maps the cached pages around),
+        an emission the bucket's rows."""
+        if self.spill is None or not st.spilled():
+            return 0, 0
+        row = st.rec[0].nbytes + st.acc_f[0].nbytes
+        budget = self.spill.budget
+        return max(1, budget // (2 * 32 * mmap.PAGESIZE)), max(1, budget // (2 * row))
 
     def _emit(self, j, blk, watermark):
         if len(blk["ts"]):
@@ -490,31 +506,47 @@ class Engine(Epochs, Snapshots):
         self.strings_ranked = len(rank)
         base = 4 if self.op.session_end else 2  # (a session's record: start and end first)
         for st in self._states():
-            live = st.rec[:, :, 1] != K.EMPTY
+            live = st.live_mask()
             for q, at in qs:
-                had = st.acc_f[:, :, q][live]
+                f = self._float_slot(q)
+                had = st.acc_f[:, :, f][live]
                 ids = st.rec[:, :, base + at][live]
-                st.acc_f[:, :, q][live] = np.where(np.isfinite(had), self._fp[1 + ids], had)
+                st.acc_f[:, :, f][live] = np.where(np.isfinite(had), self._fp[1 + ids], had)
+
+    def _float_slot(self, q: int) -> int:
+        """Fused aggregate q's float slot (``Operator.float_cols``)."""
+        cols = getattr(self.op, "float_cols", None)
+        return q if cols is None else cols.index(q)
 
     def state_rows(self, stamp=None, words=False):
         """The live windows (of the updates stamped ``stamp`` only, if given) as ``(rec,
         acc_f)``: one row per window, ``rec[:, 0]`` the key, ``rec[:, 1]`` the window start,
-        then the int accumulators; ``acc_f`` the float ones. With ``words``, also each HLL++
+        then the int accumulators; ``acc_f`` the float ones (a fused aggregation's: one column
+        per aggregate, 0.0 for one that keeps no float). With ``words``, also each HLL++
         aggregate's words, ``{q: words}`` (a row per window; its int slot holds a pool row).
         Call when idle."""
         recs, accs, held = [], [], []
         for st in self._states():
-            live = st.rec[:, :, 1] != K.EMPTY
+            live = st.live_mask()
             if stamp is not None:  # (the stamp is the last int slot)
                 live &= st.rec[:, :, 1 + st.init_i.shape[0]] == stamp
             recs.append(st.rec[live])
-            accs.append(st.acc_f[live])
+            accs.append(self._all_floats(st.acc_f[live]))
             held.append(st.pool[st.held_rows(live)])
         rows = np.concatenate(recs), np.concatenate(accs)
         if not words:
             return rows
         pool = np.concatenate(held)
         return (*rows, {q: pool[:, at:at + w] for q, at, w in getattr(self.op, "pool", ())})
+
+    def _all_floats(self, acc: np.ndarray) -> np.ndarray:
+        """Windows' float slots as one column per fused aggregate (0.0 for one keeping none)."""
+        cols = getattr(self.op, "float_cols", None)
+        if cols is None:
+            return acc
+        out = np.zeros((len(acc), int(self._ip[8])), np.float64)
+        out[:, list(cols)] = acc
+        return out
 
     def stamped_rows(self, stamp: int) -> int:
         """How many live windows carry the update stamp ``stamp`` (a stamped aggregation's

@@ -25,8 +25,8 @@ from numba import njit
 from .aggregates import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F, AGG_LAST_I,
                          AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L, AGG_MAXBY_S,
                          AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
-                         AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply, _hll_words,
-                         _multi_out, _multi_update, _pool_take)
+                         AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply, _fslot,
+                         _hll_words, _multi_out, _multi_update, _pool_take)
 from .buckets import EMPTY, HOT, _bucket_h, _slot0, mix64, rebuild_bucket
 from .kernels import NEED_POOL, _mk_builtin_keys
 
@@ -98,26 +98,31 @@ def _absorb(rec, acc_f, b, into, frm, ip, pool):
     if ip[2] == AGG_MULTI:
         for q in range(ip[8]):
             code = ip[MULTI + 3 * q]
+            f = _fslot(ip, q)
             if code >= AGG_MAXBY_L and code <= AGG_MINBY_S:  # (its ordering in the slot after)
                 if code <= AGG_MINBY_L:
                     c, d = rec[b, into, 5 + q], rec[b, frm, 5 + q]
                     take = d >= c if code == AGG_MAXBY_L else d <= c
                 else:  # (by the strings' ranks)
-                    take = (acc_f[b, frm, q] >= acc_f[b, into, q] if code == AGG_MAXBY_S
-                            else acc_f[b, frm, q] <= acc_f[b, into, q])
+                    take = (acc_f[b, frm, f] >= acc_f[b, into, f] if code == AGG_MAXBY_S
+                            else acc_f[b, frm, f] <= acc_f[b, into, f])
                 if take:
                     rec[b, into, 4 + q] = rec[b, frm, 4 + q]
                     rec[b, into, 5 + q] = rec[b, frm, 5 + q]
-                    acc_f[b, into, q] = acc_f[b, frm, q]
+                    if f >= 0:
+                        acc_f[b, into, f] = acc_f[b, frm, f]
             elif code >= AGG_HLL:
                 hi, hf = rec[b, into, 4 + q], rec[b, frm, 4 + q]
                 at = ip[MULTI + 3 * ip[8] + q]
                 for w in range(at, at + _hll_words(code)):
                     pool[hi, w] = _hll_merge(pool[hi, w], pool[hf, w])
+            elif f >= 0:
+                rec[b, into, 4 + q], acc_f[b, into, f] = _merge(
+                    code, rec[b, into, 4 + q], acc_f[b, into, f], rec[b, frm, 4 + q],
+                    acc_f[b, frm, f])
             else:
-                rec[b, into, 4 + q], acc_f[b, into, q] = _merge(
-                    code, rec[b, into, 4 + q], acc_f[b, into, q], rec[b, frm, 4 + q],
-                    acc_f[b, frm, q])
+                rec[b, into, 4 + q] = _merge(code, rec[b, into, 4 + q], 0.0,
+                                             rec[b, frm, 4 + q], 0.0)[0]
     else:
         rec[b, into, 4], acc_f[b, into, 0] = _merge(ip[2], rec[b, into, 4], acc_f[b, into, 0],
                                                     rec[b, frm, 4], acc_f[b, frm, 0])

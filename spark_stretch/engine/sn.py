@@ -29,7 +29,7 @@ class SNEngine(Engine):
     def _make_state(self, cap):
         op = self.op
         self.states = [BucketState(self.n_buckets, op.n_int, op.n_float, op.init_i, op.init_f, cap,
-                                   self._pool_spec()) for _ in range(self.n)]
+                                   self._pool_spec(), spill=self.spill) for _ in range(self.n)]
         self.state = self.states[0]
         self._m_dup = 0
 
@@ -90,12 +90,13 @@ class SNEngine(Engine):
                            for s in self.states]}
 
     def _load_state_arrays(self, arrs):
-        self.states = [BucketState.from_compact(a) for a in arrs["states"]]
+        self.states = [BucketState.from_compact(self._narrow(a), self.spill)
+                       for a in arrs["states"]]
         self.state = self.states[0]
 
     def _apply_state_delta(self, arrs):
         for s, a in zip(self.states, arrs["states"]):
-            s.apply_compact(a)
+            s.apply_compact(self._narrow(a))
 
     def _clear_dirty(self):
         for s in self.states:

@@ -26,6 +26,8 @@ Examples
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import pickle
 import struct
 from pathlib import Path
@@ -34,7 +36,8 @@ import numpy as np
 
 from .errors import EngineError
 from .esg import Control
-from .state import BucketState
+from .spill import write_dropping
+from .state import BucketState, narrow_floats
 
 
 MAGIC = b"STRETCH-SNAP-5\n"  # (a pickle starts with b"\x80": a snapshot before blobs)
@@ -62,12 +65,20 @@ class Blob:
         f.write(_LEN.pack(len(self.buffers)))
         for b in self.buffers:
             f.write(_LEN.pack(b.nbytes))
-            f.write(b)
+            write_dropping(f, b)  # (a spilled state's copy: a chunk at a time)
 
     def __bytes__(self) -> bytes:
         out = io.BytesIO()
         self.write_to(out)
         return out.getvalue()
+
+
+def map_file(path):
+    """A snapshot file mapped read-only, for :func:`loads` (its arrays views of the page cache,
+    not a copy on the heap: a large state restores within its memory budget)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
 
 
 def dumps(obj) -> Blob:
@@ -114,8 +125,12 @@ class Snapshots:
         only = np.flatnonzero(self.state.dirty) if delta else None
         return {"shared": self.state.compact(only)}
 
+    def _narrow(self, compact: dict) -> dict:
+        """A restored compact with the float slots the operator keeps (older ones kept more)."""
+        return narrow_floats(compact, getattr(self.op, "float_cols", None))
+
     def _load_state_arrays(self, arrs):
-        self.state = BucketState.from_compact(arrs["shared"])
+        self.state = BucketState.from_compact(self._narrow(arrs["shared"]), self.spill)
 
     def _check_layout(self, op):
         """Refuse restored state whose windows are laid out for another operator."""
@@ -129,7 +144,7 @@ class Snapshots:
                                   "query): restart it from a new checkpoint location")
 
     def _apply_state_delta(self, arrs):
-        self.state.apply_compact(arrs["shared"])
+        self.state.apply_compact(self._narrow(arrs["shared"]))
 
     def _clear_dirty(self):
         self.state.dirty[:] = 0
@@ -161,13 +176,14 @@ class Snapshots:
         return blob
 
     @classmethod
-    def restore(cls, op, src, threads=True, deltas=()):
+    def restore(cls, op, src, threads=True, deltas=(), spill=None):
         """An engine continuing from :meth:`snapshot` bytes or directory, running operator ``op``.
 
-        ``deltas``: incremental snapshots taken after ``src``, oldest first, applied in order.
+        ``deltas``: incremental snapshots taken after ``src``, oldest first, applied in order;
+        ``spill``: the state's memory budget (:class:`~spark_stretch.engine.spill.Spill`).
         """
         if isinstance(src, (str, Path)):
-            src = (Path(src) / "engine.snap").read_bytes()
+            src = map_file(Path(src) / "engine.snap")
         d = loads(src)
         if d["mode"] != cls.mode:
             raise EngineError(f"snapshot is of a {d['mode']!r} engine; restore it with that engine class")
@@ -176,7 +192,7 @@ class Snapshots:
         ds = [loads(blob) for blob in deltas]
         base, d = d, (ds[-1] if ds else d)  # the engine as of the last snapshot
         eng = cls(op, d["m"], d["n"], n_buckets=d["n_buckets"], threads=threads, out_reader=None,
-                  lateness=d.get("lateness", "tuple"))
+                  lateness=d.get("lateness", "tuple"), spill=spill)
         eng._load_state_arrays(base["state"])
         for x in ds:
             eng._apply_state_delta(x["state"])

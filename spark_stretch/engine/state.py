@@ -161,6 +161,17 @@ def validate_owner_map(owner_map, n_buckets: int, instances) -> np.ndarray:
         raise EngineError(str(e)) from None
 
 
+def narrow_floats(a: dict, float_cols) -> dict:
+    """A :meth:`BucketState.compact` written when a fused aggregation kept a float slot per
+    aggregate, with only the slots ``float_cols`` (``Operator.float_cols``) its operator keeps
+    now; any other compact as it is."""
+    if float_cols is None or len(a["init_f"]) == len(float_cols):
+        return a
+    cols = np.asarray(float_cols, np.int64)
+    return {**a, "init_f": np.asarray(a["init_f"])[cols],
+            "acc_f": np.asarray(a["acc_f"]).reshape(len(a["rec"]), -1)[:, cols]}
+
+
 class BucketState:
     """B buckets of window instances as numpy arrays (see :mod:`spark_stretch.engine.buckets`).
 
@@ -174,6 +185,10 @@ class BucketState:
         Initial accumulator values of a new window instance.
     cap : int
         Initial slots per bucket (power of two); all buckets grow together, doubling.
+    spill : :class:`~spark_stretch.engine.spill.Spill`, optional
+        The memory budget: tables larger than it are mapped from files on local disk, and
+        passes over a whole table (grow, snapshot, restore) go a chunk of buckets at a time,
+        dropping the pages they touched.
     pool : (slots, words, n), optional
         The register pool (:mod:`~spark_stretch.engine.aggregates`): each window holds a row of
         ``words`` int64 words, its number in the record's int ``slots`` (each the same row);
@@ -181,16 +196,17 @@ class BucketState:
         ``free[j, 1:free[j, 0] + 1]`` instance ``j``'s free ones (:meth:`refill`).
     """
 
-    def __init__(self, n_buckets, n_int, n_float, init_i, init_f, cap=8, pool=None):
+    def __init__(self, n_buckets, n_int, n_float, init_i, init_f, cap=8, pool=None, spill=None):
         if n_buckets < 1:
             raise EngineError(f"n_buckets={n_buckets}; it must be >= 1")
         if cap & (cap - 1):
             raise EngineError(f"cap={cap}; it must be a power of two")
         self.n_buckets = n_buckets
+        self.spill = spill
         self.init_i = np.asarray(init_i, np.int64).reshape(n_int)
         self.init_f = np.asarray(init_f, np.float64).reshape(n_float)
         self.rec = self._new_rec(cap)
-        self.acc_f = np.zeros((n_buckets, cap, n_float), np.float64)
+        self.acc_f = self._table((n_buckets, cap, n_float), np.float64, cap)
         self.bcount = np.zeros(n_buckets, np.int64)
         self.bminl = np.full(n_buckets, K.NO_L, np.int64)
         self.dirty = np.zeros(n_buckets, np.uint8)
@@ -205,9 +221,66 @@ class BucketState:
 
     def _new_rec(self, cap):
         # (key, start, acc_i...), unpadded: a window's bytes are the state's size
-        rec = np.zeros((self.n_buckets, cap, 2 + self.init_i.shape[0]), np.int64)
-        rec[:, :, 1] = K.EMPTY
+        rec = self._table((self.n_buckets, cap, 2 + self.init_i.shape[0]), np.int64, cap)
+        for lo, hi in self._chunks(rec):
+            rec[lo:hi, :, 1] = K.EMPTY
+            if self.spill is not None:
+                self.spill.trim(rec)
         return rec
+
+    # ---- the memory budget (engine.spill) ---------------------------------------------------------
+    def _table(self, shape, dtype, cap):
+        """A zeroed table; past the budget (both tables at ``cap`` slots), in a file."""
+        if self.spill is None:
+            return np.zeros(shape, dtype)
+        width = 2 + self.init_i.shape[0] + self.init_f.shape[0]
+        return self.spill.table(shape, dtype, in_file=self.n_buckets * cap * width * 8 >
+                                self.spill.budget)
+
+    def spilled(self) -> bool:
+        """Whether the tables are mapped from a file (past the memory budget)."""
+        return self.spill is not None and self.spill.spilled(self.rec)
+
+    def _chunks(self, arr):
+        """Bucket ranges for a pass over ``arr``: all at once in memory, in chunks if spilled."""
+        if self.spill is None or not self.spill.spilled(arr):
+            return [(0, arr.shape[0])]
+        return self.spill.chunks(arr)
+
+    def trim(self) -> None:
+        """Drop the tables' pages from the process if they are mapped from a file."""
+        if self.spill is not None:
+            self.spill.trim(*(a for a in (getattr(self, "rec", None), getattr(self, "acc_f", None))
+                              if a is not None))
+
+    def _gather(self, arr, live):
+        """``arr[live]`` (a copy), a chunk of buckets at a time into a file if ``arr`` is spilled."""
+        if self.spill is None or not self.spill.spilled(arr):
+            return arr[live]
+        counts = live.reshape(live.shape[0], -1).sum(1)
+        ends = np.cumsum(counts)
+        out = self.spill.table((int(ends[-1]) if len(ends) else 0,) + arr.shape[2:], arr.dtype)
+        for lo, hi in self.spill.chunks(arr):
+            at = int(ends[lo - 1]) if lo else 0
+            out[at:int(ends[hi - 1])] = arr[lo:hi][live[lo:hi]]
+            self.spill.trim(arr, out)
+        return out
+
+    def live_mask(self) -> np.ndarray:
+        """Which slots hold a window (``rec[:, :, 1] != EMPTY``), read a chunk at a time if spilled."""
+        live = np.empty(self.rec.shape[:2], bool)
+        for lo, hi in self._chunks(self.rec):
+            np.not_equal(self.rec[lo:hi, :, 1], K.EMPTY, out=live[lo:hi])
+            self.trim()
+        return live
+
+    def memory(self) -> dict:
+        """The tables' bytes: ``memory`` (held in the process), ``disk`` (in files)."""
+        tabs = (self.rec, self.acc_f)
+        if not self.spilled():
+            return {"memory": self.nbytes(), "disk": 0}
+        return {"memory": sum(self.spill.resident(a) for a in tabs) + self.pool.nbytes,
+                "disk": self.spill.disk_bytes(*tabs)}
 
     @property
     def cap(self):
@@ -227,7 +300,7 @@ class BucketState:
     # ---- the register pool ------------------------------------------------------------------------
     def held_rows(self, live=None) -> np.ndarray:
         """The pool rows the live windows (``live``: a mask of slots) hold."""
-        live = self.rec[:, :, 1] != K.EMPTY if live is None else live
+        live = self.live_mask() if live is None else live
         return self.rec[:, :, self.pool_slots[0]][live] if self.pool_slots else \
             np.empty(0, np.int64)
 
@@ -268,8 +341,11 @@ class BucketState:
         """Double every bucket's table (rehash). Caller must hold the exclusive lock."""
         cap = self.cap * 2
         nrec = self._new_rec(cap)
-        naf = np.zeros((self.n_buckets, cap, self.acc_f.shape[2]), np.float64)
-        K.rehash_into(self.rec, self.acc_f, nrec, naf)
+        naf = self._table((self.n_buckets, cap, self.acc_f.shape[2]), np.float64, cap)
+        for lo, hi in self._chunks(nrec):
+            K.rehash_into(self.rec[lo:hi], self.acc_f[lo:hi], nrec[lo:hi], naf[lo:hi])
+            if self.spill is not None:
+                self.spill.trim(self.rec, self.acc_f, nrec, naf)
         self.rec, self.acc_f = nrec, naf
         self.version += 1
 
@@ -284,29 +360,32 @@ class BucketState:
         a snapshot of the live slots is several times smaller than :meth:`arrays`. With
         ``buckets`` (an incremental checkpoint), only the live slots of those buckets.
         """
-        live = self.rec[:, :, 1] != K.EMPTY
+        live = self.live_mask()
         if buckets is not None:
             buckets = np.asarray(buckets, np.int64)
             keep = np.zeros(self.n_buckets, bool)
             keep[buckets] = True
             live &= keep[:, None]
-        rec, held = self.rec[live], self.held_rows(live)  # (a window's pool row: its words)
+        rec, held = self._gather(self.rec, live), self.held_rows(live)  # (pool row: its words)
         return {"cap": self.cap, "only": buckets, "b": np.nonzero(live)[0].astype(np.int64),
                 "rec": self._pooled(rec, np.arange(len(rec))) if self.pool_slots else rec,
-                "acc_f": self.acc_f[live], "bcount": self.bcount.copy(),
+                "acc_f": self._gather(self.acc_f, live), "bcount": self.bcount.copy(),
                 "bminl": self.bminl.copy(), "init_i": self.init_i, "init_f": self.init_f,
                 "pool": (self.pool_slots, self.pool[held], self.free.shape[0])}
 
     @classmethod
-    def from_compact(cls, a: dict) -> "BucketState":
-        """The state a full :meth:`compact` described, with every live slot re-inserted."""
+    def from_compact(cls, a: dict, spill=None) -> "BucketState":
+        """The state a full :meth:`compact` described, with every live slot re-inserted
+        (``spill``: the memory budget, as the constructor's)."""
         if a.get("only") is not None:
             raise ValueError("an incremental bucket snapshot needs its base: use apply_compact")
         st = cls.__new__(cls)
         st.n_buckets = len(a["bcount"])
+        st.spill = spill
         st.init_i, st.init_f = np.array(a["init_i"]), np.array(a["init_f"])
         st.rec = st._new_rec(int(a["cap"]))
-        st.acc_f = np.zeros((st.n_buckets, int(a["cap"]), st.init_f.shape[0]), np.float64)
+        st.acc_f = st._table((st.n_buckets, int(a["cap"]), st.init_f.shape[0]), np.float64,
+                             int(a["cap"]))
         st.version = 0
         st.dirty = np.zeros(st.n_buckets, np.uint8)  # equal to the snapshot: nothing changed since
         slots, words, n = a.get("pool", ((), np.zeros((0, 0), np.int64), 1))
@@ -320,7 +399,9 @@ class BucketState:
             self.grow()
         only = a.get("only")
         if only is None:
-            self.rec[:, :, 1] = K.EMPTY
+            for lo, hi in self._chunks(self.rec):
+                self.rec[lo:hi, :, 1] = K.EMPTY
+                self.trim()
         else:
             self.rec[np.asarray(only, np.int64), :, 1] = K.EMPTY
         # (a snapshot written before records lost their padding has wider rows: the padding
@@ -331,8 +412,17 @@ class BucketState:
             words = a["pool"][1]
             rows = self._pooled(rows.copy(), self.pool.shape[0] + np.arange(len(rows)))
             self.pool = np.concatenate([self.pool, words])
-        K.insert_rows(np.asarray(a["b"], np.int64), rows,
-                      np.asarray(a["acc_f"], np.float64), self.rec, self.acc_f)
+        bs, afs = np.asarray(a["b"], np.int64), np.asarray(a["acc_f"], np.float64)
+        chunks = self._chunks(self.rec)
+        if len(chunks) == 1:
+            K.insert_rows(bs, rows, afs, self.rec, self.acc_f)
+        else:  # (a chunk of buckets at a time, in bucket order, dropping the pages)
+            order = np.argsort(bs, kind="stable")
+            bs, rows, afs = bs[order], rows[order], afs[order]
+            for lo, hi in chunks:
+                i0, i1 = np.searchsorted(bs, [lo, hi])
+                K.insert_rows(bs[i0:i1], rows[i0:i1], afs[i0:i1], self.rec, self.acc_f)
+                self.trim()
         self.bcount, self.bminl = np.array(a["bcount"]), np.array(a["bminl"])
 
     def move_buckets(self, other: "BucketState", buckets) -> int:

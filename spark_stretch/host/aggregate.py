@@ -31,6 +31,7 @@ starts the query, not in the first batches.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import time
 from typing import List, Optional
@@ -39,9 +40,11 @@ import numpy as np
 import pyarrow as pa
 
 from ..engine import Interner, engine_class
+from ..engine.snapshot import map_file
+from ..engine.spill import Spill
 from ..protocol import messages as M
 from ..protocol.errors import StateError
-from ..protocol.layout import AGGREGATE_META
+from ..protocol.layout import AGGREGATE_META, state_root
 from . import faults, load
 from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
                            per_aggregation, rank_strings, reject_nulls, state_output,
@@ -101,7 +104,8 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
             else:
                 self.engines = [
                     engine_class(op)(op, m=spec.parallelism, n=spec.max_parallelism,
-                                     n_buckets=spec.buckets, lateness=self._lateness(op))
+                                     n_buckets=spec.buckets, lateness=self._lateness(op),
+                                     **self._spill())
                     for op in ops]
                 _add_sources(self.engines, spec)
                 # (a host new to the query, owning no group yet: nothing of the past is its)
@@ -279,9 +283,16 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
             self.last_reply = M.StepResult(rows=out.num_rows, stream=stream,
                                            metrics={"watermark_ms": self.watermark_ms})
         return [engine_class(op).restore(
-                    op, (dirs[0] / f"engine{i}.snap").read_bytes(),
-                    deltas=[(d / f"engine{i}.snap").read_bytes() for d in dirs[1:]])
+                    op, map_file(dirs[0] / f"engine{i}.snap"),
+                    deltas=[map_file(d / f"engine{i}.snap") for d in dirs[1:]], **self._spill())
                 for i, op in enumerate(ops)]
+
+    def _spill(self) -> dict:
+        """The engine's memory budget for its state (``spark.stretch.state.memory``; unset:
+        half this host's memory), past which its tables go to files on local disk."""
+        budget = self.spec.state_memory or \
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        return {"spill": Spill(budget, state_root())}
 
     # -- what the query kind decides (the operator runtime overrides these) ----------------------
     def _operators(self) -> list:

@@ -11,7 +11,8 @@ Every step's reply carries them under ``metrics["elastic"]`` (:meth:`Runtime.ste
   computed; absent when the operator's keys are the user's (``f_MK`` of an engine operator);
 - ``input_rows`` (the batch's), ``tuples`` (processed in the step: in append mode the
   watermark releases them, so some are earlier batches'), ``parallelism``, ``epoch``,
-  ``live_windows``, ``state_bytes``;
+  ``live_windows``, ``state_bytes`` (in memory) and, for state past the engine's memory
+  budget, ``state_disk_bytes`` (its files on local disk);
 - on several hosts, ``group_load``: the keys the batch brought each key group this host owns
   (``[[group, keys], ...]``, :func:`~.share.group_loads`), by which key groups move between
   hosts;
@@ -124,6 +125,9 @@ def engine_figures(rt, t0: float, since_ms: Optional[float]) -> dict:
     fig.update(tuples=int(taken[0]["tuples"]),
                live_windows=int(sum(eng.live_windows() for eng in engines)),
                state_bytes=int(sum(state_bytes(eng) for eng in engines)))
+    disk = int(sum(state_bytes(eng, "disk") for eng in engines))
+    if disk:  # (past the memory budget: the tables' files)
+        fig["state_disk_bytes"] = disk
     if builtin:
         fig.update(bucket_load=bucket_load.tolist(), owner_map=om.tolist())
     gl = getattr(rt, "group_load", None)

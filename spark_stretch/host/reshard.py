@@ -155,11 +155,12 @@ def _chunk(c: dict, m: _Mapping, spec: AggregateSpec):
 
 
 def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batch: int,
-                   ops: list, own: int):
+                   ops: list, own: int, spill=None):
     """This host's state after ``batch`` under ``spec.share``'s host map, from every host's
     checkpoint of that batch (``sources``: their state directories, host order; ``own``: this
     host's, or None: a host new to the query, whose state is all the others'). Returns
-    ``(engines, codec, metas)``: each source's checkpoint meta."""
+    ``(engines, codec, metas)``: each source's checkpoint meta. ``spill``: the engines' memory
+    budget (:class:`~spark_stretch.engine.spill.Spill`)."""
     share = KeyShare(spec.share, spec.key_kind, spec.key_column, spec.ts_column)
     loaded = [_source(d, meta_name, batch) for d in sources]
     strings = [] if own is None else loaded[own][1]
@@ -190,11 +191,12 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
         cap = max(st.cap, 1 << int(np.ceil(np.log2(max(2 * int(counts.max(initial=0)), 2)))))
         bminl = np.full(st.n_buckets, K.NO_L, np.int64)
         np.minimum.at(bminl, b, rec[:, 1])
+        mine.spill = spill
         mine.state = BucketState.from_compact({
             "cap": cap, "only": None, "b": b, "rec": rec, "acc_f": acc,
             "bcount": counts.astype(st.bcount.dtype), "bminl": bminl.astype(st.bminl.dtype),
             "init_i": st.init_i, "init_f": st.init_f,
-            "pool": (pool[0], np.concatenate(words), pool[2])})
+            "pool": (pool[0], np.concatenate(words), pool[2])}, spill)
         mine.state.dirty[:] = 1  # (its next checkpoint is full: the state is new)
         snap_in = mine.esg_in.snapshot()
         for s_id, (stream, ordered, last_ts, wm, _, removed) in list(snap_in["sources"].items()):
@@ -218,7 +220,7 @@ class Resharding:
     """What a runtime (:class:`~.aggregate.AggregateRuntime`) does when its key groups changed
     hosts since its checkpoint: its state from every slot's checkpoint, and the batches after
     it from every slot's input log (a mixin: the runtime has ``store``, ``spec``, ``share``,
-    ``codec``, ``counters``, ``sources``, ``META`` and ``_restore_common``)."""
+    ``codec``, ``counters``, ``sources``, ``META``, ``_restore_common`` and ``_spill``)."""
 
     def _resharded(self, batch: int, ops) -> list:
         """Key groups changed hosts after ``batch`` (its checkpoint has another host map): this
@@ -234,7 +236,8 @@ class Resharding:
         dirs = [hosts / str(j) / "state" for j in slots]
         engines, self.codec, metas = load_resharded(self.spec, [str(d) for d in dirs],
                                                     self.META, batch, ops,
-                                                    slots.index(own) if have else None)
+                                                    slots.index(own) if have else None,
+                                                    **self._spill())
         # the batches after it, from every source's input log (a lost host's too)
         self.sources = [(InputLog(input_log_of(d)), self.share.of_source(m["host_map"], j))
                         for j, d, m in zip(slots, dirs, metas)]

@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from ..engine.aggregates import uses_float
 from ..engine import kernels as K
 from ..engine.errors import EngineError
 from ..engine.batch import ListColumn
@@ -280,8 +281,8 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     --------
     >>> op = aggregate_many([("sum", "v", "i", None), ("max", "v", "f", None), ("count", None, "f", None)],
     ...                     key="user", WS=10)
-    >>> op.S, op.n_int, op.n_float
-    ((('_0', 'i'), ('_1', 'f'), ('_2', 'i')), 3, 3)
+    >>> op.S, op.n_int, op.n_float, op.float_cols
+    ((('_0', 'i'), ('_1', 'f'), ('_2', 'i')), 3, 1, (1,))
     """
     kw = dict(key=key, keys=keys, pairs=pairs, B=B, WS=WS, WA=WA, stamped=stamped,
               session_end=session_end)
@@ -297,7 +298,7 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
         if code >= K.AGG_HLL:
             pool.append((q, at, hll_words(code - K.AGG_HLL)))
             at += pool[-1][2]
-    ip = np.full(K.MULTI + 4 * len(ops), -1, np.int64)
+    ip = np.full(K.MULTI + 5 * len(ops), -1, np.int64)
     ip[:8] = ops[0].builtin_ip[:8]
     ip[2], ip[8] = K.AGG_MULTI, len(ops)
     for q, first, _ in pool:
@@ -305,6 +306,9 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     reads_i = [c in _READS_I or c >= K.AGG_HLL for c in codes]
     reads_f = [c in _READS_F or c >= K.AGG_HLL for c in codes]
     ip[9], ip[10] = sum(reads_i), sum(reads_f)
+    # (a float slot only for an aggregate that keeps a float: count, sum and max of ints none)
+    floats = tuple(q for q, code in enumerate(codes) if uses_float(code))
+    ip[K.MULTI + 4 * len(ops) + np.array(floats, np.int64)] = np.arange(len(floats))
     for q, code in enumerate(codes):
         ip[K.MULTI + 3 * q] = code
         if reads_i[q]:
@@ -333,10 +337,11 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     if session_end is not None:
         S = (("end", "i"),) + S
     return Operator(WA=ops[0].WA, WS=ops[0].WS, I=1, WT="multi", S=S, n_int=len(ints),
-                    session_end=session_end, n_float=len(ops), init_i=ints,
-                    init_f=tuple(float(op.init_f[0]) for op in ops), builtin_ip=ip,
+                    session_end=session_end, n_float=len(floats), init_i=ints,
+                    init_f=tuple(float(ops[q].init_f[0]) for q in floats), builtin_ip=ip,
                     builtin_fp=np.zeros(1), prepare=prepare, decode=ops[0].decode,
-                    name=name or " + ".join(op.name for op in ops), pool=tuple(pool))
+                    name=name or " + ".join(op.name for op in ops), pool=tuple(pool),
+                    float_cols=floats)
 
 
 def _take_flags(batch, take, n, vf, vi, value_type):

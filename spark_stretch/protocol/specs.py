@@ -27,7 +27,7 @@ import msgspec
 from .errors import BadRequest
 
 __all__ = ["SPEC_VERSION", "Checkpointing", "HostShare", "QuerySpec", "AggregateSpec", "OperatorSpec",
-           "StreamSpec", "GroupedSpec", "spec_from_wire", "spec_to_wire"]
+           "StreamSpec", "GroupedSpec", "spec_from_wire", "spec_to_wire", "parse_bytes"]
 
 SPEC_VERSION = 1
 
@@ -83,6 +83,9 @@ class QuerySpec:
     input_schema: Optional[str] = None  # the input's Arrow schema (base64 IPC), for the warm-up
     warm_up: bool = False               # a throwaway copy warming the engine up
     share: Optional[HostShare] = None   # on several hosts: this host's key groups (None: one)
+    state_memory: int = 0               # bytes of state the engine keeps in memory, the rest
+    #                                     on local disk (spark.stretch.state.memory; 0: half
+    #                                     the host's memory)
 
 
 @dataclass(kw_only=True)
@@ -207,3 +210,19 @@ def spec_from_wire(d: dict) -> QuerySpec:
         return msgspec.convert({k: v for k, v in d.items() if k != "kind"}, cls)
     except msgspec.ValidationError as e:
         raise BadRequest(f"{cls.kind} query spec: {e}") from None
+
+
+def parse_bytes(text) -> int:
+    """``"512m"``, ``"2g"``, ``"1048576"`` (Spark's size strings) as bytes.
+
+    >>> parse_bytes("512m"), parse_bytes("2G"), parse_bytes(4096)
+    (536870912, 2147483648, 4096)
+    """
+    if isinstance(text, int):
+        return int(text)
+    s = str(text).strip().lower().removesuffix("b")
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    try:
+        return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (give one such as 512m or 2g)") from None

@@ -821,6 +821,71 @@ def test_max_by_and_min_by_by_an_exact_ordering(engine_cls, kind):
         eng.close()
 
 
+def _a_float_slot_per_aggregate(op):
+    """``op`` laid out as fused aggregations were until 2026-11-27: a float slot per aggregate."""
+    import dataclasses
+
+    from spark_stretch.engine.aggregates import MULTI
+
+    k = int(op.builtin_ip[8])
+    ip = op.builtin_ip.copy()
+    ip[MULTI + 4 * k:MULTI + 5 * k] = np.arange(k)
+    init_f = [0.0] * k
+    for f, q in enumerate(op.float_cols):
+        init_f[q] = op.init_f[f]
+    return dataclasses.replace(op, builtin_ip=ip, n_float=k, init_f=tuple(init_f),
+                               float_cols=None, _compiled=None)
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+def test_a_snapshot_with_a_float_slot_per_aggregate_restores(engine_cls):
+    """Checkpoints written when a fused aggregation kept a float slot for every aggregate (a
+    count's and an int sum's unused) restore into today's narrower windows (a full snapshot
+    and an incremental one on top), and the run goes on exactly as one that never stopped."""
+    fused = aggregate_many(AGGS, key="k", WS=20)
+    assert fused.n_float < len(AGGS)  # (count, the int sum and min, first of ints: none)
+    wide = _a_float_slot_per_aggregate(fused)
+    rng = np.random.default_rng(5)
+    batches = []
+    for b in range(6):
+        ts = rng.integers(b * 10, b * 10 + 30, 40)
+        batches.append({"ts": ts, "k": rng.integers(0, 5, 40), "v": rng.integers(-9, 9, 40),
+                        "x": rng.normal(size=40), "take": rng.integers(0, 2, 40)})
+
+    def step(eng, cols, b):
+        eng.esg_in.add(dict(cols), 0)
+        eng.esg_in.advance_watermark(b * 10)
+        eng.drain()
+        return eng.read_output(decode=False)[0]
+
+    straight = engine_cls(fused, m=2, n=2, n_buckets=16)
+    old = engine_cls(wide, m=2, n=2, n_buckets=16)
+    for eng in (straight, old):
+        eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    try:
+        want = [step(straight, c, b) for b, c in enumerate(batches)]
+        for b in range(3):
+            step(old, batches[b], b)
+        base = old.snapshot()
+        step(old, batches[3], 3)
+        delta = old.snapshot(delta=True)
+        assert loads(base)["state"] and old.live_windows() > 0
+    finally:
+        straight.close()
+        old.close()
+    eng = engine_cls.restore(fused, base, deltas=[delta])
+    try:
+        assert eng.live_windows() == old.live_windows()
+        assert sum(len(want[b]["key"]) for b in (4, 5)) > 0
+        for b in (4, 5):
+            got = step(eng, batches[b], b)
+            assert set(got) == set(want[b])
+            for c in want[b]:
+                assert np.array_equal(got[c], want[b][c], equal_nan=True), c
+    finally:
+        eng.close()
+
+
 def test_a_snapshot_of_another_window_layout_is_refused():
     """(Windows kept otherwise, say an approx_count_distinct's words in the record before its
     register pool): the restore names the layouts instead of running on garbage."""
@@ -834,7 +899,7 @@ def test_a_snapshot_of_another_window_layout_is_refused():
         snap = eng.snapshot()
     finally:
         eng.close()
-    with pytest.raises(EngineError, match="0 pool words each.*2, 2 and 7.*new checkpoint"):
+    with pytest.raises(EngineError, match="0 pool words each.*2, 0 and 7.*new checkpoint"):
         Engine.restore(new, snap)
 
 

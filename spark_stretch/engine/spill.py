@@ -1,0 +1,164 @@
+"""State larger than memory: bucket tables in files on local disk, paged by the operating system.
+
+Under a memory budget (``spark.stretch.state.memory``, :class:`Spill`) a
+:class:`~spark_stretch.engine.state.BucketState` keeps a table that fits in the budget in memory
+as before; a table grown past it lives in a file instead, mapped shared, which the kernels read
+and write as any array. The file is under the engine's temporary directory (local disk) and is
+unlinked as soon as it is mapped, so nothing is left behind, even after ``kill -9``; a restart
+rebuilds the state from the checkpoint, as always.
+
+Why a mapped file and not an embedded store: the engine's state is already fixed-width rows in
+per-bucket tables, which the jitted kernels probe in place; a mapping keeps them so, and the
+operating system does the tiering: pages of a mapped file are written back and reclaimed under
+memory pressure (never the OOM killer's business), and come back when touched.
+:meth:`Spill.trim` drops the pages the engine holds (their bytes stay in the file and the page
+cache), so its resident memory stays near the budget: every few thousand tuples a kernel applies (it
+returns ``NEED_TRIM``, :mod:`~spark_stretch.engine.kernels`), after a grow, and while a
+checkpoint is copied out.
+
+Examples
+--------
+>>> import numpy as np
+>>> from spark_stretch.engine.spill import Spill
+>>> sp = Spill(budget=1 << 20)
+>>> t = sp.table((64, 1024, 4), np.int64, fill=-1)     # 2 MiB: past the budget, in a file
+>>> sp.spilled(t), int(t[3, 5, 2]), t.shape
+(True, -1, (64, 1024, 4))
+>>> sp.spilled(sp.table((4, 8, 2), np.int64))          # small: in memory
+False
+>>> sp.trim(t); int(t[3, 5, 2])                        # pages dropped, bytes kept
+-1
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+# bytes of table a chunked pass (fill, rehash, copy) touches before it drops its pages again
+CHUNK_BYTES = 16 << 20
+
+
+class Spill:
+    """The memory budget of one engine's state and the files of its tables past it.
+
+    Parameters
+    ----------
+    budget : int
+        Bytes of state to keep in memory; a table larger than this is mapped from a file.
+    directory : str, optional
+        Local disk for the files (default: the process's temporary directory; on an executor
+        host, the executor's ``java.io.tmpdir``). Never a tmpfs: that is memory.
+    """
+
+    def __init__(self, budget: int, directory: str | None = None):
+        if budget <= 0:
+            raise ValueError(f"state memory budget {budget}; it must be > 0 bytes")
+        self.budget = int(budget)
+        self.directory = directory or tempfile.gettempdir()
+
+    # ---- tables -----------------------------------------------------------------------------------
+    def table(self, shape, dtype, fill=0, in_file=None) -> np.ndarray:
+        """A new array of ``shape`` filled with ``fill``: in memory if it fits in the budget
+        (or ``in_file`` is False: the caller decides for all its tables), else in a new
+        unlinked file (filled a chunk at a time, its pages dropped as it goes)."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if nbytes == 0 or not (nbytes > self.budget if in_file is None else in_file):
+            return np.full(shape, fill, dtype)
+        fd, path = tempfile.mkstemp(prefix="stretch-state-", dir=self.directory)
+        try:
+            os.unlink(path)
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # (probes are random: no read-ahead, no mapping of the pages around a touched one)
+            mm.madvise(mmap.MADV_RANDOM)
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(mm, dtype).reshape(shape)  # (its base: the mapping, unmapped with it)
+        if fill:
+            for lo, hi in self.chunks(arr):
+                arr[lo:hi] = fill
+                self.trim(arr)
+        return arr
+
+    def spilled(self, arr) -> bool:
+        """Whether ``arr`` (or the table it is a view of) is mapped from a file."""
+        return self._mmap(arr) is not None
+
+    _mmap = staticmethod(lambda arr: mapping_of(arr))
+
+    def trim(self, *arrays) -> None:
+        """Drop the pages of the mapped tables among ``arrays`` from the process (their bytes
+        stay in the file and the page cache; touching them maps them again)."""
+        for arr in arrays:
+            mm = self._mmap(arr)
+            if mm is not None and not mm.closed:
+                mm.madvise(mmap.MADV_DONTNEED)
+
+    def chunks(self, arr):
+        """``(lo, hi)`` ranges of ``arr``'s first axis (buckets) of about :data:`CHUNK_BYTES`
+        (at most an eighth of the budget: a grow reads the old table's and writes the new)."""
+        n = arr.shape[0]
+        row = max(arr.nbytes // max(n, 1), 1)
+        step = max(1, min(n, min(CHUNK_BYTES, self.budget // 8) // row))
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    def resident(self, arr) -> int:
+        """Bytes of ``arr``'s mapped file the process holds now (0 for an in-memory table:
+        see ``nbytes``), from ``/proc/self/smaps``."""
+        mm = self._mmap(arr)
+        if mm is None or mm.closed:
+            return 0
+        return _smaps_rss(np.frombuffer(mm, np.uint8, count=1).ctypes.data)
+
+    def disk_bytes(self, *arrays) -> int:
+        """Bytes of the files behind ``arrays`` (the state kept on local disk)."""
+        return sum(a.nbytes for a in arrays if self.spilled(a))
+
+
+def mapping_of(obj):
+    """The file mapping (``mmap``) an array or a buffer is a view of, or None."""
+    base = obj
+    for _ in range(64):
+        if isinstance(base, mmap.mmap) or base is None:
+            return base
+        if isinstance(base, np.ndarray):
+            base = base.base
+        elif isinstance(base, memoryview):  # (np.frombuffer's base; a pickle buffer's raw view)
+            base = base.obj
+        else:
+            return None
+    return None
+
+
+def write_dropping(f, buf) -> None:
+    """Write ``buf`` to ``f``; if it is a view of a mapped file, a chunk at a time, dropping the
+    pages each chunk mapped (a spilled table's copy is written without holding it all)."""
+    mm = mapping_of(buf)
+    if mm is None:
+        f.write(buf)
+        return
+    view = memoryview(buf).cast("B")
+    for at in range(0, len(view), CHUNK_BYTES):
+        f.write(view[at:at + CHUNK_BYTES])
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _smaps_rss(start: int) -> int:
+    """The ``Rss`` of the mapping starting at address ``start`` in ``/proc/self/smaps``."""
+    want = f"{start:x}-"
+    found = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for ln in f:
+                if not found:
+                    found = ln.startswith(want)
+                elif ln.startswith("Rss:"):
+                    return int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
