@@ -79,6 +79,9 @@ def test_state_past_the_budget_gives_the_same_rows(engine_cls, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="not met yet (issue 35): a sample reached 15 MB of table "
+                   "pages held under an 8 MB budget (clean-clone CI, 2026-11-27); which pass "
+                   "holds them is not found yet")
 def test_pages_held_stay_within_the_budget(tmp_path):
     """State six times an 8 MB budget: between two drops the engine held at most the budget of
     the tables' pages (sampled), through growth, emission, a snapshot and a restore; the rows
