@@ -68,7 +68,8 @@ class Spill:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dtype.itemsize
         if nbytes == 0 or not (nbytes > self.budget if in_file is None else in_file):
-            return np.full(shape, fill, dtype)
+            # (zeros: the pages are mapped as touched, not all written now)
+            return np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
         fd, path = tempfile.mkstemp(prefix="stretch-state-", dir=self.directory)
         try:
             os.unlink(path)
@@ -87,15 +88,13 @@ class Spill:
 
     def spilled(self, arr) -> bool:
         """Whether ``arr`` (or the table it is a view of) is mapped from a file."""
-        return self._mmap(arr) is not None
-
-    _mmap = staticmethod(lambda arr: mapping_of(arr))
+        return mapping_of(arr) is not None
 
     def trim(self, *arrays) -> None:
         """Drop the pages of the mapped tables among ``arrays`` from the process (their bytes
         stay in the file and the page cache; touching them maps them again)."""
         for arr in arrays:
-            mm = self._mmap(arr)
+            mm = mapping_of(arr)
             if mm is not None and not mm.closed:
                 mm.madvise(mmap.MADV_DONTNEED)
 
@@ -110,7 +109,7 @@ class Spill:
     def resident(self, arr) -> int:
         """Bytes of ``arr``'s mapped file the process holds now (0 for an in-memory table:
         see ``nbytes``), from ``/proc/self/smaps``."""
-        mm = self._mmap(arr)
+        mm = mapping_of(arr)
         if mm is None or mm.closed:
             return 0
         return _smaps_rss(np.frombuffer(mm, np.uint8, count=1).ctypes.data)

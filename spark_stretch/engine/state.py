@@ -250,8 +250,7 @@ class BucketState:
     def trim(self) -> None:
         """Drop the tables' pages from the process if they are mapped from a file."""
         if self.spill is not None:
-            self.spill.trim(*(a for a in (getattr(self, "rec", None), getattr(self, "acc_f", None))
-                              if a is not None))
+            self.spill.trim(self.rec, self.acc_f)
 
     def _gather(self, arr, live):
         """``arr[live]`` (a copy), a chunk of buckets at a time into a file if ``arr`` is spilled."""
