@@ -281,7 +281,8 @@ class FanOut:
         share = self._queries[msg.query].share if msg.query in self._queries else None
         merged = dict(got[0])
         for k in ("input_rows", "late_rows", "output_rows", "live_windows", "state_keys",
-                  "calls", "timeout_calls", "instance_retries", "state_disk_bytes"):
+                  "calls", "timeout_calls", "instance_retries", "state_disk_bytes",
+                  "state_memory_bytes"):
             if k in merged:
                 merged[k] = sum(int(f.get(k, 0)) for f in got)
         merged["hosts"] = [

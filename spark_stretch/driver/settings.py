@@ -141,9 +141,10 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
             "parallelism, switches), in the background",
             choices=(("", "a Delta table path or a table name"),), pattern=r"\S+"),
     Setting("spark.stretch.state.memory", "", "text",
-            "the memory an engine keeps its aggregation state in on each host (`512m`, `4g`); "
-            "past it, the state's tables live in files on the host's local disk, paged in as "
-            "batches touch them (slower, not out of memory); unset: half the host's memory",
+            "the memory an engine keeps its state in on each host (`512m`, `4g`); past it, "
+            "the aggregation state's tables live in files on the host's local disk, paged in as "
+            "batches touch them (slower, not out of memory), and the drop-ins' processes drop the "
+            "store pages they mapped past their share; unset: half the host's memory",
             choices=(("", "a size such as '512m' or '4g'"),),
             pattern=r"\d+(\.\d+)?[kKmMgGtT]?[bB]?"),
     Setting("spark.stretch.testClockMs", "", "text",

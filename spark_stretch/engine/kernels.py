@@ -20,8 +20,9 @@ whose codes and arithmetic the session kernel shares); both are imported here, a
 The kernels never block: when a bucket is full (``NEED_GROW``), the instance's output block is full
 (``NEED_OUT``) or its free rows of the register pool are used up (``NEED_POOL``) they store a resume
 position in ``resume`` and return; the runtime grows the arrays and calls again. (So too, for state
-past a memory budget, every ``resume[4]`` tuples and after emitting windows from ``resume[5]``
-buckets at the watermark: ``NEED_TRIM``, and the runtime drops the pages touched.) Every step
+past a memory budget, every ``resume[4]`` tuples, once the tuples are applied, and every
+``resume[5]`` buckets spanned emitting windows at the watermark: ``NEED_TRIM``, and the runtime
+drops the pages touched.) Every step
 before the resume position is applied exactly once.
 """
 from __future__ import annotations
@@ -333,18 +334,21 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
             resume[3] = 0
         resume[0] = 1
         resume[1] = 0
+        if resume[4] > 0 and ts.shape[0] > i0:  # (the tuples' pages dropped before emitting)
+            return NEED_TRIM
     if wkind != 0:
-        fired = 0
-        for b in range(resume[1], nb):
+        b0 = resume[1]
+        for b in range(b0, nb):
             if owner[b] == j and bcount[b] > 0 and bminl[b] <= w_seg - WS:
+                if resume[5] > 0 and b - b0 >= resume[5]:
+                    # (a budget's worth of bucket rows spanned, whether fired or mapped around
+                    # one that was: drop their pages)
+                    resume[1] = b
+                    return NEED_TRIM
                 if not _fire_bucket(b, w_seg, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
                                     o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
                     resume[1] = b
                     return 2
-                fired += 1
-                if fired == resume[5]:  # (a budget's worth of buckets read: drop their pages)
-                    resume[1] = b + 1
-                    return NEED_TRIM
     resume[0] = 2
     return 0
 

@@ -54,7 +54,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["KeyedStore", "Step", "encode_key", "pickled_bucket_entries", "timers_of",
+from .spill import default_budget, drop_file_pages, file_pages_held
+
+__all__ = ["KeyedStore", "Step", "encode_key", "memory_share", "pickled_bucket_entries", "timers_of",
            "NO_TIMEOUT", "RESERVED_BUCKET", "CHANGELOG_SCHEMA"]
 
 NO_TIMEOUT = -1
@@ -82,6 +84,13 @@ def _timer(kb: bytes, timeout: int) -> bytes:
     return kb[:2] + _TS.pack(timeout + _OFFSET) + kb[2:]
 
 
+def memory_share(state_memory: int, processes: int) -> int:
+    """Each process's share of the state's memory budget (``spark.stretch.state.memory`` in
+    bytes, 0: the default, :func:`~spark_stretch.engine.spill.default_budget`), for
+    ``processes`` processes mapping one store (the host engine and its instances)."""
+    return max(1, (int(state_memory) or default_budget()) // max(1, int(processes)))
+
+
 def timers_of(timeout) -> tuple:
     """An entry's timers: ``timeout`` is one (-1: none) or a tuple of them."""
     if isinstance(timeout, tuple):
@@ -102,12 +111,15 @@ def pickled_bucket_entries(files) -> Dict[bytes, Entry]:
 
 class KeyedStore:
     """One LMDB environment in directory ``path`` (made if missing), opened by each process that
-    uses it (the engine, every instance)."""
+    uses it (the engine, every instance). ``memory``: bytes of the store's pages this process
+    keeps mapped (its share of ``spark.stretch.state.memory``; 0: as many as the operating
+    system leaves it), checked after each write (:meth:`hold`)."""
 
-    def __init__(self, path):
+    def __init__(self, path, memory: int = 0):
         import lmdb
 
         self.path = Path(path)
+        self.memory = int(memory)
         self.path.mkdir(parents=True, exist_ok=True)
         # sync=False: a process crash loses nothing (the pages are the kernel's); the checkpoint
         # under checkpointLocation is what survives a machine's. readahead=False: lookups are
@@ -120,6 +132,19 @@ class KeyedStore:
 
     def close(self) -> None:
         self.env.close()
+
+    def held(self) -> int:
+        """Bytes of the store's pages this process has mapped now."""
+        return sum(r for _, _, r in file_pages_held(self.path / "data.mdb"))
+
+    def hold(self) -> int:
+        """Keep the store's pages this process has mapped within ``memory``: past it, drop them
+        all (they stay in the file and the page cache: a key read again maps its page again).
+        Returns the bytes mapped before. (The store's file is LMDB's mapping, not an array of
+        ours: :func:`~spark_stretch.engine.spill.drop_file_pages` finds it by its path.)"""
+        if not self.memory or self.disk_bytes() <= self.memory:
+            return 0  # (it cannot hold more than the file)
+        return drop_file_pages(self.path / "data.mdb", self.memory)
 
     # -- figures ------------------------------------------------------------------------------
     def rows(self) -> int:
@@ -205,6 +230,7 @@ class KeyedStore:
                     w.put(kb, raw, db=self.state)
                     for t in timers_of(pickle.loads(raw)[2]):
                         w.put(_timer(kb, t), b"", db=self.timers)
+        self.hold()
 
     def rebucketed(self, buckets_of, keep=None, chunk: int = 100_000):
         """This store's entries as changelogs (of ``chunk`` keys or fewer) with each key in the
@@ -334,4 +360,5 @@ class Step:
             w.put(str(index).encode(), pickle.dumps((seq, reply), protocol=5),
                   db=self.store.done)
         self.pending.clear()
+        self.store.hold()
         return log

@@ -351,15 +351,16 @@ class Engine(Epochs, Snapshots):
         self._m["segments"] += 1
 
     def _trim_every(self, st) -> tuple:
-        """Tuples, and buckets emitted from, between two drops of the pages a kernel touched, for
-        tables past the memory budget (0, 0: no drops; the tables are in memory). A tuple maps
-        up to 16 pages of each table (on a read fault the kernel maps the cached pages around),
-        an emission the bucket's rows."""
+        """Tuples, and buckets spanned emitting, between two drops of the pages a kernel touched,
+        for tables past the memory budget (0, 0: no drops; the tables are in memory). The
+        instances run at once, each within its share of the budget; a tuple maps up to 16 pages
+        of each table (on a read fault the kernel maps the cached pages around), an emission
+        the rows of the buckets it spans."""
         if self.spill is None or not st.spilled():
             return 0, 0
         row = st.rec[0].nbytes + st.acc_f[0].nbytes
-        budget = self.spill.budget
-        return max(1, budget // (2 * 32 * mmap.PAGESIZE)), max(1, budget // (2 * row))
+        share = self.spill.budget // self.n
+        return max(1, share // (32 * mmap.PAGESIZE)), max(1, share // row)
 
     def _emit(self, j, blk, watermark):
         if len(blk["ts"]):

@@ -147,6 +147,55 @@ def write_dropping(f, buf) -> None:
         mm.madvise(mmap.MADV_DONTNEED)
 
 
+def default_budget() -> int:
+    """The state's memory budget when ``spark.stretch.state.memory`` is unset: half this host's
+    memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def file_pages_held(path) -> list:
+    """``(start, end, rss)`` of each mapping of file ``path`` in this process (from
+    ``/proc/self/smaps``): a library's own mapping of its file (LMDB's), which no Python object
+    here owns."""
+    want = " " + os.path.realpath(path)
+    out, cur = [], None
+    try:
+        with open("/proc/self/smaps") as f:
+            for ln in f:
+                if cur is None:
+                    if ln.rstrip("\n").endswith(want) and "-" in ln.split(" ", 1)[0]:
+                        lo, hi = ln.split(" ", 1)[0].split("-")
+                        cur = (int(lo, 16), int(hi, 16))
+                elif ln.startswith("Rss:"):
+                    out.append((*cur, int(ln.split()[1]) * 1024))
+                    cur = None
+    except OSError:
+        pass
+    return out
+
+
+def drop_file_pages(path, keep: int) -> int:
+    """If this process holds more than ``keep`` bytes of file ``path``'s mapped pages, drop them
+    (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page cache; touching them
+    maps them again). Returns the bytes held before."""
+    held = file_pages_held(path)
+    total = sum(r for _, _, r in held)
+    if total > keep:
+        for lo, hi, _ in held:
+            _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+    return total
+
+
+def _madvise(addr: int, length: int, advice: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(addr, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({addr:#x}, {length}): {os.strerror(err)}")
+
+
 def _smaps_rss(start: int) -> int:
     """The ``Rss`` of the mapping starting at address ``start`` in ``/proc/self/smaps``."""
     want = f"{start:x}-"

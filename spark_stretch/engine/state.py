@@ -415,13 +415,15 @@ class BucketState:
         chunks = self._chunks(self.rec)
         if len(chunks) == 1:
             K.insert_rows(bs, rows, afs, self.rec, self.acc_f)
-        else:  # (a chunk of buckets at a time, in bucket order, dropping the pages)
-            order = np.argsort(bs, kind="stable")
-            bs, rows, afs = bs[order], rows[order], afs[order]
+        else:  # (a chunk of buckets at a time, in bucket order, dropping the pages: of the
+            #      tables, and of the snapshot when it is a mapped file)
+            if len(bs) > 1 and not bool(np.all(bs[1:] >= bs[:-1])):  # (a snapshot is in order)
+                order = np.argsort(bs, kind="stable")
+                bs, rows, afs = bs[order], rows[order], afs[order]
             for lo, hi in chunks:
                 i0, i1 = np.searchsorted(bs, [lo, hi])
                 K.insert_rows(bs[i0:i1], rows[i0:i1], afs[i0:i1], self.rec, self.acc_f)
-                self.trim()
+                self.spill.trim(self.rec, self.acc_f, rows, afs)
         self.bcount, self.bminl = np.array(a["bcount"]), np.array(a["bminl"])
 
     def move_buckets(self, other: "BucketState", buckets) -> int:

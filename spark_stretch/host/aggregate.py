@@ -31,7 +31,6 @@ starts the query, not in the first batches.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import time
 from typing import List, Optional
@@ -41,7 +40,7 @@ import pyarrow as pa
 
 from ..engine import Interner, engine_class
 from ..engine.snapshot import map_file
-from ..engine.spill import Spill
+from ..engine.spill import Spill, default_budget
 from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META, state_root
@@ -290,9 +289,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
     def _spill(self) -> dict:
         """The engine's memory budget for its state (``spark.stretch.state.memory``; unset:
         half this host's memory), past which its tables go to files on local disk."""
-        budget = self.spec.state_memory or \
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-        return {"spill": Spill(budget, state_root())}
+        return {"spill": Spill(self.spec.state_memory or default_budget(), state_root())}
 
     # -- what the query kind decides (the operator runtime overrides these) ----------------------
     def _operators(self) -> list:

@@ -59,7 +59,7 @@ from ..protocol import instances as I
 from ..protocol import messages as M
 from ..protocol import placement
 from ..protocol.errors import BadRequest, InstanceDiedError, StateError, UserFunctionError
-from ..engine.keyed import KeyedStore
+from ..engine.keyed import KeyedStore, memory_share
 from ..protocol.layout import GROUPED_META, shm_prefix, shm_root, state_root
 from ..protocol.specs import GroupedSpec
 from . import faults, load
@@ -93,6 +93,9 @@ class GroupedRuntime(GroupedState, Runtime):
         self.last_metrics: dict = {}
         self.pool: Optional[InstancePool] = None
         self.kv: Optional[KeyedStore] = None
+        # (the store's pages each process keeps mapped: the engine's and its instances' share
+        # of spark.stretch.state.memory)
+        self.kv_memory = memory_share(spec.state_memory, self.n + 1)
         self._changes: list = []  # the last step's changelog files: its delta checkpoint
         self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
                                          dir=shm_root()))
@@ -105,7 +108,7 @@ class GroupedRuntime(GroupedState, Runtime):
             if spec.resume_batch is not None:  # (a checkpoint every batch: exactly that one)
                 self._load(spec.resume_batch)
             else:
-                self.kv = KeyedStore(self.state_dir)
+                self.kv = KeyedStore(self.state_dir, self.kv_memory)
                 if spec.initial_state:
                     self._initial = pa.ipc.open_stream(
                         base64.b64decode(spec.initial_state)).read_all()
@@ -253,6 +256,7 @@ class GroupedRuntime(GroupedState, Runtime):
             if r.changes:
                 self._changes.append((i, Path(r.changes), r.changed_rows))
         self.state_keys = self.kv.rows()
+        self.kv.hold()  # (its own reads: within its share too)
         calls = sum(r.calls for r in replies.values())
         timeouts = sum(r.timeout_calls for r in replies.values())
         # (no rows: the output's columns, read from every host of a query on several)
@@ -269,6 +273,8 @@ class GroupedRuntime(GroupedState, Runtime):
         m = {"calls": calls, "timeout_calls": timeouts, "state_keys": self.state_keys,
              "operator_metrics": dict(operator),
              "changed_buckets": len(dirty), "state_disk_bytes": self.kv.disk_bytes(),
+             # (the store's pages the processes had mapped: within spark.stretch.state.memory)
+             "state_memory_bytes": sum(r.held for r in replies.values()) + self.kv.held(),
              "split_ms": (t_split - t0) * 1e3,
              "instances_ms": (t_run - t_split) * 1e3, "instances": per,
              "instance_retries": len(retries), **({"retries": retries} if retries else {})}
@@ -315,7 +321,8 @@ class GroupedRuntime(GroupedState, Runtime):
                     "instance_pids": self.pool.pids if self.pool else [],
                     "pid": os.getpid(), "shm_dir": str(self.shm),
                     "state_dir": str(self.state_dir),
-                    "state_disk_bytes": self.kv.disk_bytes() if self.kv else 0}
+                    "state_disk_bytes": self.kv.disk_bytes() if self.kv else 0,
+                    "state_memory_bytes": int(self.last_metrics.get("state_memory_bytes", 0))}
 
     def _close(self) -> None:
         self._join_promotion()  # (its read transaction must end before the store closes)

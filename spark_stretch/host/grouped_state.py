@@ -139,7 +139,7 @@ class GroupedState:
                 return self._convert(batch, stores)
         if share is not None and (meta is None or share.groups_changed(meta.get("host_map"))):
             return self._reshard(batch, meta is not None)
-        self.kv, chain, converted = restored(self.store, batch, self.state_dir)
+        self.kv, chain, converted = restored(self.store, batch, self.state_dir, self.kv_memory)
         self._check_meta(meta)
         self.key_schema = _schema_of(meta.get("key_schema")) or self.key_schema
         self._restore_common(meta)
@@ -180,7 +180,7 @@ class GroupedState:
         if missing:
             raise StateError(f"key groups of host slot(s) {missing} have no checkpoint of "
                              f"batch {batch} under {hosts}")
-        self.kv = KeyedStore(self.state_dir)
+        self.kv = KeyedStore(self.state_dir, self.kv_memory)
         bucket_group = np.arange(self.B) % G
         for j in sources:
             keep = (mine_now & (np.asarray(was) == j))[bucket_group]  # per bucket
@@ -210,7 +210,7 @@ class GroupedState:
                     "a new checkpointLocation")
         self.key_schema = _schema_of(next(iter(metas.values()))["key_schema"])
         bucket_of = self._placement_rule()
-        self.kv = KeyedStore(self.state_dir)
+        self.kv = KeyedStore(self.state_dir, self.kv_memory)
         for j, st in stores.items():
             was = metas[j].get("host_map")
             keep = (None if was is None else  # (a host's own groups then, in its buckets)
@@ -340,7 +340,7 @@ def _schema_of(text: Optional[str]) -> Optional[pa.Schema]:
     return None if not text else pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
-def restored(store: CheckpointStore, batch: int, dest: Path):
+def restored(store: CheckpointStore, batch: int, dest: Path, memory: int = 0):
     """A store in ``dest`` as ``store``'s checkpoint of ``batch`` left it (its full copy, then
     the deltas' changelogs in step order; a format-2 chain converted): ``(store, the chain's
     batches, whether it was converted)``."""
@@ -350,7 +350,7 @@ def restored(store: CheckpointStore, batch: int, dest: Path):
     dest.mkdir(parents=True, exist_ok=True)
     if (first / "state.mdb").exists():
         shutil.copyfile(first / "state.mdb", dest / "data.mdb")
-    kv = KeyedStore(dest)
+    kv = KeyedStore(dest, memory)
     kv.forget_steps()
     converted = any(int(m.get("format", 1)) == 2 for m in metas)
     if converted:  # a later checkpoint's bucket file replaces an earlier one's

@@ -151,8 +151,9 @@ def grouped_figures(rt, t0: float, since_ms: Optional[float], bucket_rows) -> di
     load = np.bincount(om, weights=rows, minlength=rt.n)[active]
     fig = _common(step_ms, since_ms, active, busy, load, rt.parallelism, rt.epoch, rt._last_out)
     disk = int(rt.last_metrics.get("state_disk_bytes", 0))  # (measured once, by the step)
+    held = int(rt.last_metrics.get("state_memory_bytes", 0))
     fig.update(tuples=int(rows.sum()), live_windows=int(rt.state_keys),
-               state_bytes=disk, state_disk_bytes=disk, bucket_load=rows.tolist(),
+               state_bytes=held, state_disk_bytes=disk, bucket_load=rows.tolist(),
                owner_map=om.tolist(), operator_metrics=rt.last_metrics.get("operator_metrics", {}))
     share = rt.spec.share
     if share is not None:  # (several hosts: a bucket's key group is pmod(bucket, G))

