@@ -182,6 +182,7 @@ def test_files_spark_reads_otherwise_are_read_by_spark(spark, tmp_path, unlike):
                        ignore_nullable=True, ignore_metadata=True)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_files_spark_wrote_with_int96_timestamps_are_read_by_the_engine(spark, tweets, tmp_path):
     # Spark writes TIMESTAMP as INT96 by default; from a Spark 3.1+ writer Spark reads them
     # unchanged, and so does the engine: the table and Spark's per-batch statistics are native's.
@@ -231,6 +232,7 @@ def test_delta_source_equals_native(spark, tweets, tmp_path, mapping, path):
     assert _event_times(q) == _event_times(native)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_delta_source_with_deletion_vectors_is_read_by_spark(spark, tweets, tmp_path):
     # A DELETE on a table with deletion vectors leaves the files with a vector each: a file also
     # holds its deleted rows, so the engine must not read it; Spark's scan applies the vector.

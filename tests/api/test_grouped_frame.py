@@ -47,6 +47,7 @@ def _sessions(spark, src, side):
     return side(source(spark, src).groupBy("user"), *args)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_select_filter_join_into_memory_sink_equal_native(spark, tweets, tmp_path):
     dims = spark.createDataFrame([(f"u{i}", i % 3) for i in range(0, 40, 2)],
                                  "user string, tier int")
@@ -125,8 +126,8 @@ def _file_sink(spark, fmt, src, side, out: Path, ckpt: Path):
     return q, at_start
 
 
-@pytest.mark.parametrize("fmt", ["parquet", pytest.param("json", marks=pytest.mark.slow),
-                                 pytest.param("orc", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (kept out of the default run for time; CI runs it with -m slow)
+@pytest.mark.parametrize("fmt", ["parquet", "json", "orc"])
 def test_file_sinks_keep_sparks_exactly_once_contract(spark, tweets, tmp_path, fmt):
     # Both queries run the first three files, then lose their last commit (a crash between the
     # sink's write of batch 2 and Spark's commit log): restarted with a fourth file, Spark

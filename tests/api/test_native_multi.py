@@ -103,6 +103,7 @@ def _delta_steps(spark, src, tmp_path, name, query, rescale):
     return start
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_a_restart_of_two_chained_stretch_aggregations_from_the_checkpoint(spark, tmp_path):
     # Mid-stream: the query (its outer aggregation appended to Delta by the engine) stops after
     # two files, both aggregations rescaled; a third file, and the restart continues each from

@@ -188,7 +188,8 @@ def test_session_windows_in_update_mode_are_sparks_own_error(spark, events, tmp_
         spark.conf.unset("spark.stretch.fallback")
 
 
-@pytest.mark.parametrize("gap", ["static", pytest.param("dynamic", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (kept out of the default run for time; CI runs it with -m slow)
+@pytest.mark.parametrize("gap", ["static", "dynamic"])
 def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, gap):
     # dynamic: a gap per row, from a column (rows whose gap is not positive are in no session)
     g = "12 seconds" if gap == "static" else (
@@ -285,8 +286,8 @@ def _native_and_stretch(query, tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode", ["update", "complete"])
-@pytest.mark.parametrize("window", [("20 seconds",), ("20 seconds", "10 seconds")],
-                         ids=["tumbling", "sliding"])
+@pytest.mark.parametrize("window", [("20 seconds",), pytest.param(
+    ("20 seconds", "10 seconds"), marks=pytest.mark.slow)], ids=["tumbling", "sliding"])
 def test_update_and_complete_modes_equal_native_batch_by_batch(spark, events, tmp_path, mode,
                                                                window):
     def agg(df):
@@ -303,6 +304,7 @@ def test_update_and_complete_modes_equal_native_batch_by_batch(spark, events, tm
         assert figures["engine"]["late_rows"] == 1
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_rescale_and_restart_into_delta(spark, tmp_path):
     """Two files under a processing-time trigger, a rescale, a stop; a third file and a restart
     from the checkpoint: the Delta table equals native Spark's run through the same steps."""
@@ -384,6 +386,7 @@ def test_straight_to_delta_the_engine_appends_keys_of_every_type(spark, events, 
     assert times[0] == times[1]
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_a_transformed_result_goes_through_spark_delta_sink(spark, events, tmp_path):
     def agg(df):
         return df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.sum("v").alias("s"))
@@ -428,6 +431,7 @@ def test_statistics_count_if_and_expressions_over_aggregates(spark, events, tmp_
     assert any(r["sd"] is None for r in want) and any(r["sd"] for r in want)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_to_table_and_a_second_aggregation_after_a_stretch_one(spark, events, tmp_path):
     def first(df):
         return (df.groupBy(F.window("ts", "20 seconds"), "k")

@@ -101,6 +101,7 @@ def test_band_join_engine_killed_mid_batch_is_restarted_exactly(spark, band, tmp
     assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_passthrough_of_two_streams_equals_batch_union(spark, tmp_path):
     # Operator 15 (Q2): stream 0 (a: bigint), stream 1 (b, c: double); every tuple out K times.
     _points(tmp_path / "s0", 400, 3, 3, ("a",), True, sentinel_at=True)

@@ -168,6 +168,7 @@ def test_reconfigure_mid_stream_equals_native(spark, stream, tmp_path):
     assert all(r["state_copied_bytes"] == 0 for r in recs), recs
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_killed_instances_rerun_their_share_and_equal_native(spark, stream, tmp_path):
     src, want = stream
     markers = tmp_path / "died"

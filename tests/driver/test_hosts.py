@@ -1,10 +1,11 @@
 """A query on a real two-host Spark standalone cluster (workers on 127.0.0.2 and 127.0.0.3 of
 this machine): one engine per executor host, each keeping its key groups, against native Spark.
 The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's.
-The default run holds equality (a word count, intruders, stop()) and a killed driver; routed
-rows, key-group moves and ``stretch(df)``, the user's own session builder, the engine and
-executor kills, a new host, a lost host, an elastic query moving key groups by itself and the
-applyInPandasWithState drop-in (pyspark's own tests among it) are ``slow``."""
+All ``slow`` (minutes each; CI runs them with ``-m slow``): equality (a word count,
+intruders, stop()), a killed driver, routed rows, key-group moves and ``stretch(df)``, the
+user's own session builder, the engine and executor kills, a new host, a lost host, an elastic
+query moving key groups by itself and the applyInPandasWithState drop-in (pyspark's own tests
+among it)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def _no_driver_path(settings: dict) -> None:
     assert not bad, bad
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     r = run_script(JOB, cluster.url, "equal", tmp_path, timeout=900)
     assert r["hosts"] == ["127.0.0.2", "127.0.0.3"]

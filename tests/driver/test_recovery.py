@@ -85,10 +85,10 @@ def _equal(got, want):
 
 
 @pytest.mark.parametrize("point,batch,interval", [
-    ("files", 2, 10), ("write", 2, 10), ("commit", 2, 10), ("logged", 2, 10), ("step", 2, 10),
-    ("step", 2, 1),
-    ("read", 2, 10), ("direct", 2, 10), ("checkpoint", 2, 1), ("saved", 2, 10),
-    ("step", FILES - 1, 10)])
+    ("commit", 2, 10), ("step", 2, 10), ("checkpoint", 2, 1)] + [  # (the others: for time, slow)
+    pytest.param(*p, marks=pytest.mark.slow) for p in [
+        ("files", 2, 10), ("write", 2, 10), ("logged", 2, 10), ("step", 2, 1), ("read", 2, 10),
+        ("direct", 2, 10), ("saved", 2, 10), ("step", FILES - 1, 10)]])
 def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_path, monkeypatch,
                                                             point, batch, interval):
     # kill -9 of the engine process while a batch is ingested (its files read by the engine, or
@@ -277,6 +277,7 @@ def test_restart_after_a_last_flush_that_only_moved_the_watermark(spark, tmp_pat
     _equal(got, native)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_incremental_checkpoints_cleaned_like_min_batches_to_retain(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 2400, files=8, rate=10.0, vocab=60, seed=33)
     q = _run(spark, src, tmp_path, **{"spark.sql.streaming.stateStore.minDeltasForSnapshot": 3,
@@ -406,8 +407,9 @@ def _spelled(spark, src, spelling):
         parallelism=2, max_parallelism=2)
 
 
+@pytest.mark.slow  # (kept out of the default run for time; CI runs it with -m slow)
 @pytest.mark.parametrize("spelling", [  # (stretch(df) recovers through the same Recovery)
-    "stretchAggregate", pytest.param("stretch", marks=pytest.mark.slow)])
+    "stretchAggregate", "stretch"])
 def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
         spark, stream, tmp_path, spelling):
     # Pipelined batches: Spark commits batch 2 once its input is in the engine's input log,

@@ -138,6 +138,7 @@ class _Hosts:
             rt.close()
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_moving_key_groups_between_hosts_keeps_every_key_and_timer(tmp_path):
     batches = _batches()
     marks = _watermarks(batches)

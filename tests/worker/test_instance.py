@@ -240,6 +240,7 @@ def test_a_function_that_raises_runs_again_in_the_same_process_when_attempts_all
         _gone(p, shm)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_a_batch_costs_the_keys_it_touches_not_the_state_it_holds(pool):
     # The live keys grow tenfold over ten batches of as many new keys: each batch writes its own
     # keys only (its changelog, the checkpoint's delta, the same size), and takes as long at the
