@@ -85,8 +85,8 @@ class SNEngine(Engine):
         d["tuples_forwarded"] = self._m_dup
         return d
 
-    def _state_arrays(self, delta=False):
-        return {"states": [s.compact(np.flatnonzero(s.dirty) if delta else None)
+    def _state_arrays(self, delta=False, lazy=False):
+        return {"states": [s.compact(np.flatnonzero(s.dirty) if delta else None, lazy=lazy)
                            for s in self.states]}
 
     def _load_state_arrays(self, arrs):

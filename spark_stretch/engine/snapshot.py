@@ -12,9 +12,12 @@ per-instance ones, the join's tuple store): each says how through ``_state_array
 it): it reads the engine's state, ESGs and locks.
 
 A snapshot is a :class:`Blob`: the pickle of its structure, with the buffers of its large arrays
-(the live windows, copied once by ``compact``) kept *out of band* and written after it as they
-are, so a checkpoint of N windows holds them once in memory, not twice (a copy and its pickled
-bytes). :func:`loads` reads a blob, its bytes, or a snapshot written before blobs (one pickle).
+kept *out of band* and written after it as they are, so a checkpoint of N windows holds them
+once in memory, not twice (a copy and its pickled bytes). A snapshot written at once (``lazy``:
+the host's checkpoints) holds the live windows not even once: they are
+:class:`~spark_stretch.engine.spill.Gathered`, referenced from the pickle by a persistent id and
+copied a chunk of buckets at a time as the blob is written. :func:`loads` reads a blob, its
+bytes, or a snapshot of an earlier format (without gathered arrays, or one pickle).
 
 Examples
 --------
@@ -36,27 +39,29 @@ import numpy as np
 
 from .errors import EngineError
 from .esg import Control
-from .spill import write_dropping
+from .spill import Gathered, write_dropping
 from .state import BucketState, narrow_floats
 
 
-MAGIC = b"STRETCH-SNAP-5\n"  # (a pickle starts with b"\x80": a snapshot before blobs)
+MAGIC = b"STRETCH-SNAP-6\n"  # (a pickle starts with b"\x80": a snapshot before blobs)
+MAGIC_5 = b"STRETCH-SNAP-5\n"  # (blobs without gathered arrays; read as they are)
 _LEN = struct.Struct("<Q")
 OUT_OF_BAND = 1 << 16  # buffers from this size are written after the pickle, not copied into it
 
 
 class Blob:
     """A snapshot: ``MAGIC``, the pickle's length, the pickle, the buffer count, then each
-    out-of-band buffer's length and bytes (little-endian lengths). ``len()`` is its size in
-    bytes, :meth:`write_to` writes it to a file without joining its parts, ``bytes()`` joins
-    them."""
+    out-of-band buffer's length and bytes, then the count of gathered arrays and each one's
+    length and bytes (little-endian lengths). ``len()`` is its size in bytes, :meth:`write_to`
+    writes it to a file without joining its parts (a gathered array a part at a time),
+    ``bytes()`` joins them."""
 
-    def __init__(self, head: bytes, buffers: list):
-        self.head, self.buffers = head, buffers
+    def __init__(self, head: bytes, buffers: list, gathered: list = ()):
+        self.head, self.buffers, self.gathered = head, buffers, list(gathered)
 
     def __len__(self) -> int:
-        return (len(MAGIC) + 2 * _LEN.size + len(self.head)
-                + sum(_LEN.size + b.nbytes for b in self.buffers))
+        return (len(MAGIC) + 3 * _LEN.size + len(self.head)
+                + sum(_LEN.size + b.nbytes for b in self.buffers + self.gathered))
 
     def write_to(self, f) -> None:
         f.write(MAGIC)
@@ -66,6 +71,12 @@ class Blob:
         for b in self.buffers:
             f.write(_LEN.pack(b.nbytes))
             write_dropping(f, b)  # (a spilled state's copy: a chunk at a time)
+        f.write(_LEN.pack(len(self.gathered)))
+        for g in self.gathered:
+            f.write(_LEN.pack(g.nbytes))
+            for part in g.parts():
+                if part.nbytes:  # (a cast of a view with a 0 in its shape is refused)
+                    f.write(memoryview(part).cast("B"))
 
     def __bytes__(self) -> bytes:
         out = io.BytesIO()
@@ -81,9 +92,38 @@ def map_file(path):
         return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles a :class:`~spark_stretch.engine.spill.Gathered` as a reference to the blob's
+    gathered arrays (its bytes come after the pickle)."""
+
+    def __init__(self, f, buffer_callback):
+        super().__init__(f, protocol=5, buffer_callback=buffer_callback)
+        self.gathered: list = []
+
+    def persistent_id(self, obj):
+        if isinstance(obj, Gathered):
+            self.gathered.append(obj)
+            return ("gathered", len(self.gathered) - 1, obj.dtype.str, obj.shape)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f, buffers, gathered):
+        super().__init__(f, buffers=buffers)
+        self.gathered = gathered
+
+    def persistent_load(self, pid):
+        kind, j, dtype, shape = pid
+        if kind != "gathered":
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in a snapshot")
+        g = self.gathered[j]
+        return np.asarray(g) if isinstance(g, Gathered) else \
+            np.frombuffer(g, np.dtype(dtype)).reshape(shape)
+
+
 def dumps(obj) -> Blob:
     """``obj`` as a :class:`Blob` (its large contiguous buffers referenced, not copied: they must
-    not change until the blob is written)."""
+    not change until the blob is written; nor may the state a ``Gathered`` copies)."""
     bufs: list = []
 
     def out_of_band(pb) -> bool:
@@ -93,37 +133,49 @@ def dumps(obj) -> Blob:
         bufs.append(raw)
         return False
 
-    return Blob(pickle.dumps(obj, protocol=5, buffer_callback=out_of_band), bufs)
+    f = io.BytesIO()
+    p = _Pickler(f, out_of_band)
+    p.dump(obj)
+    return Blob(f.getvalue(), bufs, p.gathered)
+
+
+def _sections(mv, at: int, count: int) -> tuple:
+    out = []
+    for _ in range(count):
+        (m,) = _LEN.unpack_from(mv, at)
+        out.append(mv[at + _LEN.size:at + _LEN.size + m])
+        at += _LEN.size + m
+    return out, at
 
 
 def loads(src):
     """The object of a :class:`Blob`, of its bytes (read without copying its buffers), or of
-    a snapshot written as one pickle."""
+    a snapshot of an earlier format."""
     if isinstance(src, Blob):
-        return pickle.loads(src.head, buffers=src.buffers)
+        return _Unpickler(io.BytesIO(src.head), src.buffers, src.gathered).load()
     mv = memoryview(src)
-    if bytes(mv[:len(MAGIC)]) != MAGIC:
+    magic = bytes(mv[:len(MAGIC)])
+    if magic not in (MAGIC, MAGIC_5):
         return pickle.loads(src)
     at = len(MAGIC)
     (n,) = _LEN.unpack_from(mv, at)
     head = mv[at + _LEN.size:at + _LEN.size + n]
     at += _LEN.size + n
     (k,) = _LEN.unpack_from(mv, at)
-    at += _LEN.size
-    bufs = []
-    for _ in range(k):
-        (m,) = _LEN.unpack_from(mv, at)
-        bufs.append(mv[at + _LEN.size:at + _LEN.size + m])
-        at += _LEN.size + m
-    return pickle.loads(head, buffers=bufs)
+    bufs, at = _sections(mv, at + _LEN.size, k)
+    gathered = []
+    if magic == MAGIC:
+        (g,) = _LEN.unpack_from(mv, at)
+        gathered, at = _sections(mv, at + _LEN.size, g)
+    return _Unpickler(io.BytesIO(head), bufs, gathered).load()
 
 
 class Snapshots:
     """Snapshot and restore of an engine (mixed into :class:`~spark_stretch.engine.runtime.Engine`)."""
 
-    def _state_arrays(self, delta=False):
+    def _state_arrays(self, delta=False, lazy=False):
         only = np.flatnonzero(self.state.dirty) if delta else None
-        return {"shared": self.state.compact(only)}
+        return {"shared": self.state.compact(only, lazy=lazy)}
 
     def _narrow(self, compact: dict) -> dict:
         """A restored compact with the float slots the operator keeps (older ones kept more)."""
@@ -149,13 +201,14 @@ class Snapshots:
     def _clear_dirty(self):
         self.state.dirty[:] = 0
 
-    def snapshot(self, path=None, clear_dirty=True, delta=False):
+    def snapshot(self, path=None, clear_dirty=True, delta=False, lazy=False):
         """The engine state as a :class:`Blob` (or written to ``path``/engine.snap): buckets, owner map, epoch,
         watermarks, pending ESG tuples, interner. Call when idle (after :meth:`drain`).
 
         With ``delta=True`` the buckets part holds only the buckets changed since the previous
         snapshot (an incremental checkpoint: :meth:`restore` applies it on top of its base).
-        Everything else is always whole (it is small).
+        Everything else is always whole (it is small). With ``lazy=True`` the live windows are
+        copied as the blob is written, a chunk at a time: write it before the engine runs again.
         """
         with self._drain_lock:
             snap_in = self.esg_in.snapshot()
@@ -163,7 +216,7 @@ class Snapshots:
             blob = dumps({
                 "mode": self.mode, "m": self.m, "n": self.n, "n_buckets": self.n_buckets,
                 "lateness": self.lateness, "delta": bool(delta),
-                "state": self._state_arrays(delta), "owner_map": self.owner_map, "epoch": self.epoch,
+                "state": self._state_arrays(delta, lazy), "owner_map": self.owner_map, "epoch": self.epoch,
                 "active": self.active, "esg_in": snap_in, "esg_out": self.esg_out.snapshot(),
                 "interner": self.interner.strings(), "metrics": self._m})
             if clear_dirty:

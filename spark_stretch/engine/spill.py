@@ -101,10 +101,7 @@ class Spill:
     def chunks(self, arr):
         """``(lo, hi)`` ranges of ``arr``'s first axis (buckets) of about :data:`CHUNK_BYTES`
         (at most an eighth of the budget: a grow reads the old table's and writes the new)."""
-        n = arr.shape[0]
-        row = max(arr.nbytes // max(n, 1), 1)
-        step = max(1, min(n, min(CHUNK_BYTES, self.budget // 8) // row))
-        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        return chunk_ranges(arr, min(CHUNK_BYTES, self.budget // 8))
 
     def resident(self, arr) -> int:
         """Bytes of ``arr``'s mapped file the process holds now (0 for an in-memory table:
@@ -117,6 +114,61 @@ class Spill:
     def disk_bytes(self, *arrays) -> int:
         """Bytes of the files behind ``arrays`` (the state kept on local disk)."""
         return sum(a.nbytes for a in arrays if self.spilled(a))
+
+
+def chunk_ranges(arr, nbytes: int = CHUNK_BYTES) -> list:
+    """``(lo, hi)`` ranges of ``arr``'s first axis (buckets) of about ``nbytes`` each."""
+    n = arr.shape[0]
+    row = max(arr.nbytes // max(n, 1), 1)
+    step = max(1, min(n, nbytes // row))
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+class Gathered:
+    """An array of ``shape`` and ``dtype`` made of the parts ``part(lo, hi)`` gives for each
+    range of ``ranges``, in order, and never whole in memory: a checkpoint's copy of the live
+    windows, gathered a chunk of buckets at a time as the snapshot is written
+    (:class:`~spark_stretch.engine.snapshot.Blob`; ``after()`` once each part is used).
+    ``np.asarray`` joins the parts.
+
+    Examples
+    --------
+    >>> t = np.arange(12).reshape(4, 3)
+    >>> g = Gathered((6,), t.dtype, [(0, 2), (2, 4)], lambda lo, hi: t[lo:hi][t[lo:hi] % 2 == 0])
+    >>> [p.tolist() for p in g.parts()], np.asarray(g).tolist(), g.nbytes
+    ([[0, 2, 4], [6, 8, 10]], [0, 2, 4, 6, 8, 10], 48)
+    """
+
+    def __init__(self, shape, dtype, ranges, part, after=None):
+        self.shape, self.dtype = tuple(int(x) for x in shape), np.dtype(dtype)
+        self.ranges, self.part, self.after = ranges, part, after
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def parts(self):
+        """Each part, checked against the shape it was announced with."""
+        rows = 0
+        for lo, hi in self.ranges:
+            p = np.ascontiguousarray(self.part(lo, hi), self.dtype)
+            rows += len(p)
+            if rows > self.shape[0] or p.shape[1:] != self.shape[1:]:
+                break
+            yield p
+            if self.after is not None:
+                self.after()
+        if rows != self.shape[0]:  # (the state changed between the count and the copy)
+            raise RuntimeError(f"gathered {rows} rows of {self.shape}: the state changed while "
+                               "its snapshot was written")
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.empty(self.shape, self.dtype)
+        at = 0
+        for p in self.parts():
+            out[at:at + len(p)] = p
+            at += len(p)
+        return out if dtype is None else out.astype(dtype)
 
 
 def mapping_of(obj):

@@ -18,6 +18,9 @@ from . import kernels as K
 from . import strings as S
 from ..protocol import placement
 from .errors import EngineError
+from .spill import Gathered, chunk_ranges
+
+GATHER_BYTES = 4 << 20  # (bytes of table a lazy snapshot copies the live windows of at a time)
 
 
 class Interner:
@@ -352,13 +355,18 @@ class BucketState:
         return {"rec": self.rec, "acc_f": self.acc_f, "bcount": self.bcount, "bminl": self.bminl,
                 "dirty": self.dirty, "init_i": self.init_i, "init_f": self.init_f}
 
-    def compact(self, buckets=None) -> dict:
+    def compact(self, buckets=None, lazy=False) -> dict:
         """The live window instances only, copied (what a snapshot stores).
 
         The tables are mostly empty slots (every bucket has the capacity of the fullest one), so
         a snapshot of the live slots is several times smaller than :meth:`arrays`. With
-        ``buckets`` (an incremental checkpoint), only the live slots of those buckets.
+        ``buckets`` (an incremental checkpoint), only the live slots of those buckets. With
+        ``lazy``, the per-window arrays are :class:`~spark_stretch.engine.spill.Gathered`: copied
+        a chunk of buckets at a time when written, so the state must not change until then
+        (a checkpoint written at once; not with a register pool).
         """
+        if lazy and not self.pool_slots:
+            return self._compact_lazily(buckets)
         live = self.live_mask()
         if buckets is not None:
             buckets = np.asarray(buckets, np.int64)
@@ -371,6 +379,33 @@ class BucketState:
                 "acc_f": self._gather(self.acc_f, live), "bcount": self.bcount.copy(),
                 "bminl": self.bminl.copy(), "init_i": self.init_i, "init_f": self.init_f,
                 "pool": (self.pool_slots, self.pool[held], self.free.shape[0])}
+
+    def _compact_lazily(self, buckets) -> dict:
+        keep = None
+        if buckets is not None:
+            keep = np.zeros(self.n_buckets, bool)
+            keep[np.asarray(buckets, np.int64)] = True
+
+        def live(lo, hi):
+            m = self.rec[lo:hi, :, 1] != K.EMPTY
+            return m if keep is None else m & keep[lo:hi, None]
+
+        ranges = chunk_ranges(self.rec, GATHER_BYTES)
+        n = 0
+        for lo, hi in ranges:
+            n += int(np.count_nonzero(live(lo, hi)))
+            self.trim()
+
+        def rows(arr):
+            return Gathered((n,) + arr.shape[2:], arr.dtype, ranges,
+                            lambda lo, hi: arr[lo:hi][live(lo, hi)], self.trim)
+
+        return {"cap": self.cap, "only": buckets, "rec": rows(self.rec), "acc_f": rows(self.acc_f),
+                "b": Gathered((n,), np.int64, ranges,
+                              lambda lo, hi: np.nonzero(live(lo, hi))[0] + lo, self.trim),
+                "bcount": self.bcount.copy(), "bminl": self.bminl.copy(),
+                "init_i": self.init_i, "init_f": self.init_f,
+                "pool": (self.pool_slots, self.pool[:0], self.free.shape[0])}
 
     @classmethod
     def from_compact(cls, a: dict, spill=None) -> "BucketState":

@@ -283,7 +283,7 @@ class JoinEngine(Engine):
         out["_sub"] = inst.o_sub[:p].copy()
         return sorted_block(out)
 
-    def _state_arrays(self, delta=False):
+    def _state_arrays(self, delta=False, lazy=False):
         return {"shared": self.state.arrays()}  # always whole: join stores are not incremental
 
     def _load_state_arrays(self, arrs):

@@ -246,7 +246,9 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                 "keys": key_encoding(self.spec)}
 
         def files():  # (in the store's writer thread; the next step waits for it)
-            blobs = {f"engine{i}.snap": eng.snapshot(delta=delta)
+            # (lazy: the windows copied as the store writes each blob, now, in this thread,
+            # while the next step waits: never a whole copy of the state in memory)
+            blobs = {f"engine{i}.snap": eng.snapshot(delta=delta, lazy=True)
                      for i, eng in enumerate(self.engines)}
             blobs["interner.pkl"] = pickle.dumps(strings[since:], protocol=5)
             if out is not None:

@@ -134,6 +134,7 @@ def test_stepped_rate_scales_out_and_back_in_and_equals_native(spark, tmp_path):
     _equal_native(spark, agg, tmp_path / "o", tmp_path)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_zipf_skewed_keys_are_rebalanced_to_theta_and_the_table_is_unchanged(spark, tmp_path):
     src = write_steps(tmp_path / "src", [20_000] * 8, keys=1000, zipf=1.3, seed=5)
     agg = event_source(spark, src).stretchAggregate(

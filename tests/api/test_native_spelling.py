@@ -409,6 +409,7 @@ def _close(got, want):
                 assert a == b, (g, w)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_statistics_count_if_and_expressions_over_aggregates(spark, events, tmp_path):
     def agg(df):
         return (df.groupBy(F.window("ts", "20 seconds", "10 seconds"), "k")
@@ -701,7 +702,7 @@ def test_approx_count_distinct_is_sparks_own_estimate(spark, many, tmp_path, win
     assert all(abs(v - exact[g]) <= 0.2 * exact[g] for g, v in final.items())
 
 
-@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds", "session")
+@_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds", "tumbling")
 def test_approx_count_distinct_of_rsd_0_01_is_sparks_own_estimate(spark, tmp_path, window, mode):
     # rsd 0.01 (2^14 registers): each window's registers in a row of the engine's register
     # pool, not its record. About 15,000 distinct values per window and key: past linear

@@ -134,6 +134,7 @@ def test_restart_from_checkpoint_several_times_equals_native(spark, tmp_path):
     assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True, ignore_metadata=True)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_replayed_batch_after_a_crash_before_commit(spark, tmp_path):
     src = write_tweets(tmp_path / "src", 1500, files=5, rate=10.0, vocab=80, late_fraction=0.03,
                        jitter_s=5.0, seed=4)

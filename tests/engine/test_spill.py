@@ -1,10 +1,12 @@
 """State past the engine's memory budget (engine/spill.py): tables in files on local disk."""
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from spark_stretch.engine import Engine, SNEngine
+from spark_stretch.engine.snapshot import MAGIC_5, loads, map_file
 from spark_stretch.engine.spill import Spill
 from spark_stretch.ops import aggregate_many
 
@@ -122,3 +124,64 @@ def test_memory_and_disk_bytes_of_a_spilled_state(tmp_path):
         assert st.memory()["memory"] >= st.rec.nbytes // 2
     finally:
         eng.close()
+
+
+def _step(eng, cols, b, rows):
+    eng.esg_in.add(dict(cols), 0)
+    eng.esg_in.advance_watermark(b * 100)
+    eng.drain()
+    out = eng.read_output(decode=False)[0]
+    rows += list(zip(out["key"].tolist(), out["window_start"].tolist(), out["_0"].tolist(),
+                     out["_1"].tolist(), out["_2"].tolist()))
+
+
+def _traced(fn):
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+def test_a_checkpoint_written_at_once_never_holds_the_windows_whole(engine_cls, tmp_path):
+    """``snapshot(lazy=True)``, as the host writes its checkpoints: the live windows are copied
+    a chunk of buckets at a time as the blob is written, so writing it allocates a fraction of
+    what an eager snapshot copies (traced); restored from the files, a full one and a delta on
+    top, the engine goes on as one that never stopped. A blob of the previous format
+    (``STRETCH-SNAP-5``, no gathered arrays) still reads."""
+    op = aggregate_many(AGGS, key="k", WS=1000)  # (every window live until the end)
+    batches = list(_batches(5, 100_000, 1_000_000))
+    want, _ = _run(engine_cls(op, m=2, n=2, n_buckets=4096), iter(batches))
+    eng = engine_cls(op, m=2, n=2, n_buckets=4096)
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    got = []
+    try:
+        for b in (0, 1, 2):
+            _step(eng, batches[b], b, got)
+        assert eng.live_windows() > 150_000
+        eager_peak = _traced(lambda: eng.snapshot(clear_dirty=False))
+        eager = eng.snapshot(clear_dirty=False)
+
+        def write(name, **kw):
+            with open(tmp_path / name, "wb") as f:
+                eng.snapshot(lazy=True, **kw).write_to(f)
+
+        lazy_peak = _traced(lambda: write("full.snap"))
+        assert lazy_peak * 3 < eager_peak, (lazy_peak, eager_peak)
+        _step(eng, batches[3], 3, got)
+        write("delta.snap", delta=True)
+    finally:
+        eng.close()
+    raw = bytes(eager)  # (the same snapshot in the previous format: its magic, no gathered)
+    v5 = MAGIC_5 + raw[len(MAGIC_5):-8]
+    assert loads(v5)["state"].keys() == loads(raw)["state"].keys()
+    eng = engine_cls.restore(op, map_file(tmp_path / "full.snap"),
+                             deltas=[map_file(tmp_path / "delta.snap")])
+    try:
+        _step(eng, batches[4], 4, got)
+        _step(eng, {k: v[:0] for k, v in batches[4].items()}, 10 ** 7, got)  # (all closed)
+    finally:
+        eng.close()
+    assert sorted(got) == want and len(want) > 300_000
