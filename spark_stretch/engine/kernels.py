@@ -22,8 +22,7 @@ The kernels never block: when a bucket is full (``NEED_GROW``), the instance's o
 position in ``resume`` and return; the runtime grows the arrays and calls again. (So too, for state
 past a memory budget, every ``resume[4]`` tuples, once the tuples are applied, and every
 ``resume[5]`` buckets spanned emitting windows at the watermark: ``NEED_TRIM``, and the runtime
-drops the pages touched.) Every step
-before the resume position is applied exactly once.
+drops the pages touched.) Every step before the resume position is applied exactly once.
 """
 from __future__ import annotations
 

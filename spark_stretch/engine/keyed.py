@@ -56,8 +56,8 @@ import pyarrow as pa
 
 from .spill import default_budget, drop_file_pages, file_pages_held
 
-__all__ = ["KeyedStore", "Step", "encode_key", "memory_share", "pickled_bucket_entries", "timers_of",
-           "NO_TIMEOUT", "RESERVED_BUCKET", "CHANGELOG_SCHEMA"]
+__all__ = ["KeyedStore", "Step", "encode_key", "memory_share", "pickled_bucket_entries",
+           "timers_of", "NO_TIMEOUT", "RESERVED_BUCKET", "CHANGELOG_SCHEMA"]
 
 NO_TIMEOUT = -1
 RESERVED_BUCKET = 0xFFFF  # (a bucket no query has, B <= 4096: the query's own entries)
@@ -84,11 +84,12 @@ def _timer(kb: bytes, timeout: int) -> bytes:
     return kb[:2] + _TS.pack(timeout + _OFFSET) + kb[2:]
 
 
-def memory_share(state_memory: int, processes: int) -> int:
-    """Each process's share of the state's memory budget (``spark.stretch.state.memory`` in
-    bytes, 0: the default, :func:`~spark_stretch.engine.spill.default_budget`), for
-    ``processes`` processes mapping one store (the host engine and its instances)."""
-    return max(1, (int(state_memory) or default_budget()) // max(1, int(processes)))
+def memory_share(spec) -> int:
+    """Each process's share of the state's memory budget (``spec.state_memory``, from
+    ``spark.stretch.state.memory``, in bytes; 0: the default,
+    :func:`~spark_stretch.engine.spill.default_budget`) among the processes that map one store:
+    the host engine and its ``spec.max_parallelism`` instances."""
+    return max(1, (int(spec.state_memory) or default_budget()) // (int(spec.max_parallelism) + 1))
 
 
 def timers_of(timeout) -> tuple:

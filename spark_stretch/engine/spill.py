@@ -209,21 +209,8 @@ def file_pages_held(path) -> list:
     """``(start, end, rss)`` of each mapping of file ``path`` in this process (from
     ``/proc/self/smaps``): a library's own mapping of its file (LMDB's), which no Python object
     here owns."""
-    want = " " + os.path.realpath(path)
-    out, cur = [], None
-    try:
-        with open("/proc/self/smaps") as f:
-            for ln in f:
-                if cur is None:
-                    if ln.rstrip("\n").endswith(want) and "-" in ln.split(" ", 1)[0]:
-                        lo, hi = ln.split(" ", 1)[0].split("-")
-                        cur = (int(lo, 16), int(hi, 16))
-                elif ln.startswith("Rss:"):
-                    out.append((*cur, int(ln.split()[1]) * 1024))
-                    cur = None
-    except OSError:
-        pass
-    return out
+    want = os.path.realpath(path)
+    return [(lo, hi, rss) for lo, hi, name, rss in _smaps() if name == want]
 
 
 def drop_file_pages(path, keep: int) -> int:
@@ -250,15 +237,24 @@ def _madvise(addr: int, length: int, advice: int) -> None:
 
 def _smaps_rss(start: int) -> int:
     """The ``Rss`` of the mapping starting at address ``start`` in ``/proc/self/smaps``."""
-    want = f"{start:x}-"
-    found = False
+    return next((rss for lo, _, _, rss in _smaps() if lo == start), 0)
+
+
+def _smaps():
+    """``(start, end, file name or "", rss)`` of each mapping in ``/proc/self/smaps`` (none if
+    it cannot be read)."""
+    cur = None
     try:
         with open("/proc/self/smaps") as f:
             for ln in f:
-                if not found:
-                    found = ln.startswith(want)
+                if cur is None:
+                    head = ln.split(maxsplit=5)
+                    if "-" in head[0]:  # (a mapping's line: its range, then its fields)
+                        lo, hi = head[0].split("-")
+                        cur = (int(lo, 16), int(hi, 16), head[5].rstrip("\n") if len(head) > 5
+                               else "")
                 elif ln.startswith("Rss:"):
-                    return int(ln.split()[1]) * 1024
+                    yield (*cur, int(ln.split()[1]) * 1024)
+                    cur = None
     except OSError:
-        pass
-    return 0
+        return

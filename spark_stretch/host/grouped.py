@@ -95,7 +95,7 @@ class GroupedRuntime(GroupedState, Runtime):
         self.kv: Optional[KeyedStore] = None
         # (the store's pages each process keeps mapped: the engine's and its instances' share
         # of spark.stretch.state.memory)
-        self.kv_memory = memory_share(spec.state_memory, self.n + 1)
+        self.kv_memory = memory_share(spec)
         self._changes: list = []  # the last step's changelog files: its delta checkpoint
         self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
                                          dir=shm_root()))

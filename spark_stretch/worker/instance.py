@@ -79,7 +79,7 @@ class Instance:
         self.key_columns = list(s.key_columns)
         self.timeout_conf = s.timeout_conf
         self.watermark_present = s.watermark_present
-        self.kv = KeyedStore(init.state, memory_share(s.state_memory, s.max_parallelism + 1))
+        self.kv = KeyedStore(init.state, memory_share(s))
         self.step: Optional[Step] = None
 
     def reset(self) -> None:

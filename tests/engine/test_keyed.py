@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_stretch.engine.keyed import NO_TIMEOUT, KeyedStore, encode_key
-from spark_stretch.engine.spill import file_pages_held
 
 BUCKETS = 3
 op = st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, BUCKETS - 1),
@@ -172,10 +171,6 @@ def test_several_timers_per_key_against_a_dict(tmp_path_factory, steps, threshol
     other.close()
 
 
-def _held(kv) -> int:
-    return sum(r for _, _, r in file_pages_held(kv.path / "data.mdb"))
-
-
 def test_a_store_past_its_memory_share_drops_the_pages_it_mapped(tmp_path):
     """``memory``: after each write the store's pages this process has mapped (its own
     ``/proc/self/smaps``) are within it, though the store is many times larger; every entry
@@ -189,18 +184,18 @@ def test_a_store_past_its_memory_share_drops_the_pages_it_mapped(tmp_path):
             entries[kb] = ((f"user-{i}",), ("x" * 200, i), 1000 + i)
             s.put(kb, entries[kb])
         s.commit(0, seq, None)
-        assert _held(kv) <= kv.memory
+        assert kv.held() <= kv.memory
     assert kv.disk_bytes() > 8 * kv.memory
     s = kv.step()
     assert all(s.get(kb) == e for kb, e in entries.items())
-    assert _held(kv) > 2 * kv.memory  # (reading maps the pages: dropped at the next write)
+    assert kv.held() > 2 * kv.memory  # (reading maps the pages: dropped at the next write)
     s.delete(next(iter(entries)))
     s.commit(0, 6, None)
-    assert _held(kv) <= kv.memory
+    assert kv.held() <= kv.memory
     kv.close()
     unbounded = KeyedStore(tmp_path / "kv")
     s = unbounded.step()
     assert all(s.get(kb) == e for kb, e in list(entries.items())[1:])
     s.commit(0, 7, None)
-    assert _held(unbounded) > 2 * (256 << 10)
+    assert unbounded.held() > 2 * (256 << 10)
     unbounded.close()
