@@ -1,6 +1,7 @@
 # spark-stretch: everything a fresh machine needs, from a clean clone.
 #   make demo   set up (venv, packages, shim jar, Delta jars) and run the demo
-#   make test   set up and run the default test suite
+#   make test   set up and run the default test suite (make test-slow: kills, restarts, the
+#               cluster, Kafka; CI runs both. make test-soak: the longest, outside CI)
 #   make bench  set up and run the benchmarks (not part of the tests)
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 export SPARK_LOCAL_IP ?= 127.0.0.1
 export PYSPARK_PYTHON := $(abspath $(PY))
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow test-soak bench clean
 
 setup: $(VENV)/.installed
 
@@ -27,7 +28,11 @@ test: setup
 	$(PY) -m pytest -q -W ignore::FutureWarning --durations=25
 
 test-slow: setup
-	$(PY) -m pytest -q -W ignore::FutureWarning -m slow
+	$(PY) -m pytest -q -W ignore::FutureWarning --durations=15 -m "slow and not soak"
+
+# The longest tests, outside CI's 90-minute budget (about an hour and a half here).
+test-soak: setup
+	$(PY) -m pytest -q -W ignore::FutureWarning --durations=15 -m soak
 
 # The figures in BENCHMARKS.md (long: the pair-count run alone takes ~14 minutes; each checks
 # its outputs equal the baseline's and prints its results).

@@ -182,7 +182,7 @@ def test_files_spark_reads_otherwise_are_read_by_spark(spark, tmp_path, unlike):
                        ignore_nullable=True, ignore_metadata=True)
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_files_spark_wrote_with_int96_timestamps_are_read_by_the_engine(spark, tweets, tmp_path):
     # Spark writes TIMESTAMP as INT96 by default; from a Spark 3.1+ writer Spark reads them
     # unchanged, and so does the engine: the table and Spark's per-batch statistics are native's.
@@ -206,7 +206,7 @@ def test_files_spark_wrote_with_int96_timestamps_are_read_by_the_engine(spark, t
 
 
 @pytest.mark.parametrize("mapping,path", [
-    ("none", "files"), pytest.param("name", "columnar", marks=pytest.mark.slow)])
+    ("none", "files"), pytest.param("name", "columnar", marks=pytest.mark.soak)])
 def test_delta_source_equals_native(spark, tweets, tmp_path, mapping, path):
     # The usual source: a Delta table Spark appended to, a version per file. Its files are
     # plain Parquet without column mapping, and the engine reads them itself; with it (files
@@ -232,7 +232,7 @@ def test_delta_source_equals_native(spark, tweets, tmp_path, mapping, path):
     assert _event_times(q) == _event_times(native)
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_delta_source_with_deletion_vectors_is_read_by_spark(spark, tweets, tmp_path):
     # A DELETE on a table with deletion vectors leaves the files with a vector each: a file also
     # holds its deleted rows, so the engine must not read it; Spark's scan applies the vector.

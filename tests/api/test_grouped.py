@@ -274,7 +274,7 @@ def timeout_soon_or_never(key, pdfs, state):
     yield pd.DataFrame({"user": [key[0]], "n": [n], "timed_out": [False]})
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_processing_time_timeout_equals_native(spark, tmp_path):
     # The real clock on both sides, processing-time triggers (native availableNow never ends with
     # ProcessingTimeTimeout: every batch asks for another). Both run until the files are done and

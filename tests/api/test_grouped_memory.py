@@ -29,7 +29,7 @@ from pyspark import cloudpickle  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.slow  # (a few minutes: 1.6 GB of state on each side)
+pytestmark = pytest.mark.soak  # (a few minutes: 1.6 GB of state on each side; make test-soak)
 
 CGROUPS = Path("/sys/fs/cgroup/memory")
 BLOB = 32 * 1024

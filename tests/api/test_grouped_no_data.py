@@ -143,7 +143,7 @@ timeout_after_3s = counting_with_timeout(3000)
 timeout_by_key = counting_with_timeout(1)
 
 
-@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_processing_time_timeout_fires_while_idle_as_native(spark, tmp_path):
     # Native runs a no-data batch on every trigger with ProcessingTimeTimeout, so "a" times out
     # about 3 s after its batch and "b" 3 s later, although nothing else arrives. Both queries
@@ -183,7 +183,7 @@ def _committed(checkpoint: Path) -> list:
         if commits.is_dir() else []
 
 
-@pytest.mark.slow  # (the default run stays under 20 minutes; make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_no_data_batch_with_rows_is_written_once_across_engine_and_query_restarts(
         spark, tmp_path, monkeypatch):
     # Spark's no-data batches are the drop-in's own batches: the one that times "a" out (its

@@ -108,7 +108,7 @@ BASIC = {
 
 
 def _slow(name):
-    return pytest.param(name, marks=pytest.mark.slow)
+    return pytest.param(name, marks=pytest.mark.soak)
 
 
 @pytest.mark.parametrize("side", SIDES)
@@ -174,7 +174,7 @@ def random_failure(key, pdf_iter, state):
     yield pd.DataFrame({"value": [key[0]], "count": [count]})
 
 
-@pytest.mark.slow  # a few query restarts on each side
+@pytest.mark.soak  # a few query restarts on each side (make test-soak)
 @pytest.mark.parametrize("side", SIDES)
 def test_apply_in_pandas_with_state_python_worker_random_failure(spark, tmp_path, side):
     input_path, output_path = tmp_path / "input", tmp_path / "output"

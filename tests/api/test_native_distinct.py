@@ -89,7 +89,7 @@ def _rounded(df):
 @pytest.mark.parametrize("window, mode, keys", [
     (lambda: F.window("ts", "20 seconds"), "append", ("k", "d")),
     pytest.param(lambda: F.window("ts", "20 seconds", "10 seconds"), "complete", (),
-                 marks=pytest.mark.slow)],
+                 marks=pytest.mark.soak)],
     ids=["tumbling-append-keys", "sliding-complete-window-alone"])
 def test_exact_distinct_aggregates_equal_a_batch_query(spark, distinct_src, tmp_path, window,
                                                        mode, keys):

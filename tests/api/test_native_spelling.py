@@ -188,7 +188,7 @@ def test_session_windows_in_update_mode_are_sparks_own_error(spark, events, tmp_
         spark.conf.unset("spark.stretch.fallback")
 
 
-@pytest.mark.slow  # (kept out of the default run for time; CI runs it with -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 @pytest.mark.parametrize("gap", ["static", "dynamic"])
 def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, gap):
     # dynamic: a gap per row, from a column (rows whose gap is not positive are in no session)
@@ -287,7 +287,7 @@ def _native_and_stretch(query, tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["update", "complete"])
 @pytest.mark.parametrize("window", [("20 seconds",), pytest.param(
-    ("20 seconds", "10 seconds"), marks=pytest.mark.slow)], ids=["tumbling", "sliding"])
+    ("20 seconds", "10 seconds"), marks=pytest.mark.soak)], ids=["tumbling", "sliding"])
 def test_update_and_complete_modes_equal_native_batch_by_batch(spark, events, tmp_path, mode,
                                                                window):
     def agg(df):
@@ -304,7 +304,7 @@ def test_update_and_complete_modes_equal_native_batch_by_batch(spark, events, tm
         assert figures["engine"]["late_rows"] == 1
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_rescale_and_restart_into_delta(spark, tmp_path):
     """Two files under a processing-time trigger, a rescale, a stop; a third file and a restart
     from the checkpoint: the Delta table equals native Spark's run through the same steps."""
@@ -386,7 +386,7 @@ def test_straight_to_delta_the_engine_appends_keys_of_every_type(spark, events, 
     assert times[0] == times[1]
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_transformed_result_goes_through_spark_delta_sink(spark, events, tmp_path):
     def agg(df):
         return df.groupBy(F.window("ts", "20 seconds"), "k").agg(F.sum("v").alias("s"))
@@ -409,7 +409,7 @@ def _close(got, want):
                 assert a == b, (g, w)
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_statistics_count_if_and_expressions_over_aggregates(spark, events, tmp_path):
     def agg(df):
         return (df.groupBy(F.window("ts", "20 seconds", "10 seconds"), "k")
@@ -432,7 +432,7 @@ def test_statistics_count_if_and_expressions_over_aggregates(spark, events, tmp_
     assert any(r["sd"] is None for r in want) and any(r["sd"] for r in want)
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_to_table_and_a_second_aggregation_after_a_stretch_one(spark, events, tmp_path):
     def first(df):
         return (df.groupBy(F.window("ts", "20 seconds"), "k")
@@ -494,8 +494,8 @@ def typed(spark, tmp_path):
 
 @pytest.mark.parametrize("window", [
     lambda: F.window("ts", "20 seconds"),
-    pytest.param(lambda: F.window("ts", "20 seconds", "10 seconds"), marks=pytest.mark.slow),
-    pytest.param(lambda: F.session_window("ts", "5 seconds"), marks=pytest.mark.slow)],
+    pytest.param(lambda: F.window("ts", "20 seconds", "10 seconds"), marks=pytest.mark.soak),
+    pytest.param(lambda: F.session_window("ts", "5 seconds"), marks=pytest.mark.soak)],
     ids=["tumbling", "sliding", "session"])
 def test_first_last_typed_min_max_and_decimal_sums_equal_native(spark, typed, tmp_path, window):
     def agg(df):
@@ -541,13 +541,13 @@ def test_decimal_timestamp_and_boolean_keys_in_update_mode(spark, typed, tmp_pat
 def _windows_and_modes(tumble, slide, gap, default):
     """Parametrize ``window, mode``: tumbling windows of ``tumble`` in append mode, sliding
     ones (``slide``: size, step) in update mode, session windows of ``gap`` in append mode;
-    only ``default`` (an id) in the default run, the others slow (the tests below take turns,
-    so the default run has each window kind; make test-slow runs all)."""
+    only ``default`` (an id) in the default run, the others soak (the tests below take turns,
+    so the default run has each window kind; make test-soak runs the others)."""
     cases = {"tumbling": (lambda: F.window("ts", tumble), "append"),
              "sliding-update": (lambda: F.window("ts", *slide), "update"),
              "session": (lambda: F.session_window("ts", gap), "append")}
     return pytest.mark.parametrize("window, mode", [
-        pytest.param(*c, id=i, marks=() if i == default else pytest.mark.slow)
+        pytest.param(*c, id=i, marks=() if i == default else pytest.mark.soak)
         for i, c in cases.items()])
 
 
@@ -736,7 +736,7 @@ def test_approx_count_distinct_of_rsd_0_01_is_sparks_own_estimate(spark, tmp_pat
     assert spark_stretch.control(q).metrics()["engine"]["late_rows"] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_approx_count_distinct_of_2_18_registers_is_sparks_own_estimate(spark, tmp_path):
     # rsd 0.003: 2^18 registers, 26,215 words in each window's pool row and its output (native
     # Spark takes minutes for these 6,000 rows, the engine seconds: marked slow)

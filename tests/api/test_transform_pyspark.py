@@ -435,7 +435,7 @@ def check_basic_results(batch_df, batch_id):
         }
 
 
-@pytest.mark.parametrize("use_pandas", [True, pytest.param(False, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("use_pandas", [True, pytest.param(False, marks=pytest.mark.soak)],
                          ids=["pandas", "row"])
 def test_transform_with_state_basic(rocksdb, tmp_path, use_pandas):
     spark = rocksdb
@@ -452,7 +452,7 @@ def test_transform_with_state_basic(rocksdb, tmp_path, use_pandas):
     assert [b for b, _ in got["stretch"]] == [0, 1]
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_transform_with_state_query_restarts(rocksdb, tmp_path):
     spark = rocksdb
     for side in SIDES:
@@ -499,7 +499,7 @@ def test_transform_with_state_query_restarts(rocksdb, tmp_path):
         }, side
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_transform_with_state_proc_timer(rocksdb, tmp_path):
     spark = rocksdb
     resource3(tmp_path)
@@ -586,7 +586,7 @@ EVENT_OUT = StructType([StructField("id", StringType(), True),
                         StructField("timestamp", StringType(), True)])
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 @pytest.mark.parametrize("use_pandas", [True, False], ids=["pandas", "row"])
 def test_transform_with_state_event_time(rocksdb, tmp_path, use_pandas):
     spark = rocksdb
@@ -627,7 +627,7 @@ def test_transform_with_state_event_time(rocksdb, tmp_path, use_pandas):
     both(spark, make, check_results, query_name="event_time_test_query")
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.parametrize("time_mode", ["None", "ProcessingTime"])
 def test_transform_with_state_with_wmark_and_non_event_time(rocksdb, tmp_path, time_mode):
     spark = rocksdb
@@ -669,7 +669,7 @@ def test_transform_with_state_with_wmark_and_non_event_time(rocksdb, tmp_path, t
         spark.conf.unset("spark.sql.streaming.noDataMicroBatches.enabled")
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_transform_with_state_non_contiguous_grouping_cols(rocksdb, tmp_path):
     spark = rocksdb
     _write(tmp_path, "text-test1.txt", [0, 0, 1, 1], [123, 46, 146, 346], 1e9, [1, 1, 2, 2])
@@ -712,7 +712,7 @@ class PandasStatefulProcessorChainingOps(StatefulProcessor):
         pass
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 @pytest.mark.parametrize("grouping_cols", [["outputTimestamp"], ["outputTimestamp", "id"]])
 def test_transform_with_state_chaining_ops(rocksdb, tmp_path, grouping_cols):
     import datetime
@@ -847,7 +847,7 @@ def _init_state_run(spark, tmp_path, processor, check_results, time_mode, use_pa
     return both(spark, make, check_results, **kw)
 
 
-@pytest.mark.parametrize("use_pandas", [True, pytest.param(False, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("use_pandas", [True, pytest.param(False, marks=pytest.mark.soak)],
                          ids=["pandas", "row"])
 def test_transform_with_state_init_state(rocksdb, tmp_path, use_pandas):
     def check_results(batch_df, batch_id):
@@ -873,7 +873,7 @@ def test_transform_with_state_init_state(rocksdb, tmp_path, use_pandas):
     _init_state_run(rocksdb, tmp_path, processor, check_results, "None", use_pandas)
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_transform_with_state_init_state_with_timers(rocksdb, tmp_path):
     def check_results(batch_df, batch_id):
         if batch_id == 0:
@@ -908,7 +908,7 @@ def test_transform_with_state_init_state_with_timers(rocksdb, tmp_path):
         rocksdb.conf.unset("spark.sql.streaming.noDataMicroBatches.enabled")
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_transform_with_state_non_contiguous_grouping_cols_with_init_state(rocksdb, tmp_path):
     spark = rocksdb
     _write(tmp_path, "text-test1.txt", [0, 0, 1, 1], [123, 46, 146, 346], 1e9, [1, 1, 2, 2])
@@ -1115,7 +1115,7 @@ class PandasUpcastProcessor(StatefulProcessor):
         pass
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_schema_evolution_scenarios(rocksdb, tmp_path):
     # Five runs of one query from one checkpoint, each with a processor whose value state
     # schema evolved (fields added, removed, reordered, widened), as pyspark's test (which reads
@@ -1217,7 +1217,7 @@ def _fails_with(spark, tmp_path, side, runs, *expected):
             assert text in str(e.value), (side, str(e.value)[:6000])
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.parametrize("side", SIDES)
 def test_schema_evolution_fails(rocksdb, tmp_path, side):
     # Added fields, then upcast (int to long), then back to int: Avro refuses the downcast.
@@ -1244,7 +1244,7 @@ def test_not_nullable_fails(rocksdb, tmp_path, side):
         rocksdb.conf.unset("spark.sql.streaming.stateStore.encodingFormat")
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.parametrize("side", SIDES)
 def test_unsaferow_schema_change_fails(rocksdb, tmp_path, side):
     # (not pyspark's) Spark's default encoding keeps a value schema's fields and types: the
@@ -1280,7 +1280,7 @@ class PandasMapTwoKeysProcessor(PandasMapStringKeyProcessor):
     user_key = ("a", "b")
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.parametrize("encoding", ["unsaferow", "avro"])
 @pytest.mark.parametrize("then", [PandasMapIntKeyProcessor, PandasMapTwoKeysProcessor],
                          ids=["retyped", "added"])
@@ -1422,7 +1422,7 @@ class PandasStatefulProcessorCompositeType(StatefulProcessor):
         pass
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_transform_with_state_in_pandas_composite_type(rocksdb, tmp_path):
     import json
 

@@ -359,7 +359,7 @@ def _two_per_key(batch_df, _):
     }
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_non_exist_value_state(rocksdb, tmp_path):
     def check_results(batch_df, _):
         assert set(batch_df.sort("id").collect()) == {
@@ -375,7 +375,7 @@ def test_transform_with_state_list_state(no_data_batches_off, tmp_path):
            "processingTime")
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_list_state_large_list(rocksdb, tmp_path):
     def check_results(batch_df, batch_id):
         if batch_id == 0:
@@ -399,7 +399,7 @@ def test_transform_with_state_list_state_large_list(rocksdb, tmp_path):
     assert [b for b, _ in got["stretch"]] == [0, 1]
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_list_state_large_ttl(no_data_batches_off, tmp_path):
     _basic(no_data_batches_off, tmp_path, PandasListStateLargeTTLProcessor, _two_per_key, True,
            "processingTime")
@@ -409,7 +409,7 @@ def test_transform_with_state_map_state(rocksdb, tmp_path):
     _basic(rocksdb, tmp_path, PandasMapStateProcessor, _two_per_key, True)
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_map_state_large_ttl(no_data_batches_off, tmp_path):
     _basic(no_data_batches_off, tmp_path, PandasMapStateLargeTTLProcessor, _two_per_key, True,
            "processingTime")
@@ -434,7 +434,7 @@ class PandasStatefulProcessorWithListStateInitialState(
             self.list_state.appendValue((val,))
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_init_state_with_extra_transformation(rocksdb, tmp_path):
     def check_results(batch_df, batch_id):
         if batch_id == 0:
@@ -499,12 +499,12 @@ def _restart_with_multiple_rows_init_state(spark, tmp_path):
     assert [b for b, _ in got["stretch"]] == [0, 1]
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_restart_with_multiple_rows_init_state(rocksdb, tmp_path):
     _restart_with_multiple_rows_init_state(rocksdb, tmp_path)
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_transform_with_state_with_timers_single_partition(rocksdb, tmp_path):
     old = rocksdb.conf.get("spark.sql.shuffle.partitions")
     rocksdb.conf.set("spark.sql.shuffle.partitions", "1")
@@ -578,7 +578,7 @@ def ttl_model(batches, stamps):
     return out
 
 
-@pytest.mark.slow  # (28 s of TTL waits: make test-slow; the default run stays under 20 min)
+@pytest.mark.soak  # (28 s of TTL waits: make test-soak)
 def test_state_ttl_expires_as_sparks_on_both_sides(no_data_batches_off, tmp_path):
     """Value, list and map state with a TTL, batches apart by more and by less than it: each
     side's rows are what the model gives for that side's own batch timestamps (native Spark
@@ -637,7 +637,7 @@ class ChunkSizes(StatefulProcessor):
      # (pyspark's test class sets this one: it sizes the JVM's Arrow batches, not the frames)
      "spark.sql.execution.arrow.transformWithStateInPandas.maxRecordsPerBatch": "3"},
     pytest.param({"spark.sql.execution.arrow.maxBytesPerBatch": "20"},
-                 marks=pytest.mark.slow)], ids=["records", "bytes"])
+                 marks=pytest.mark.soak)], ids=["records", "bytes"])
 def test_rows_cut_by_max_records_and_max_bytes_per_batch_as_natively(rocksdb, tmp_path, conf):
     """A key's rows come in DataFrames of at most ``maxRecordsPerBatch`` rows (the frames'
     sizes equal native's), or fewer where their average Arrow size reaches
@@ -738,7 +738,7 @@ def _large_values_model(batches):
     return out
 
 
-@pytest.mark.slow  # (make test-slow: the default run stays under 20 min)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_large_values_in_value_list_and_map_state(rocksdb, tmp_path):
     """Values of 100 KB to 300 KB (a value state string, list elements, map entries of a string
     and its bytes), three batches: each side's rows are the sequential model's."""

@@ -18,7 +18,7 @@ def _java_pids() -> set:
     return {int(p) for p in out.split()}
 
 
-@pytest.mark.slow  # (a local-cluster of two executors: a minute; the two-host tests are default)
+@pytest.mark.soak  # (a local-cluster of two executors: a minute; make test-soak)
 def test_two_executor_jvms_share_one_receiver():
     before = _java_pids()
     result = run_script(Path(__file__).with_name("cluster_job.py"))

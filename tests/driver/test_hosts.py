@@ -1,11 +1,12 @@
 """A query on a real two-host Spark standalone cluster (workers on 127.0.0.2 and 127.0.0.3 of
 this machine): one engine per executor host, each keeping its key groups, against native Spark.
 The drivers run in their own processes (:mod:`.hosts_job`); the cluster is this module's.
-All ``slow`` (minutes each; CI runs them with ``-m slow``): equality (a word count,
-intruders, stop()), a killed driver, routed rows, key-group moves and ``stretch(df)``, the
-user's own session builder, the engine and executor kills, a new host, a lost host, an elastic
-query moving key groups by itself and the applyInPandasWithState drop-in (pyspark's own tests
-among it)."""
+Minutes each, none in the default run. CI's ``-m slow`` runs the user's own session builder
+(Delta on the executors), the engine and executor kills, the drop-in on two hosts and a killed
+driver; ``make test-soak`` the others: equality (a word count, intruders, stop()), routed rows,
+key-group moves and ``stretch(df)``, a new host, a lost host, an elastic query moving key
+groups by itself, the drop-in moving between one host and two, and pyspark's own drop-in and
+transformWithState test files on the cluster (about 30 minutes together)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _no_driver_path(settings: dict) -> None:
     assert not bad, bad
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     r = run_script(JOB, cluster.url, "equal", tmp_path, timeout=900)
     assert r["hosts"] == ["127.0.0.2", "127.0.0.3"]
@@ -79,7 +80,7 @@ def test_two_hosts_equal_native_and_refuse_intruders(cluster, tmp_path):
     assert not _engine_dirs()
 
 
-@pytest.mark.slow  # (2.5 minutes: the default run stays under 20 minutes; CI runs it with -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_two_hosts_route_move_groups_and_run_stretch_df_as_native(cluster, tmp_path):
     r = run_script(JOB, cluster.url, "routes", tmp_path, timeout=900)
     assert r["paircount_rows"] > 0 and r["summax_rows"] > 0
@@ -163,7 +164,7 @@ def _pyspark_tests_on(cluster, file: str, select) -> str:
     return p.stdout
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_the_drop_in_moves_between_one_host_and_two(cluster, tmp_path):
     # one query, one checkpoint: 3 batches on one host (a local master: the engine's SipHash
     # placement), 3 on the two hosts (Spark's xxhash64: the state converted, each host keeping
@@ -178,7 +179,7 @@ def test_the_drop_in_moves_between_one_host_and_two(cluster, tmp_path):
     assert r["layout_rows"] > 0
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
     # tests/api/test_grouped_pyspark.py's drop-in side (pyspark's own applyInPandasWithState
     # tests, all of them): an engine on each host
@@ -186,7 +187,7 @@ def test_pysparks_own_drop_in_tests_on_two_hosts(cluster):
     assert re.search(r"\b7 passed\b", out), out[-2000:]
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_pysparks_own_transform_with_state_tests_on_two_hosts(cluster):
     # tests/api/test_transform_pyspark.py (pyspark's own transformWithState tests, native and
     # through stretch(df)), all of them: an engine on each host, key groups across both
@@ -195,7 +196,7 @@ def test_pysparks_own_transform_with_state_tests_on_two_hosts(cluster):
     assert re.search(r"\b23 passed\b", out), out[-2000:]
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_pysparks_own_state_variable_tests_on_two_hosts(cluster):
     # tests/api/test_transform_pyspark_state_variable.py (list, map, TTL; frames cut as
     # natively): an engine on each host
@@ -227,7 +228,7 @@ def test_killed_driver_leaves_nothing(cluster, tmp_path):
     assert not _engine_dirs()
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_new_host_given_key_groups(tmp_path):
     with StandaloneCluster(hosts=("127.0.0.2",), cores=1, memory="2g") as c:
         env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
@@ -260,7 +261,7 @@ def _imbalance(loads: dict, host_map: list) -> float:
     return max(got) / (sum(got) / len(got))
 
 
-@pytest.mark.slow  # (about 3 minutes here; the policy's host moves: tests/driver/test_policy.py)
+@pytest.mark.soak  # (about 3 minutes; make test-soak; the policy's host moves: tests/driver/test_policy.py)
 def test_elastic_moves_hot_key_groups_to_the_other_host(cluster, tmp_path):
     r = run_script(JOB, cluster.url, "elastic", tmp_path, timeout=900)
     assert r["ok"]  # (the table equal to native Spark's, in the job)
@@ -289,7 +290,7 @@ def test_elastic_moves_hot_key_groups_to_the_other_host(cluster, tmp_path):
     assert _imbalance(loads, moves[-1]["host_map"]) <= max(1.2, best)
 
 
-@pytest.mark.slow  # (a few minutes: make test-slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_lost_host_s_key_groups_go_to_the_others(cluster, tmp_path):
     # (last in this module: it ends the cluster's worker on 127.0.0.3)
     r = run_script(JOB, cluster.url, "lose", tmp_path, timeout=900)

@@ -35,7 +35,7 @@ def test_a_session_starts_without_spark_logs_or_ivy_reports():
         proc.stderr[-3000:]
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_verbose_shows_what_spark_prints_as_it_starts():
     proc = _start(verbose=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -109,7 +109,7 @@ def test_configure_refuses_a_string_of_packages():
         configure_spark_with_stretch(SparkSession.builder, KAFKA)
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_session_keeps_the_users_packages_beside_delta_and_the_shim():
     proc = _start(SCRIPT.replace(
         'session(app_name="quiet test")',

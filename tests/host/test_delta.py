@@ -138,7 +138,7 @@ def _creator(path: Path) -> str:
     return "spark" if "Apache-Spark" in first else "engine"
 
 
-@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
+@pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_sink_table_made_by_the_engine_is_the_table_spark_makes(spark, tweets, tmp_path):
     def agg():
         return source(spark, tweets).stretchAggregate(keys="words", window="60 seconds")
