@@ -50,6 +50,7 @@ bench: setup
 	$(PY) python/bench/grouped.py --events 100000
 	$(PY) python/bench/transform.py --events 300000 --users 30000
 	$(PY) python/bench/elastic.py
+	$(PY) python/bench/nexmark.py --events 1000000
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
