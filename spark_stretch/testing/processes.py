@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["kill_driver", "running"]
+__all__ = ["kill_driver", "running", "kill_driver_once_logged"]
 
 
 def running(pid: int) -> bool:
@@ -47,3 +47,20 @@ def kill_driver(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         if time.time() > deadline:
             raise TimeoutError(f"the driver's JVM {jvms} still runs {timeout:.0f} s after kill -9")
         time.sleep(0.1)
+
+
+def kill_driver_once_logged(proc: subprocess.Popen, logged: Path, timeout: float = 300.0) -> None:
+    """Wait until a driver started as ``proc`` (its output piped) has written ``logged`` (e.g.
+    the engine's input log of a batch, ``<checkpoint>/stretch/input/2.arrow``), then
+    :func:`kill_driver` it: a crash mid-run. Fails with the driver's output if it exits first,
+    or after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while not Path(logged).exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the driver exited ({proc.returncode}) before {logged}:\n"
+                                 + proc.stdout.read()[-3000:])
+        if time.time() > deadline:
+            kill_driver(proc)
+            raise AssertionError(f"the driver never wrote {logged} in {timeout:.0f} s")
+        time.sleep(0.02)
+    kill_driver(proc)

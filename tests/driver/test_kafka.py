@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import run_script
 from spark_stretch.testing.kafka import KafkaBroker
-from spark_stretch.testing.processes import kill_driver
+from spark_stretch.testing.processes import kill_driver_once_logged
 
 pytestmark = pytest.mark.slow  # (a broker and a driver process per run: CI's -m slow)
 JOB = Path(__file__).with_name("kafka_job.py")
@@ -83,13 +82,8 @@ def test_kafka_through_stretch_with_the_driver_killed_then_restarted_equals_nati
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     proc = subprocess.Popen([sys.executable, *_job(kafka, tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    logged = tmp_path / "c" / "stretch" / "input" / "2.arrow"
-    deadline = time.time() + 300
-    while not logged.exists():
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.time() < deadline, "the driver never reached batch 2"
-        time.sleep(0.02)
-    kill_driver(proc)  # batch 2 logged; Spark may or may not have committed it
+    # batch 2 logged; Spark may or may not have committed it
+    kill_driver_once_logged(proc, tmp_path / "c" / "stretch" / "input" / "2.arrow")
     committed = [int(f.name) for f in (tmp_path / "c" / "commits").iterdir()
                  if f.name.isdigit()]
     assert max(committed, default=-1) < EVENTS // PER_BATCH - 1, "the run ended before the kill"
