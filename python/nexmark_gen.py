@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 import pyarrow as pa
@@ -193,37 +193,39 @@ def table(columns: Dict[str, np.ndarray]) -> pa.Table:
     return pa.table(arrays)
 
 
+def chunks(events: int, n: int, rate: float = 10_000.0, seed: int = 0):
+    """The stream's ``events`` events in ``n`` consecutive chunks of event ids (as
+    :func:`generate` gives them), in order."""
+    bounds = np.linspace(0, events, n + 1).astype(np.int64)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield generate(int(b - a), first=int(a), rate=rate, seed=seed)
+
+
 def write(root: Path, events: int, files: int, rate: float = 10_000.0, seed: int = 0,
-          kinds=("person", "auction", "bid"), progress: Optional[callable] = None) -> Path:
+          kinds=("person", "auction", "bid")) -> Path:
     """``events`` events as Parquet under ``root/<kind>/``, ``files`` files per kind, each file
     the same range of event ids for every kind (a micro-batch of ``maxFilesPerTrigger=1``),
     written in order so their modification times increase. ``root``."""
     root = Path(root)
     for kind in kinds:
         (root / kind).mkdir(parents=True, exist_ok=True)
-    bounds = np.linspace(0, events, files + 1).astype(np.int64)
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        ev = generate(int(b - a), first=int(a), rate=rate, seed=seed)
+    for i, ev in enumerate(chunks(events, files, rate, seed)):
         for kind in kinds:
             pq.write_table(table(ev[kind]), root / kind / f"part-{i:05d}.parquet")
-        if progress is not None:
-            progress(int(b))
     return root
 
 
-def to_kafka(broker, events: int, chunks: int = 10, rate: float = 10_000.0, seed: int = 0,
+def to_kafka(broker, events: int, n_chunks: int = 10, rate: float = 10_000.0, seed: int = 0,
              kinds=("person", "auction", "bid"), partitions: int = 2) -> Dict[str, int]:
     """``events`` events as JSON records (one object per event, times as ISO-8601 strings) on
     topics ``person``, ``auction`` and ``bid`` of ``broker``
     (:class:`spark_stretch.testing.kafka.KafkaBroker`), each made with ``partitions``
-    partitions, generated in ``chunks`` chunks as :func:`write` writes files. The records per
+    partitions, generated in ``n_chunks`` chunks as :func:`write` writes files. The records per
     topic."""
     for kind in kinds:
         broker.create_topic(kind, partitions)
     counts = dict.fromkeys(kinds, 0)
-    bounds = np.linspace(0, events, chunks + 1).astype(np.int64)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        ev = generate(int(b - a), first=int(a), rate=rate, seed=seed)
+    for ev in chunks(events, n_chunks, rate, seed):
         for kind in kinds:
             frame = table(ev[kind]).to_pandas()
             for col in ("dateTime", "expires"):

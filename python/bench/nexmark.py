@@ -9,8 +9,9 @@ time, up to 3 s out of order) are written once as Parquet, ``--files`` files per
 as streams, one file a micro-batch (``maxFilesPerTrigger=1``, availableNow), with a watermark of
 4 s on ``dateTime``; or, with ``--source kafka``, as JSON records on the topics of a Kafka broker
 started here (``KafkaBroker``, 2 partitions a topic), ``--files`` micro-batches
-(``maxOffsetsPerTrigger``) parsed with ``from_json``. local[2], ``spark.sql.shuffle.partitions=2``, driver memory 4g; native
-Spark's state store is its default one (``--rocksdb``: RocksDB).
+(``maxOffsetsPerTrigger``) parsed with ``from_json``. local[2],
+``spark.sql.shuffle.partitions=2``, driver memory 4g; native Spark's state store is its default
+one (``--rocksdb``: RocksDB).
 
 For every query: native time, ``stretch(df)`` time, their ratio, events/s (all Nexmark events up
 to the last one the query reads, as Nexmark counts them) and per core (2), whether the tables are
@@ -194,10 +195,12 @@ def _bench(args, work: Path, broker, counts) -> None:
 
     sources = (reader("bid", gen.BID_SCHEMA), reader("auction", gen.AUCTION_SCHEMA),
                reader("person", gen.PERSON_SCHEMA))
+    def on_engine(df):
+        return spark_stretch.stretch(df, parallelism=2, max_parallelism=2)
+
     qs = queries(*sources)
-    stretched = queries(*sources, wrap=lambda df: spark_stretch.stretch(
-        df, parallelism=2, max_parallelism=2))
-    chosen = [q for q in (args.queries.split(",") if args.queries else qs)]
+    stretched = queries(*sources, wrap=on_engine)
+    chosen = args.queries.split(",") if args.queries else list(qs)
 
     def run(make, out, sink="delta"):
         spark.sparkContext._jvm.System.gc()  # (untimed)
@@ -228,8 +231,7 @@ def _bench(args, work: Path, broker, counts) -> None:
         # Untimed warm-ups (the JVM's JIT, the engine's compiled kernels): one aggregation each
         # way, then the floor's first run.
         run(qs["q17"], work / "warm-native")
-        run(lambda: spark_stretch.stretch(qs["q17"](), parallelism=2, max_parallelism=2),
-            work / "warm-stretch")
+        run(lambda: on_engine(qs["q17"]()), work / "warm-stretch")
         floor = [run(qs["q0"], work / f"floor-{i}", sink="noop")[0]
                  for i in range(args.repeat + 1)][1:]  # (the first: warm-up)
         fl = statistics.median(floor)
@@ -243,8 +245,7 @@ def _bench(args, work: Path, broker, counts) -> None:
                 order = ("native", "stretch") if i % 2 == 0 else ("stretch", "native")
                 for kind in order:
                     make = qs[name] if kind == "native" else (
-                        lambda m=stretched[name]: spark_stretch.stretch(
-                            m(), parallelism=2, max_parallelism=2))
+                        lambda m=stretched[name]: on_engine(m()))
                     took, why = run(make, work / f"{name}-{kind}-{i}")
                     times[kind].append(took)
                     reasons = reasons or why

@@ -9,9 +9,9 @@ Examples
 """
 
 from .data import points_table, publish, tweets_table, write_points, write_tweets
-from .native import (TWEETS, key_str, run_native, run_script, run_stretch, sorted_rows,
-                     tweet_source)
+from .native import (TWEETS, assert_same_rows, key_str, run_native, run_script, run_stretch,
+                     sorted_rows, tweet_source)
 
-__all__ = ["TWEETS", "key_str", "points_table", "publish", "run_native", "run_script",
-           "run_stretch", "sorted_rows", "tweet_source", "tweets_table", "write_points",
-           "write_tweets"]
+__all__ = ["TWEETS", "assert_same_rows", "key_str", "points_table", "publish", "run_native",
+           "run_script", "run_stretch", "sorted_rows", "tweet_source", "tweets_table",
+           "write_points", "write_tweets"]

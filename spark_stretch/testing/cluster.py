@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -36,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import List, Sequence
+
+from .processes import end_process_groups
 
 __all__ = ["StandaloneCluster", "free_port"]
 
@@ -137,17 +138,6 @@ class StandaloneCluster:
 
     def stop(self) -> None:
         """End the workers (and their executors), then the master; remove the work dirs."""
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
-            for p in reversed(self._procs):
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            for p in self._procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+        end_process_groups(self._procs, term_wait=15.0)
         self._procs = []
         shutil.rmtree(self._dir, ignore_errors=True)

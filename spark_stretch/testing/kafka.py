@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -46,6 +45,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 from ..driver.shim import cache_dir
 from ..driver.session import package_jars
 from .cluster import free_port
+from .processes import end_process_groups
 
 __all__ = ["KafkaBroker", "KAFKA_PACKAGE", "SPARK_KAFKA_PACKAGE", "broker_classpath"]
 
@@ -270,16 +270,7 @@ class KafkaBroker:
     def stop(self) -> None:
         """End the broker's JVM (SIGTERM, then SIGKILL after 20 s) and remove its directory."""
         if self._proc is not None:
-            for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(self._proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self._proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
+            end_process_groups([self._proc], term_wait=20.0)
             self._proc = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, functions as F
 
 __all__ = ["TWEETS", "tweet_source", "run_native", "run_stretch", "sorted_rows", "key_str",
-           "run_script"]
+           "run_script", "assert_same_rows"]
 
 #: The schema of :func:`spark_stretch.testing.write_tweets`'s files, as Spark reads them.
 TWEETS = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
@@ -57,6 +57,15 @@ def run_stretch(spark, agg, out: Path, checkpoint=None, **trigger) -> DataFrame:
          .trigger(**(trigger or {"availableNow": True})).start(str(out)))
     q.awaitTermination()
     return spark.read.format("delta").load(str(out))
+
+
+def assert_same_rows(got: DataFrame, want: DataFrame) -> None:
+    """Fail unless ``got`` and ``want`` hold the same rows, duplicates counted (``exceptAll``
+    both ways), naming a few rows extra and missing."""
+    extra, missing = got.exceptAll(want), want.exceptAll(got)
+    assert extra.isEmpty() and missing.isEmpty(), (
+        f"{got.count()} rows, {want.count()} expected; extra: {extra.limit(5).collect()}, "
+        f"missing: {missing.limit(5).collect()}")
 
 
 def sorted_rows(df: DataFrame):

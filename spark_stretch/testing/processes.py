@@ -17,8 +17,9 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Sequence
 
-__all__ = ["kill_driver", "running", "kill_driver_once_logged"]
+__all__ = ["end_process_groups", "kill_driver", "kill_driver_once_logged", "running"]
 
 
 def running(pid: int) -> bool:
@@ -64,3 +65,23 @@ def kill_driver_once_logged(proc: subprocess.Popen, logged: Path, timeout: float
             raise AssertionError(f"the driver never wrote {logged} in {timeout:.0f} s")
         time.sleep(0.02)
     kill_driver(proc)
+
+
+def end_process_groups(procs: Sequence[subprocess.Popen], term_wait: float = 15.0,
+                       kill_wait: float = 10.0) -> None:
+    """End ``procs``, each started in a session of its own (``start_new_session=True``), with
+    whatever they started: SIGTERM to each process group (in reverse order: the last started
+    first), a wait of up to ``term_wait`` seconds, then SIGKILL to what remains and a wait of
+    up to ``kill_wait``."""
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, kill_wait)):
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass

@@ -19,6 +19,7 @@ from pyspark.sql.streaming.state import GroupStateTimeout
 
 import spark_stretch
 from spark_stretch.host.faults import ENV
+from spark_stretch.testing import assert_same_rows
 
 from pyspark import cloudpickle  # noqa: E402
 
@@ -67,10 +68,7 @@ def _run(spark, df, out, **conf):
 
 def _equal(got, want):
     assert want.count() > 50_000
-    extra, missing = got.exceptAll(want), want.exceptAll(got)
-    assert extra.isEmpty() and missing.isEmpty(), (
-        f"{got.count()} rows, {want.count()} expected; extra: {extra.limit(3).collect()}, "
-        f"missing: {missing.limit(3).collect()}")
+    assert_same_rows(got, want)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from spark_stretch.host.faults import ENV
-from spark_stretch.testing import run_script
+from spark_stretch.testing import assert_same_rows, run_script
 from spark_stretch.testing.kafka import KafkaBroker
 from spark_stretch.testing.processes import kill_driver_once_logged
 
@@ -57,10 +57,7 @@ def _job(kafka, tmp_path, spelling="stretch"):
 
 def _equal(spark, got: Path, want: Path):
     got, want = (spark.read.format("delta").load(str(p)) for p in (got, want))
-    extra, missing = got.exceptAll(want), want.exceptAll(got)
-    assert extra.isEmpty() and missing.isEmpty(), (
-        f"{got.count()} rows, {want.count()} expected; extra: {extra.limit(5).collect()}, "
-        f"missing: {missing.limit(5).collect()}")
+    assert_same_rows(got, want)
     assert want.count() > 100
 
 

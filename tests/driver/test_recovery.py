@@ -24,7 +24,8 @@ from pyspark.sql import functions as F
 from spark_stretch.driver import recovery
 from spark_stretch.driver.engine import EngineDiedError
 from spark_stretch.host.faults import ENV
-from spark_stretch.testing import publish, run_native, run_script, run_stretch, write_tweets
+from spark_stretch.testing import (assert_same_rows, publish, run_native, run_script, run_stretch,
+                                   write_tweets)
 from spark_stretch.testing.processes import kill_driver, kill_driver_once_logged
 from spark_stretch.testing import tweet_source as source
 
@@ -76,10 +77,7 @@ def _run(spark, src, tmp_path, **conf):
 
 
 def _equal(got, want):
-    extra, missing = got.exceptAll(want), want.exceptAll(got)
-    assert extra.isEmpty() and missing.isEmpty(), (
-        f"{got.count()} rows, {want.count()} expected; extra: {extra.limit(5).collect()}, "
-        f"missing: {missing.limit(5).collect()}")
+    assert_same_rows(got, want)
     assert_df_equality(got, want, ignore_row_order=True, ignore_nullable=True,
                        ignore_metadata=True)
 
