@@ -50,7 +50,8 @@ bench: setup
 	$(PY) python/bench/grouped.py --events 100000
 	$(PY) python/bench/transform.py --events 300000 --users 30000
 	$(PY) python/bench/elastic.py
-	$(PY) python/bench/nexmark.py --events 1000000
+	$(PY) python/bench/nexmark.py --events 10000000 --repeat 3
+	$(PY) python/bench/latency.py --plot docs/nexmark-latency.png
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -180,12 +180,12 @@ def generate(n: int, first: int = 0, rate: float = 10_000.0, seed: int = 0,
 
 
 def table(columns: Dict[str, np.ndarray]) -> pa.Table:
-    """One kind's columns as an Arrow table (times as microsecond timestamps, UTC-naive as
-    Spark reads them with the session time zone UTC)."""
+    """One kind's columns as an Arrow table (times as microsecond timestamps in UTC, as Spark
+    writes its timestamps)."""
     arrays = {}
     for name, col in columns.items():
         if name in ("dateTime", "expires"):
-            arrays[name] = pa.array(col, pa.timestamp("us"))
+            arrays[name] = pa.array(col, pa.timestamp("us", tz="UTC"))
         elif col.dtype.kind == "U":
             arrays[name] = pa.array(col.tolist(), pa.string())
         else:

@@ -54,7 +54,7 @@ def fall_back(spark: SparkSession, reason: str, stacklevel: int = 1) -> None:
     when ``spark.stretch.fallback=false``."""
     if not read_settings(spark.conf).fallback:
         raise ValueError(f"stretch: {reason} (spark.stretch.fallback=false)")
-    warnings.warn(f"stretch: {reason}; Spark runs this aggregation", FallbackWarning,
+    warnings.warn(f"stretch: {reason}; Spark runs this query as it is", FallbackWarning,
                   stacklevel=stacklevel + 1)
 
 

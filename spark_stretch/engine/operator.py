@@ -100,6 +100,7 @@ class Operator:
     session_end: str | None = None  # built-in over session windows: the column of each tuple's session end
     pool: tuple = ()  # built-in HLL++ aggregates: (aggregate q, first word, words) of their register pool rows
     float_cols: tuple | None = None  # a fused built-in's aggregates with a float slot, in slot order (None: all)
+    checks_values: bool = True  # whether reading a batch checks its values, not its columns only
     _compiled: object = field(default=None, repr=False, compare=False)
     engine_kind = "vsn"  # (not a field) the engine class that runs it: engine.factory
 

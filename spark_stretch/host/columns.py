@@ -222,10 +222,17 @@ def _double_order(arr):
                     else None)
 
 
-# Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do
+def _if(p, a, b):
+    """Spark's ``if``: a null predicate takes the else branch (Arrow's ``if_else`` gives null)."""
+    return pc.if_else(pc.fill_null(p, False), a, b)
+
+
+# Spark's arithmetic on longs wraps around (non-ANSI), as Arrow's unchecked kernels do; its
+# and/or are three-valued (Kleene's), its comparisons null when a side is
 _OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
-        "eq": pc.equal, "lt": pc.less, "gt": pc.greater, "sqrt": pc.sqrt, "if": pc.if_else,
-        "coalesce": pc.coalesce, "isnull": pc.is_null, "or": pc.or_,
+        "eq": pc.equal, "lt": pc.less, "le": pc.less_equal, "gt": pc.greater,
+        "ge": pc.greater_equal, "sqrt": pc.sqrt, "if": _if, "coalesce": pc.coalesce,
+        "isnull": pc.is_null, "or": pc.or_kleene, "and": pc.and_kleene, "not": pc.invert,
         "bits": lambda a: _bitcast(a, np.int64), "unbits": lambda a: _bitcast(a, np.float64),
         "dorder": _double_order}
 

@@ -218,7 +218,7 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
         S, ints = ((out_name, out_kind),), (init_i, 0)[:1 + int(stamped)]
     return Operator(WA=WA, WS=WS, I=1, WT="multi", S=S, n_int=len(ints), session_end=session_end,
                     n_float=1, init_i=ints, init_f=(init_f,), builtin_ip=ip, builtin_fp=np.zeros(1),
-                    prepare=prepare, decode=decode,
+                    prepare=prepare, decode=decode, checks_values=pairs,
                     name=name or f"{agg}({key_col}{', pairs B=' + str(B) if pairs else ''})")
 
 
@@ -341,7 +341,7 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
                     init_f=tuple(float(ops[q].init_f[0]) for q in floats), builtin_ip=ip,
                     builtin_fp=np.zeros(1), prepare=prepare, decode=ops[0].decode,
                     name=name or " + ".join(op.name for op in ops), pool=tuple(pool),
-                    float_cols=floats)
+                    float_cols=floats, checks_values=any(op.checks_values for op in ops))
 
 
 def _take_flags(batch, take, n, vf, vi, value_type):

@@ -40,7 +40,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..driver.shim import cache_dir
 from ..driver.session import package_jars
@@ -207,14 +207,16 @@ class KafkaBroker:
                 text += f.read_text(errors="replace")[-2000:]
         return text
 
-    def create_topic(self, name: str, partitions: Optional[int] = None) -> None:
-        """Make topic ``name`` with ``partitions`` partitions (default :attr:`partitions`) and
-        one replica; an error if it exists or the broker refuses it."""
+    def create_topic(self, name: str, partitions: Optional[int] = None,
+                     config: Optional[Dict[str, str]] = None) -> None:
+        """Make topic ``name`` with ``partitions`` partitions (default :attr:`partitions`), one
+        replica and the topic settings ``config`` (e.g. ``{"message.timestamp.type":
+        "LogAppendTime"}``); an error if it exists or the broker refuses it."""
         from confluent_kafka.admin import NewTopic
 
         admin = self._admin()  # (held until the result: a collected client cancels it)
-        futures = admin.create_topics([NewTopic(name, partitions or self.partitions, 1)],
-                                      operation_timeout=30)
+        topic = NewTopic(name, partitions or self.partitions, 1, config=dict(config or {}))
+        futures = admin.create_topics([topic], operation_timeout=30)
         futures[name].result(timeout=60)
 
     def produce(self, topic: str, records: Iterable[Tuple[Optional[bytes], bytes]],
@@ -263,6 +265,32 @@ class KafkaBroker:
                     for p in sorted(parts)]
         finally:
             consumer.close()
+
+    def records(self, topic: str, timeout: float = 60) -> List[Tuple[int, bytes]]:
+        """Every record now in ``topic``: (its time in ms since the epoch, its value), partition
+        by partition, each in offset order."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        ends = self.end_offsets(topic)
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "stretch-read",
+                             "enable.auto.commit": False, "log_level": 3})
+        out: List[Tuple[int, bytes]] = []
+        try:
+            for p, end in enumerate(ends):
+                consumer.assign([TopicPartition(topic, p, 0)])
+                offset, deadline = 0, time.monotonic() + timeout
+                while offset < end:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"reading {topic!r} partition {p}: {offset} of "
+                                           f"{end} records in {timeout} s")
+                    for m in consumer.consume(10_000, timeout=1.0):
+                        if m.error():
+                            raise RuntimeError(f"reading {topic!r}: {m.error()}")
+                        out.append((m.timestamp()[1], m.value()))
+                        offset = m.offset() + 1
+        finally:
+            consumer.close()
+        return out
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -163,6 +163,13 @@ def test_fallback_runs_natively_with_the_reason(spark, events, tmp_path):
     try:
         with pytest.raises(ValueError, match="collect_list"):
             spark_stretch.stretch(firsts(events()))
+        # what the query is, when it is not an aggregation
+        a, b = events().alias("a"), events().alias("b")
+        with pytest.raises(ValueError, match=r"last step is Project.*a join of two streams "
+                                             r"\(inner; .*Spark runs the join\)"):
+            spark_stretch.stretch(a.join(b, F.expr("a.k = b.k")).select("a.k", "b.v"))
+        with pytest.raises(ValueError, match="last step is Filter.*a stateless query"):
+            spark_stretch.stretch(events().where("v > 1"))
     finally:
         spark.conf.unset("spark.stretch.fallback")
 
@@ -781,7 +788,8 @@ def test_what_the_engine_cannot_run_is_an_error_naming_it(spark, typed, fn, reas
 def test_plain_key_columns_go_to_the_engine_as_the_scan_reads_them(spark, tmp_path, window):
     # A flat Parquet source: the engine reads each batch's files itself and builds the
     # composite key (Spark's unsafe row of string, boolean, date, timestamp and int columns)
-    # and the aggregates' inputs from the scan's columns, no Spark job
+    # and the aggregates' inputs from the scan's columns (count_if's comparisons, and, or and
+    # not over nulls included), no Spark job
     src = str(tmp_path / "flat")
     for rows in TYPED_FILES:
         (spark.createDataFrame(rows, "k string, v int, p string, ok boolean, t int")
@@ -795,9 +803,15 @@ def test_plain_key_columns_go_to_the_engine_as_the_scan_reads_them(spark, tmp_pa
         df = (spark.readStream.schema("k string, v int, ok boolean, d date, tens timestamp, "
                                       "ts timestamp, ws array<string>")
               .option("maxFilesPerTrigger", 1).parquet(src).withWatermark("ts", "10 seconds"))
+        v, ok = F.col("v"), F.col("ok")
         return (df.groupBy(window(), "k", "ok", "d", "tens", F.size("ws").alias("n"))
                 .agg(F.sum("v").alias("s"), F.avg("v").alias("a"), F.max("v").alias("m"),
-                     F.count("*").alias("c")))
+                     F.count("*").alias("c"),
+                     # predicates over nulls, evaluated by the engine as Spark does
+                     F.count_if((v >= 2) & (v < 8)).alias("mid"),
+                     F.count_if((v <= 1) | ~ok).alias("low_or_not"),
+                     F.count_if((v == 5) | (v > 8) | ok.isNull()).alias("odd"),
+                     F.count_if(~((v != 4) & ok)).alias("neither")))
 
     _run(agg(), tmp_path, "nat_flat")
     q = _run(spark_stretch.stretch(agg()), tmp_path, "st_flat")

@@ -87,3 +87,22 @@ def test_kafka_through_stretch_with_the_driver_killed_then_restarted_equals_nati
     run = run_script(*_job(kafka, tmp_path))
     assert run["restarts"] == [], run
     _equal(spark, tmp_path / "o", native)
+
+
+def test_records_read_back_with_the_brokers_append_times(topic):
+    # The fixture's topic read back whole (the records as written, partition by partition), and
+    # a topic made with LogAppendTime: its records carry the broker's time, not the producer's
+    # (how python/bench/latency.py times a query's output)
+    import time
+
+    kafka, _ = topic
+    got = kafka.records(TOPIC)
+    assert len(got) == EVENTS and [ts for ts, _ in got[:2]] == [T0, T0 + 200]
+    assert all(v.startswith(b"w") for _, v in got)
+    kafka.create_topic("appended", 1, {"message.timestamp.type": "LogAppendTime"})
+    before = int(time.time() * 1000)
+    kafka.produce("appended", [(None, b"a"), (None, b"b")], timestamps=[T0, T0])
+    after = int(time.time() * 1000)
+    got = kafka.records("appended")
+    assert [v for _, v in got] == [b"a", b"b"]
+    assert all(before <= ts <= after for ts, _ in got), (before, got, after)

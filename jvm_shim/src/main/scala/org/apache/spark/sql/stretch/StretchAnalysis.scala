@@ -4,7 +4,8 @@ import org.apache.spark.sql.Row
 import org.apache.spark.sql.catalyst.analysis.{UnresolvedAlias, UnresolvedAttribute, UnresolvedFunction}
 import org.apache.spark.sql.catalyst.expressions._
 import org.apache.spark.sql.catalyst.expressions.aggregate._
-import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, LogicalPlan, Project}
+import org.apache.spark.sql.catalyst.plans.logical.{Aggregate, EventTimeWatermark, Join, LogicalPlan,
+  Project}
 import org.apache.spark.sql.classic.{Dataset => ClassicDataset}
 import org.apache.spark.sql.types._
 import org.apache.spark.unsafe.types.UTF8String
@@ -69,8 +70,16 @@ private[stretch] object StretchAnalysis {
     val qe = df.queryExecution
     val u = qe.logical match {
       case a: Aggregate => a
-      case other => unsupported(s"the DataFrame's last step is ${other.nodeName}, not " +
-        "groupBy(...).agg(...)")
+      case other =>
+        // (say what the query is when it is not an aggregation: a join, or a stateless query)
+        val what = other.collectFirst { case j: Join => j }.map { j =>
+          ": a join of " + (if (j.left.isStreaming && j.right.isStreaming) "two streams"
+            else "a stream and a table") + s" (${j.joinType.sql.toLowerCase}; the engine " +
+            "runs aggregations, Spark runs the join)"
+        }.getOrElse(if (other.exists(_.isInstanceOf[Aggregate])) "" else
+          ": a stateless query (no aggregation: nothing for the engine to keep)")
+        unsupported(s"the DataFrame's last step is ${other.nodeName}, not " +
+          s"groupBy(...).agg(...)$what")
     }
     val a = qe.analyzed match {
       case a: Aggregate => a

@@ -19,9 +19,10 @@ private[stretch] object StretchEngineJson {
 
   /** An expression of the engine's input as the engine evaluates it (host/columns.prepare, Arrow
    * compute over the base's columns, as Spark evaluates it), or None beyond this small set:
-   * columns, literals, widening casts, coalesce, if, is null, or, size, a timestamp plus a
-   * fixed number of microseconds (a static session gap) and the composite key
-   * (Spark's unsafe row of its fields, built byte for byte as Spark builds it). */
+   * columns, literals, widening casts, coalesce, if, is null, and, or, not, comparisons of
+   * integers or booleans (a `count_if`'s predicate), size, a timestamp plus a fixed number of
+   * microseconds (a static session gap) and the composite key (Spark's unsafe row of its
+   * fields, built byte for byte as Spark builds it). */
   def prepareJs(e: Expression): Option[JsonNode] = {
     def op(name: String, args: Seq[Expression]): Option[JsonNode] = {
       val js = args.map(prepareJs)
@@ -66,7 +67,19 @@ private[stretch] object StretchEngineJson {
       case Coalesce(cs) => op("coalesce", cs)
       case If(p, x, y) => op("if", Seq(p, x, y))
       case IsNull(c) => op("isnull", Seq(c))
-      case Or(x, y) => op("or", Seq(x, y))
+      case Or(x, y) => op("or", Seq(x, y))  // (three-valued, as Spark's: Arrow's Kleene and/or)
+      case And(x, y) => op("and", Seq(x, y))
+      case Not(x) => op("not", Seq(x))
+      // Comparisons of integers and booleans only: Arrow orders floats by IEEE (Spark: NaN
+      // above all, equal to itself), and time types may differ in their time zone
+      case b: BinaryComparison if comparable(b) => b match {
+        case EqualTo(x, y) => op("eq", Seq(x, y))
+        case LessThan(x, y) => op("lt", Seq(x, y))
+        case LessThanOrEqual(x, y) => op("le", Seq(x, y))
+        case GreaterThan(x, y) => op("gt", Seq(x, y))
+        case GreaterThanOrEqual(x, y) => op("ge", Seq(x, y))
+        case _ => None  // (<=>: null-safe)
+      }
       case Size(c, legacy) => op("size", Seq(c)).map(_.asInstanceOf[ObjectNode]
         .put("legacy", legacy))
       case StretchDoubleBits(c) => op("bits", Seq(c))
@@ -80,6 +93,10 @@ private[stretch] object StretchEngineJson {
       case _ => None
     }
   }
+
+  private def comparable(b: BinaryComparison): Boolean =
+    b.left.dataType == b.right.dataType &&
+      (isIntegral(b.left.dataType) || b.left.dataType == BooleanType)
 
   private val finishTypes = Map[DataType, String](LongType -> "long", IntegerType -> "int",
     ShortType -> "short", ByteType -> "byte", DoubleType -> "double", FloatType -> "float",
