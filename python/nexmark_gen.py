@@ -227,10 +227,15 @@ def to_kafka(broker, events: int, n_chunks: int = 10, rate: float = 10_000.0, se
     counts = dict.fromkeys(kinds, 0)
     for ev in chunks(events, n_chunks, rate, seed):
         for kind in kinds:
-            frame = table(ev[kind]).to_pandas()
-            for col in ("dateTime", "expires"):
-                if col in frame:
-                    frame[col] = frame[col].dt.strftime("%Y-%m-%dT%H:%M:%S.%f")
-            lines = frame.to_json(orient="records", lines=True).splitlines()
-            counts[kind] += broker.produce(kind, ((None, x.encode()) for x in lines))
+            counts[kind] += broker.produce(kind, ((None, x) for x in json_lines(ev[kind])))
     return counts
+
+
+def json_lines(columns: Dict[str, np.ndarray]) -> list:
+    """One kind's events as JSON records (bytes, one object each; times as ISO-8601 strings
+    in UTC without a zone, as Spark's ``from_json`` reads them with the session zone UTC)."""
+    frame = table(columns).to_pandas()
+    for col in ("dateTime", "expires"):
+        if col in frame:
+            frame[col] = frame[col].dt.strftime("%Y-%m-%dT%H:%M:%S.%f")
+    return [x.encode() for x in frame.to_json(orient="records", lines=True).splitlines()]

@@ -47,7 +47,7 @@ import nexmark  # noqa: E402
 import nexmark_gen as gen  # noqa: E402
 import spark_stretch  # noqa: E402
 from spark_stretch.driver.engine import HostEngine  # noqa: E402
-from spark_stretch.testing.kafka import SPARK_KAFKA_PACKAGE, KafkaBroker  # noqa: E402
+from spark_stretch.testing.kafka import SPARK_KAFKA_PACKAGE, KafkaBroker, send  # noqa: E402
 
 TICK_S = 0.1
 ALIGN_S = 10
@@ -77,12 +77,10 @@ class Producer(threading.Thread):
                           start=datetime.datetime.fromtimestamp(self.t0,
                                                                 datetime.timezone.utc)
                           .replace(tzinfo=None))["bid"]
-        frame = gen.table(ev).to_pandas()
-        frame["dateTime"] = frame["dateTime"].dt.strftime("%Y-%m-%dT%H:%M:%S.%f")
-        lines = frame.to_json(orient="records", lines=True).splitlines()
+        lines = gen.json_lines(ev)
         per = int(round(1 / TICK_S))
         bounds = np.linspace(0, len(lines), per + 1).astype(int)
-        return [[x.encode() for x in lines[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+        return [lines[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def run(self) -> None:
         try:
@@ -97,12 +95,7 @@ class Producer(threading.Thread):
                     else:
                         self.behind = max(self.behind, -wait)
                     for value in tick:
-                        while True:
-                            try:
-                                self.producer.produce(self.topic, value=value)
-                                break
-                            except BufferError:
-                                self.producer.poll(0.05)
+                        send(self.producer, self.topic, value)
                     self.sent += len(tick)
                     self.producer.poll(0)
                     if nxt is None and s + 1 < self.seconds:
@@ -125,18 +118,11 @@ def run_one(spark, broker: KafkaBroker, work: Path, name: str, side: str, args) 
     broker.create_topic(out, 1, {"message.timestamp.type": "LogAppendTime"})
 
     def bid():
-        return (spark.readStream.format("kafka")
-                .option("kafka.bootstrap.servers", broker.bootstrap)
-                .option("subscribe", src).option("startingOffsets", "earliest").load()
-                .select(F.from_json(F.col("value").cast("string"), gen.BID_SCHEMA).alias("e"))
-                .select("e.*").withWatermark("dateTime", nexmark.WATERMARK))
+        return nexmark.from_kafka(spark, broker.bootstrap, src, gen.BID_SCHEMA)
 
-    on_engine = (lambda df: spark_stretch.stretch(df, parallelism=2, max_parallelism=2))
-    qs = nexmark.queries(bid, None, None, wrap=on_engine if side == "stretch" else
-                         (lambda df: df))
-    df = qs[name]()
-    if side == "stretch":
-        df = on_engine(df)
+    stretched = side == "stretch"
+    qs = nexmark.queries(bid, None, None, **({"wrap": nexmark.on_engine} if stretched else {}))
+    df = nexmark.on_engine(qs[name]()) if stretched else qs[name]()
     cols = [c for c in df.columns if c != "window"]
     df = df.select(F.to_json(F.struct(F.unix_micros(F.col("window.end")).alias("end"),
                                       *cols)).alias("value"))
@@ -159,9 +145,7 @@ def run_one(spark, broker: KafkaBroker, work: Path, name: str, side: str, args) 
         producer.stop()
         q.stop()
     progress = q.recentProgress
-    deadline = time.monotonic() + 30  # (the next run starts its own engine)
-    while HostEngine.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    HostEngine.wait_stopped(30)  # (the next run starts its own engine)
     rows, lat, windows = [], [], set()
     for ts_ms, value in broker.records(out):
         r = json.loads(value)
@@ -173,8 +157,7 @@ def run_one(spark, broker: KafkaBroker, work: Path, name: str, side: str, args) 
     batches = [p["durationMs"].get("triggerExecution", 0) / 1e3 for p in progress
                if p["numInputRows"] > 0 and p["batchId"] > 0]
     return {"rows": rows, "latency": lat, "windows": len(windows), "batch_s": batches,
-            "behind_s": producer.behind,
-            "sent": producer.sent, "start": start}
+            "behind_s": producer.behind, "sent": producer.sent}
 
 
 def pct(xs, p):

@@ -97,11 +97,8 @@ def main() -> None:
         if q.exception():
             raise RuntimeError(q.exception())
         took = time.perf_counter() - t0
-        # Every run starts the engine process: the last run's is gone (a query releases it
-        # when Spark's listener says it ended, after awaitTermination returned)
-        deadline = time.monotonic() + 30
-        while HostEngine.running() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # Every run starts the engine process: the last run's is gone
+        HostEngine.wait_stopped(30)
         return took, out
 
     def same(a, b):

@@ -62,6 +62,22 @@ NOT_EXPRESSIBLE = {
 }
 
 
+def on_engine(df):
+    """``df`` through ``stretch(df)`` on this machine's 2 cores."""
+    return spark_stretch.stretch(df, parallelism=2, max_parallelism=2)
+
+
+def from_kafka(spark, bootstrap: str, topic: str, schema, max_offsets: int = 0):
+    """``topic``'s JSON records as a stream of ``schema``'s columns, from the earliest offset
+    (``max_offsets``: Spark's ``maxOffsetsPerTrigger``, 0: no limit), with the watermark."""
+    r = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap)
+         .option("subscribe", topic).option("startingOffsets", "earliest"))
+    if max_offsets:
+        r = r.option("maxOffsetsPerTrigger", max_offsets)
+    return (r.load().select(F.from_json(F.col("value").cast("string"), schema).alias("e"))
+            .select("e.*").withWatermark("dateTime", WATERMARK))
+
+
 def queries(bid, auction, person, wrap=lambda df: df):
     """The queries, each a function of nothing returning the streaming DataFrame (read anew),
     the inner stage of a chained aggregation passed through ``wrap`` (``stretch`` for the
@@ -180,24 +196,15 @@ def _bench(args, work: Path, broker, counts) -> None:
 
     def reader(kind, schema):
         def read():
-            if broker is None:
-                df = (spark.readStream.option("maxFilesPerTrigger", 1).schema(schema)
-                      .parquet(str(work / "events" / kind)))
-            else:
-                df = (spark.readStream.format("kafka")
-                      .option("kafka.bootstrap.servers", broker.bootstrap)
-                      .option("subscribe", kind).option("startingOffsets", "earliest")
-                      .option("maxOffsetsPerTrigger", -(-counts[kind] // args.files)).load()
-                      .select(F.from_json(F.col("value").cast("string"), schema).alias("e"))
-                      .select("e.*"))
-            return df.withWatermark("dateTime", WATERMARK)
+            if broker is not None:
+                return from_kafka(spark, broker.bootstrap, kind, schema,
+                                  -(-counts[kind] // args.files))
+            return (spark.readStream.option("maxFilesPerTrigger", 1).schema(schema)
+                    .parquet(str(work / "events" / kind)).withWatermark("dateTime", WATERMARK))
         return read
 
     sources = (reader("bid", gen.BID_SCHEMA), reader("auction", gen.AUCTION_SCHEMA),
                reader("person", gen.PERSON_SCHEMA))
-    def on_engine(df):
-        return spark_stretch.stretch(df, parallelism=2, max_parallelism=2)
-
     qs = queries(*sources)
     stretched = queries(*sources, wrap=on_engine)
     chosen = args.queries.split(",") if args.queries else list(qs)
@@ -214,9 +221,7 @@ def _bench(args, work: Path, broker, counts) -> None:
             took = time.perf_counter() - t0
         if q.exception():
             raise RuntimeError(q.exception())
-        deadline = time.monotonic() + 30  # (the next run starts its own engine)
-        while HostEngine.running() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        HostEngine.wait_stopped(30)  # (the next run starts its own engine)
         reasons = [str(c.message) for c in caught
                    if issubclass(c.category, spark_stretch.FallbackWarning)]
         return took, reasons

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Dict, Optional
 
@@ -183,6 +184,15 @@ class HostEngine(EngineHandle):
         """Whether this driver's engine process is up (a query holds it)."""
         with cls._lock:
             return cls._current is not None and cls._current.alive()
+
+    @classmethod
+    def wait_stopped(cls, timeout: float = 30.0) -> bool:
+        """Wait until no engine process of this driver runs (a query releases it once Spark's
+        listener says it ended, after ``awaitTermination`` returned); whether none does."""
+        deadline = time.monotonic() + timeout
+        while cls.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not cls.running()
 
     def restarted(self) -> "HostEngine":
         self.release()

@@ -47,7 +47,7 @@ from ..driver.session import package_jars
 from .cluster import free_port
 from .processes import end_process_groups
 
-__all__ = ["KafkaBroker", "KAFKA_PACKAGE", "SPARK_KAFKA_PACKAGE", "broker_classpath"]
+__all__ = ["KafkaBroker", "KAFKA_PACKAGE", "SPARK_KAFKA_PACKAGE", "broker_classpath", "send"]
 
 #: The broker: Apache Kafka 4.x (KRaft only; Java 17).
 KAFKA_PACKAGE = "org.apache.kafka:kafka_2.13:4.4.0"
@@ -82,6 +82,17 @@ def broker_classpath(ivy: Optional[Path] = None) -> List[str]:
                                "log4j-slf4j2-impl-*.jar")
              for p in sorted(map(str, spark_jars.glob(pattern)))]
     return jars + extra
+
+
+def send(producer, topic: str, value: bytes, **kw) -> None:
+    """``producer.produce(topic, value=value, **kw)`` (a ``confluent_kafka.Producer``), waiting
+    while its local queue is full."""
+    while True:
+        try:
+            producer.produce(topic, value=value, **kw)
+            return
+        except BufferError:  # the local queue is full: let it drain
+            producer.poll(0.05)
 
 
 class KafkaBroker:
@@ -240,12 +251,7 @@ class KafkaBroker:
             kw = {} if partition is None else {"partition": partition}
             if timestamps is not None:
                 kw["timestamp"] = int(timestamps[i])
-            while True:
-                try:
-                    producer.produce(topic, value=value, key=key, on_delivery=_ack, **kw)
-                    break
-                except BufferError:  # the local queue is full: let it drain
-                    producer.poll(0.1)
+            send(producer, topic, value, key=key, on_delivery=_ack, **kw)
             n += 1
         left = producer.flush(120)
         if errors or left:

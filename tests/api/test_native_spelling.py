@@ -4,7 +4,6 @@ against native Spark on the same input (late rows, nulls, several micro-batches)
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from pyspark.sql import functions as F
@@ -821,10 +820,7 @@ def test_plain_key_columns_go_to_the_engine_as_the_scan_reads_them(spark, tmp_pa
     # (the exec says so: nothing to ingest)
     assert spark_stretch.control(q).metrics()["ingest"] == {"files": len(TYPED_FILES), "none": 1}
     # Spark's end of the query releases the engine process
-    deadline = time.monotonic() + 30
-    while HostEngine.running() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not HostEngine.running()
+    assert HostEngine.wait_stopped(30)
 
 
 def test_a_restart_in_another_output_mode_is_refused_with_the_reason(spark, events, tmp_path):

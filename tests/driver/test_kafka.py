@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,6 @@ def test_records_read_back_with_the_brokers_append_times(topic):
     # The fixture's topic read back whole (the records as written, partition by partition), and
     # a topic made with LogAppendTime: its records carry the broker's time, not the producer's
     # (how python/bench/latency.py times a query's output)
-    import time
-
     kafka, _ = topic
     got = kafka.records(TOPIC)
     assert len(got) == EVENTS and [ts for ts, _ in got[:2]] == [T0, T0 + 200]
