@@ -4,8 +4,8 @@ kernels, :mod:`spark_stretch.engine.kernels` and :mod:`spark_stretch.engine.sess
 
 A key's bucket is ``((mix64(key) >> 32) * B) >> 32`` of ``B`` buckets
 (:func:`bucket_of`; the placement policy of :mod:`spark_stretch.protocol.placement`): all
-windows of a key share it. Per bucket ``b`` an open-addressing table of ``cap`` slots (a power
-of two), one int64 record per slot ``rec[b, s] = (key, window start l or EMPTY, acc_i...)``
+windows of a key share it. Per bucket ``b`` an open-addressing table of ``cap`` slots (any
+count: :func:`next_cap` grows it by half), one int64 record per slot ``rec[b, s] = (key, window start l or EMPTY, acc_i...)``
 (unpadded; at most 3/4 of the slots live) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
 slots, ``bminl[b]`` earliest window start (``NO_L`` when empty), ``dirty[b]`` "modified since
 last checkpoint". A window's first slot is :func:`_slot0` of its key's hash and its start,
@@ -61,18 +61,33 @@ def buckets_of(keys, nb):
     return out
 
 
+def next_cap(cap: int) -> int:
+    """Slots per bucket after a grow: half as many again (a table is 1/2 to 3/4 full, 5/8 on
+    average; doubling left it 3/8 to 3/4)."""
+    return cap + max(cap // 2, 8)
+
+
 @njit(**HOT)
-def _slot0(h, l, mask):
-    """First slot of window (key, l) in its bucket: low bits of mix64(key) xor a multiple of l."""
-    return np.int64((h ^ (np.uint64(l) * _GOLD)) & np.uint64(mask))
+def _slot0(h, l, cap):
+    """First slot of window (key, l) in its bucket of ``cap`` slots: the low 32 bits of
+    mix64(key) xor a multiple of l, scaled to ``cap`` (the bucket took the high 32 bits)."""
+    x = (h ^ (np.uint64(l) * _GOLD)) & np.uint64(0xFFFFFFFF)
+    return np.int64((x * np.uint64(cap)) >> np.uint64(32))
+
+
+@njit(**HOT)
+def _next(s, cap):
+    """The slot after ``s`` (linear probing, wrapping)."""
+    s += 1
+    return 0 if s == cap else s
 
 
 @njit(nogil=True, cache=True)
 def _reinsert(b, r, af, rec, acc_f):
-    mask = rec.shape[1] - 1
-    s = _slot0(mix64(r[0]), r[1], mask)
+    cap = rec.shape[1]
+    s = _slot0(mix64(r[0]), r[1], cap)
     while rec[b, s, 1] != EMPTY:
-        s = (s + 1) & mask
+        s = _next(s, cap)
     rec[b, s, :] = r
     acc_f[b, s, :] = af
 

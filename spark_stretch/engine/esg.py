@@ -136,6 +136,10 @@ class ESG:
         # aggregations); such a straggler updates only its windows that are still open. A
         # column name: late when that column (a session's end) is <= watermark.
         self.late_window = None
+        # False: chunks are kept and released in the order they came, not by timestamp (a
+        # reader that applies whole batches and fires at the watermark only: the engine's
+        # ``apply_whole_batches``); a segment's tuples are then in no particular order.
+        self.in_order = True
 
     # ---- sources ------------------------------------------------------------------------------
     def add_sources(self, sources, stream=0, ordered=True, watermark=None) -> bool:
@@ -241,7 +245,7 @@ class ESG:
                                       f"'{self.name}' (its last timestamp is {max(int(src.last_ts), int(ts[0]))}); "
                                       "an ordered source must add non-decreasing timestamps, or add it with "
                                       "ordered=False and explicit watermarks")
-            if not presorted and (not src.ordered or self.tie_columns):
+            if not presorted and self.in_order and (not src.ordered or self.tie_columns):
                 b = self._sorted(b)  # every chunk sorted by (ts, tie columns): _merge merges them
             src.chunks.append(b)
             src.last_ts = max(src.last_ts, int(b["ts"][-1]) if src.ordered else int(b["ts"].max()))
@@ -314,6 +318,9 @@ class ESG:
             src = self._sources[sid]
             keep = []
             for ch in src.chunks:
+                if not self.in_order:
+                    _split(ch, F, per_stream[src.stream], keep)
+                    continue
                 cut = int(np.searchsorted(ch["ts"], F, side="left"))
                 if cut == len(ch["ts"]):
                     per_stream[src.stream].append(ch)
@@ -347,6 +354,9 @@ class ESG:
             b = batches[0]
             ts, stream, row = b["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
             parts = batches
+        elif self.n_streams == 1 and not self.in_order:  # (chunks as they came)
+            parts = [batches[0]]
+            ts, stream, row = batches[0]["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
         elif self.n_streams == 1:  # one stream (an operator's output): merge its sorted chunks
             b = batches[0]
             bounds = np.cumsum([0] + [len(ch["ts"]) for ch in per_stream[0]])
@@ -456,3 +466,16 @@ class ESG:
 
 def n_single(per_stream):
     return sum(len(p) for p in per_stream)
+
+
+def _split(ch, F, out, keep) -> None:
+    """Chunk ``ch`` (in no order) split by timestamp: ``ts < F`` to ``out``, the rest to ``keep``."""
+    ready = ch["ts"] < F
+    n = int(np.count_nonzero(ready))
+    if n == len(ready):
+        out.append(ch)
+    elif n == 0:
+        keep.append(ch)
+    else:
+        out.append(batch_take(ch, np.flatnonzero(ready)))
+        keep.append(batch_take(ch, np.flatnonzero(~ready)))

@@ -38,10 +38,15 @@ from .aggregates import (AGG_BY_KEY, AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HL
                          AGG_MAXBY_S, AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I,
                          AGG_MINBY_L, AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply,
                          _multi_out, _multi_update, _pool_take)
-from .buckets import (EMPTY, HOT, NO_L, _bucket_h, _slot0, bucket_of, buckets_of, insert_rows,
-                      mix64, rebuild_bucket, rehash_into)
+from .buckets import (EMPTY, HOT, NO_L, _bucket_h, _next, _slot0, bucket_of, buckets_of,
+                      insert_rows, mix64, rebuild_bucket, rehash_into)
 
 DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF, NEED_POOL, NEED_TRIM = 0, 1, 2, 3, 4, 5
+# ip[3] of a built-in aggregation: tuples applied one by one in event-time order, windows fired
+# as the tuples' times pass them (IN_ORDER); or whole batches, windows fired at the segment's
+# watermark only, each window stamped with the batch that last updated it (STAMPED: Spark's
+# update and complete modes) or not (WHOLE: append mode, aggregates the order does not change)
+IN_ORDER, STAMPED, WHOLE = 0, 1, 2
 
 # window kinds
 W_NONE, W_MULTI, W_SINGLE = 0, 1, 2
@@ -193,7 +198,6 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
     """processVSN (Alg. 4) of instance ``j`` over one ready segment; see the module docstring."""
     nb = rec.shape[0]
     cap = rec.shape[1]
-    mask = cap - 1
     n_init_i = init_i.shape[0]
     n_init_f = init_f.shape[0]
     cap_out = o_ts.shape[0]
@@ -246,9 +250,9 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 b = _bucket_h(h, nb)
                 if owner[b] != j:
                     continue
-                # (a stamped built-in aggregation applies a whole batch at once: no window closes
-                # at a tuple's time, only at the segment's watermark)
-                if wkind != 0 and not (_BUILTIN and ip[3] != 0) and bminl[b] <= wt - WS:
+                # (a built-in aggregation applying whole batches, STAMPED or WHOLE: no window
+                # closes at a tuple's time, only at the segment's watermark)
+                if wkind != 0 and not (_BUILTIN and ip[3] != IN_ORDER) and bminl[b] <= wt - WS:
                     if not _fire_bucket(b, wt, WA, WS, wkind, rec, acc_f, bcount, bminl, dirty,
                                         o_ts, o_key, o_l, o_seq, o_sub, o_i, o_f, opos, max_out_fire, ip, fp):
                         resume[1] = i
@@ -261,12 +265,12 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     # find-or-insert of the window, written out: passing the state arrays to a helper costs an
                     # atomic incref + decref of each (numba's reference counts), ~14 per update,
                     # on cache lines every instance thread shares
-                    s = _slot0(h, l, mask)
+                    s = _slot0(h, l, cap)
                     while True:
                         cur = rec[b, s, 1]
                         if cur == EMPTY or (cur == l and rec[b, s, 0] == key):
                             break
-                        s = (s + 1) & mask
+                        s = _next(s, cap)
                     p = opos[0]
                     full = cur == EMPTY and (bcount[b] + 1) * 4 > cap * 3
                     short = cur == EMPTY and pool.shape[1] > 0 and free[j, 0] == 0
@@ -315,7 +319,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                         else:  # (the rarer ones through the scalar helper)
                             rec[b, s, 2], acc_f[b, s, 0] = _apply(agg, rec[b, s, 2], acc_f[b, s, 0],
                                                                   vi, vf, t)
-                        if ip[3] != 0:  # stamped: the batch that last updated the window
+                        if ip[3] == STAMPED:  # the batch that last updated the window
                             rec[b, s, 1 + n_init_i] = ip[7]  # (the last int slot)
                     else:
                         n = _UPD(stream[i], cols0, cols1, row[i], vi, vf, key, l, rec, acc_f, b, s, o_i, o_f, p,

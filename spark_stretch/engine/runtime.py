@@ -44,6 +44,9 @@ from .meter import Meter
 from .snapshot import Snapshots
 from .state import BucketState, Interner, RWLock, balanced_owner_map
 
+# aggregates whose result does not depend on the order of the tuples (apply_whole_batches)
+_ORDER_FREE = frozenset({K.AGG_COUNT, K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I})
+
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
 INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
 
@@ -484,13 +487,56 @@ class Engine(Epochs, Snapshots):
     def live_windows(self):
         return self.state.live_windows()
 
+    def apply_whole_batches(self) -> bool:
+        """Apply each batch's tuples as they came, at once, and fire windows at the watermark
+        only (``kernels.WHOLE``), when the result cannot depend on the order: a built-in
+        aggregation over time windows of counts, integer sums, minima and maxima, in append
+        mode (windows fired only by the watermark). The ESG then neither sorts nor holds back
+        tuples; the caller hands over every batch with :meth:`release_all`. Returns whether it
+        applies (otherwise nothing changes: tuples in event-time order).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from spark_stretch.ops import aggregate_many
+        >>> eng = Engine(aggregate_many([("count", None, "i", None), ("max", "v", "i", None)],
+        ...                             key="k", WS=10, WA=10),
+        ...              m=1, n=1, threads=False)
+        >>> eng.esg_in.add_sources([0], ordered=False, watermark=0)
+        True
+        >>> eng.apply_whole_batches()
+        True
+        >>> eng.esg_in.add({"ts": np.array([15, 3]), "k": np.array([1, 1]), "v": np.array([4, 9])}, 0)
+        >>> eng.release_all(0); eng.esg_in.advance_watermark(10); eng.drain()
+        >>> out = eng.esg_out.get_batch("driver")[0]
+        >>> out["window_start"].tolist(), out["_0"].tolist(), out["_1"].tolist()
+        ([0], [1], [9])
+        """
+        ip = self._ip
+        codes = ([int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]))] if ip[2] == K.AGG_MULTI
+                 else [int(ip[2])])
+        if (self.op.builtin_ip is None or ip[3] != K.IN_ORDER or self.op.WA is None
+                or getattr(self.op, "session_end", None)
+                or not all(c in _ORDER_FREE for c in codes)):
+            return False
+        self._ip = ip.copy()  # (the operator's own stays as it was)
+        self._ip[3] = K.WHOLE
+        self.esg_in.in_order = False
+        return True
+
+    @property
+    def applies_whole_batches(self) -> bool:
+        """Whether :meth:`apply_whole_batches` applies."""
+        return int(self._ip[3]) == K.WHOLE
+
     def release_all(self, stamp: int) -> None:
         """Apply every tuple added so far now, closing no window the watermark does not close,
         and stamp each window it updates with ``stamp`` (> 0; a ``stamped`` built-in
         aggregation): Spark's update and complete output modes, which see a whole batch
         applied. :meth:`state_rows` then reads the windows."""
-        if self.op.builtin_ip is None or self._ip[3] == 0:
-            raise EngineError(f"operator {self.op.name} is not a stamped built-in aggregation")
+        if self.op.builtin_ip is None or self._ip[3] == K.IN_ORDER:
+            raise EngineError(f"operator {self.op.name} applies tuples in order, not whole "
+                              "batches (a stamped built-in aggregation, or apply_whole_batches)")
         self._ip[7] = stamp
         self.esg_in.release_all()
         self.drain()

@@ -27,7 +27,7 @@ from .aggregates import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_
                          AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
                          AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply, _fslot,
                          _hll_words, _multi_out, _multi_update, _pool_take)
-from .buckets import EMPTY, HOT, _bucket_h, _slot0, mix64, rebuild_bucket
+from .buckets import EMPTY, HOT, _bucket_h, _next, _slot0, mix64, rebuild_bucket
 from .kernels import NEED_POOL, _mk_builtin_keys
 
 CLOSED = np.int64(1) << np.int64(62)  # l of a key's earlier session: its start | CLOSED (never 0 or EMPTY)
@@ -147,10 +147,10 @@ def _open(rec, acc_f, b, s, key, l, t, e, init_i, init_f, pool, free, j, ip):
 @njit(**HOT)
 def _free(rec, b, h, l):
     """The free slot where a record ``(key with hash h, l)`` goes."""
-    mask = rec.shape[1] - 1
-    s = _slot0(h, l, mask)
+    cap = rec.shape[1]
+    s = _slot0(h, l, cap)
     while rec[b, s, 1] != EMPTY:
-        s = (s + 1) & mask
+        s = _next(s, cap)
     return s
 
 
@@ -160,10 +160,10 @@ def _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i, ini
     """A kept session aggregation's update by one tuple ``[t, e)`` of ``key`` (the module
     docstring): bucket ``b`` has a free slot for the one new record this may need (and
     instance ``j`` a free pool row)."""
-    mask = rec.shape[1] - 1
-    s = _slot0(h, 0, mask)
+    cap = rec.shape[1]
+    s = _slot0(h, 0, cap)
     while rec[b, s, 1] != EMPTY and not (rec[b, s, 1] == 0 and rec[b, s, 0] == key):
-        s = (s + 1) & mask
+        s = _next(s, cap)
     into = s
     removed = False
     if rec[b, s, 1] == EMPTY:  # the key's first session
@@ -258,7 +258,6 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
     """
     nb = rec.shape[0]
     cap = rec.shape[1]
-    mask = cap - 1
     cap_out = o_ts.shape[0]
     off0, val0, vf0, vi0, end0 = cols0[0], cols0[1], cols0[2], cols0[3], cols0[4]
     agg = ip[2]
@@ -293,12 +292,12 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     if dirty[b] == 0:
                         dirty[b] = 1
                     continue
-                s = _slot0(h, 0, mask)
+                s = _slot0(h, 0, cap)
                 while True:
                     cur = rec[b, s, 1]
                     if cur == EMPTY or rec[b, s, 0] == key:
                         break
-                    s = (s + 1) & mask
+                    s = _next(s, cap)
                 p = opos[0]
                 fresh = cur == EMPTY or t > rec[b, s, 3]
                 if cur == EMPTY and (bcount[b] + 1) * 4 > cap * 3:

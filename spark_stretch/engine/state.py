@@ -18,6 +18,7 @@ from . import kernels as K
 from . import strings as S
 from ..protocol import placement
 from .errors import EngineError
+from .buckets import next_cap
 from .spill import Gathered, chunk_ranges
 
 GATHER_BYTES = 4 << 20  # (bytes of table a lazy snapshot copies the live windows of at a time)
@@ -187,7 +188,8 @@ class BucketState:
     init_i, init_f : array_like
         Initial accumulator values of a new window instance.
     cap : int
-        Initial slots per bucket (power of two); all buckets grow together, doubling.
+        Initial slots per bucket; all buckets grow together, by half
+        (:func:`~spark_stretch.engine.buckets.next_cap`).
     spill : :class:`~spark_stretch.engine.spill.Spill`, optional
         The memory budget: tables larger than it are mapped from files on local disk, and
         passes over a whole table (grow, snapshot, restore) go a chunk of buckets at a time,
@@ -202,8 +204,8 @@ class BucketState:
     def __init__(self, n_buckets, n_int, n_float, init_i, init_f, cap=8, pool=None, spill=None):
         if n_buckets < 1:
             raise EngineError(f"n_buckets={n_buckets}; it must be >= 1")
-        if cap & (cap - 1):
-            raise EngineError(f"cap={cap}; it must be a power of two")
+        if cap < 1:
+            raise EngineError(f"cap={cap}; it must be >= 1")
         self.n_buckets = n_buckets
         self.spill = spill
         self.init_i = np.asarray(init_i, np.int64).reshape(n_int)
@@ -339,9 +341,10 @@ class BucketState:
             rec[:, sl] = rows
         return rec
 
-    def grow(self):
-        """Double every bucket's table (rehash). Caller must hold the exclusive lock."""
-        cap = self.cap * 2
+    def grow(self, cap=None):
+        """Grow every bucket's table to ``cap`` slots (default: :func:`~.buckets.next_cap`),
+        rehashing. Caller must hold the exclusive lock."""
+        cap = next_cap(self.cap) if cap is None else int(cap)
         nrec = self._new_rec(cap)
         naf = self._table((self.n_buckets, cap, self.acc_f.shape[2]), np.float64, cap)
         for lo, hi in self._chunks(nrec):
@@ -429,8 +432,8 @@ class BucketState:
 
     def apply_compact(self, a: dict) -> None:
         """Replace the buckets an incremental :meth:`compact` lists (all of them for a full one)."""
-        while self.cap < int(a["cap"]):
-            self.grow()
+        if self.cap < int(a["cap"]):
+            self.grow(int(a["cap"]))
         only = a.get("only")
         if only is None:
             for lo, hi in self._chunks(self.rec):
@@ -466,10 +469,9 @@ class BucketState:
 
         Returns the number of bytes copied.
         """
-        while self.cap < other.cap:
-            self.grow()
-        while other.cap < self.cap:
-            other.grow()
+        for st in (self, other):  # (slots are copied as they are: the same capacity both)
+            if st.cap < max(self.cap, other.cap):
+                st.grow(max(self.cap, other.cap))
         nbytes = 0
         for name in ("rec", "acc_f"):
             dst, src = getattr(self, name), getattr(other, name)

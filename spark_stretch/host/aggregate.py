@@ -113,6 +113,9 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         except BaseException:
             self.store.release_lock()
             raise
+        if getattr(spec, "output_mode", "append") == "append":
+            for eng in self.engines:  # (Spark's order-free aggregates: no event-time sort)
+                eng.apply_whole_batches()
         self._set_replay(resume, first)
 
     def describe(self) -> M.Opened:
@@ -195,6 +198,9 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         mode = getattr(self.spec, "output_mode", "append")
         rank_strings(self.spec, self.codec, self.engines)
         if mode == "append":
+            for eng in self.engines:
+                if eng.applies_whole_batches:  # (the watermark then fires what it closes)
+                    eng.release_all(0)
             return self._advance(self.next_watermark_ms)
         stamp = batch + 1  # (> 0: an unstamped window has 0)
         for eng in self.engines:

@@ -188,7 +188,7 @@ def load_resharded(spec: AggregateSpec, sources: List[str], meta_name: str, batc
             rec[:, sl] = np.arange(len(rec))
         b = bucket_of(rec[:, 0], st.n_buckets)
         counts = np.bincount(b, minlength=st.n_buckets)
-        cap = max(st.cap, 1 << int(np.ceil(np.log2(max(2 * int(counts.max(initial=0)), 2)))))
+        cap = max(st.cap, int(counts.max(initial=0)) * 3 // 2 + 8)  # (the fullest: 2/3 full)
         bminl = np.full(st.n_buckets, K.NO_L, np.int64)
         np.minimum.at(bminl, b, rec[:, 1])
         mine.spill = spill

@@ -374,8 +374,57 @@ def test_stamped_aggregation_gives_each_batch_the_windows_it_changed(engine_cls)
         assert {(int(r[0]), int(r[1])): int(r[2]) for r in eng.state_rows()[0]} == state
         if batch == 3:
             eng.reconfigure(m=3)
-    with pytest.raises(EngineError, match="not a stamped"):
+    with pytest.raises(EngineError, match="applies tuples in order"):
         Engine(aggregate("sum", key="k", value="v", WS=WS), m=1, n=1).release_all(1)
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls):
+    """apply_whole_batches: tuples applied as they came (no event-time sort, none held back),
+    windows fired by the watermark only; the windows emitted, with their count, sum, min and
+    max, equal to a dict kept by Spark's rules (late rows, stragglers into windows still open),
+    with a rescale and a checkpoint restored between batches. Order-dependent aggregates (a
+    float sum, first) keep the event-time order."""
+    WS, WA, delay = 20, 10, 15
+    aggs = [("count", None, "i", None), ("sum", "v", "i", None), ("min", "v", "i", None),
+            ("max", "v", "i", None)]
+    op = aggregate_many(aggs, key="k", WS=WS, WA=WA)
+    eng = engine_cls(op, m=2, n=3, n_buckets=64, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    assert eng.apply_whole_batches() and eng.applies_whole_batches
+    rng = np.random.default_rng(11)
+    state, emitted, got, wm, top = {}, {}, {}, 0, 0
+    for batch in range(10):
+        ts = rng.integers(max(0, top - 40), top + 30, 200)
+        k, v = rng.integers(0, 6, 200), rng.integers(-50, 100, 200)
+        eng.esg_in.add({"ts": ts, "k": k, "v": v}, 0)
+        eng.release_all(0)
+        for t, key, val in zip(ts.tolist(), k.tolist(), v.tolist()):
+            for l in range((t // WA) * WA, t - WS, -WA):
+                if l + WS > wm:
+                    n, sm, mn, mx = state.get((key, l), (0, 0, val, val))
+                    state[(key, l)] = (n + 1, sm + val, min(mn, val), max(mx, val))
+        top = max(top, int(ts.max()))
+        wm = max(wm, top - delay)
+        eng.esg_in.advance_watermark(wm)
+        eng.drain()
+        out = eng.esg_out.get_batch("driver")[0]
+        for key, l, *vals in zip(*(out[c].tolist() for c in ("key", "window_start", "_0", "_1",
+                                                            "_2", "_3"))):
+            assert (key, l) not in got  # (each window once)
+            got[(key, l)] = tuple(vals)
+        for w in [w for w in state if w[1] + WS <= wm]:
+            emitted[w] = state.pop(w)
+        assert got == emitted
+        if batch == 3:
+            eng.reconfigure(m=3)
+        if batch == 6:
+            eng = engine_cls.restore(op, eng.snapshot())
+            assert eng.apply_whole_batches()
+    assert len(got) > 50
+    for other in ([("sum", "v", "f", None)], [("first", "v", "i", None)]):
+        plain = Engine(aggregate_many(other, key="k", WS=WS, WA=WA), m=1, n=1)
+        assert not plain.apply_whole_batches() and not plain.applies_whole_batches
 
 
 def _spark_sessions(batches, delay):

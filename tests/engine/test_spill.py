@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from spark_stretch.engine import Engine, SNEngine
+from spark_stretch.engine import Engine, SNEngine, state
 from spark_stretch.engine.snapshot import MAGIC_5, loads, map_file
 from spark_stretch.engine.spill import Spill
 from spark_stretch.ops import aggregate_many
@@ -145,13 +145,15 @@ def _traced(fn):
 
 
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
-def test_a_checkpoint_written_at_once_never_holds_the_windows_whole(engine_cls, tmp_path):
+def test_a_checkpoint_written_at_once_never_holds_the_windows_whole(engine_cls, tmp_path,
+                                                                   monkeypatch):
     """``snapshot(lazy=True)``, as the host writes its checkpoints: the live windows are copied
     a chunk of buckets at a time as the blob is written, so writing it allocates a fraction of
     what an eager snapshot copies (traced); restored from the files, a full one and a delta on
     top, the engine goes on as one that never stopped. A blob of the previous format
     (``STRETCH-SNAP-5``, no gathered arrays) still reads."""
     op = aggregate_many(AGGS, key="k", WS=1000)  # (every window live until the end)
+    monkeypatch.setattr(state, "GATHER_BYTES", 1 << 20)  # (a chunk well below the windows')
     batches = list(_batches(5, 100_000, 1_000_000))
     want, _ = _run(engine_cls(op, m=2, n=2, n_buckets=4096), iter(batches))
     eng = engine_cls(op, m=2, n=2, n_buckets=4096)
