@@ -53,7 +53,8 @@ MAX_TS = 2 ** 62
 
 @dataclass
 class Segment:
-    """Ready tuples released together, in timestamp order, and the watermark after them.
+    """Ready tuples released together, in timestamp order (in the order they came when the ESG
+    is not ``in_order``), and the watermark after them.
 
     ``ts``, ``stream``, ``row``, ``seq`` have one entry per tuple in release order; ``parts[s]`` holds
     the columns of the tuples of input stream ``s`` (tuple ``i`` is ``parts[stream[i]]`` row

@@ -44,8 +44,10 @@ from .meter import Meter
 from .snapshot import Snapshots
 from .state import BucketState, Interner, RWLock, balanced_owner_map
 
-# aggregates whose result does not depend on the order of the tuples (apply_whole_batches)
-_ORDER_FREE = frozenset({K.AGG_COUNT, K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I})
+# aggregates whose result does not depend on the order of the tuples (apply_whole_batches); a
+# double sum's (and mean's) last bits do, as Spark's own do on the order its partitions merge in
+_ORDER_FREE = frozenset({K.AGG_COUNT, K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_SUM_F,
+                         K.AGG_MEAN})
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
 INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
@@ -490,8 +492,10 @@ class Engine(Epochs, Snapshots):
     def apply_whole_batches(self) -> bool:
         """Apply each batch's tuples as they came, at once, and fire windows at the watermark
         only (``kernels.WHOLE``), when the result cannot depend on the order: a built-in
-        aggregation over time windows of counts, integer sums, minima and maxima, in append
-        mode (windows fired only by the watermark). The ESG then neither sorts nor holds back
+        aggregation over time windows of counts, sums, means, and minima and maxima of
+        integers, in append mode (windows fired only by the watermark). (A sum of doubles
+        rounds by its order, as Spark's own does by the order its partitions merge in; exact
+        for integral values below 2**53.) The ESG then neither sorts nor holds back
         tuples; the caller hands over every batch with :meth:`release_all`. Returns whether it
         applies (otherwise nothing changes: tuples in event-time order).
 
