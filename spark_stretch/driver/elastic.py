@@ -20,7 +20,10 @@ Examples
 >>> fig = {"step_ms": 900.0, "since_ms": 1000.0, "instances": [0], "busy_ms": [950.0],
 ...        "load": [100], "parallelism": 1, "epoch": 0, "end_ms_q": None, "tuples": 100,
 ...        "input_rows": 100, "live_windows": 10, "state_bytes": 4096}
->>> m = run.batch_done(0, fig, written_at=None)
+>>> _ = run.batch_done(0, fig, written_at=None)  # (the first with input: not asked)
+>>> run.pending()
+[]
+>>> m = run.batch_done(1, fig, written_at=None)
 >>> m.utilization, m.demand     # (busy 950 ms of a 1 s batch; its input takes as much)
 ([0.95], 0.95)
 >>> run.pending()
@@ -57,6 +60,7 @@ class _Track:
         self.since: Optional[int] = None
         self.switch: Optional[dict] = None
         self.costs: deque = deque(maxlen=_COST_STEPS)
+        self.stepped_input = False  # (the first step with input pays one-time costs)
 
     def switched(self, record: dict) -> None:
         self.since, self.switch = 0, record
@@ -85,6 +89,7 @@ class ElasticRun:
         self._tracks: Dict[Optional[str], _Track] = {None: _Track()}
         self._since_move: Optional[int] = None  # batches since key groups last moved
         self.latest: Optional[BatchMetrics] = None
+        self._stepped_input = False  # (a batch with input has been stepped)
 
     # -- asked by the pipeline ---------------------------------------------------------------
     def started(self, batch: int) -> None:
@@ -121,7 +126,9 @@ class ElasticRun:
         self._metrics.append("per_batch", m.row(), keep=_ROWS_KEPT)
         if self._table is not None:
             self._table.append(m.row())
-        if self.policy is not None:
+        first_input = m.tuples > 0 and not self._stepped_input
+        self._stepped_input = self._stepped_input or m.tuples > 0
+        if self.policy is not None and not first_input:  # (its time is one-time costs' too)
             try:
                 got = self.policy.decide(m)
                 got = [] if got is None else [got] if isinstance(got, Decision) else list(got)
@@ -186,8 +193,9 @@ class ElasticRun:
         gap = self._started.get(batch)
         rows = int(f.get("input_rows", 0))
         tuples = int(f.get("tuples", 0))
-        if tuples and busy:
-            track.costs.append((float(np.mean(busy)), tuples))
+        if tuples and busy and track.stepped_input:  # (not the first: the kernels' first run,
+            track.costs.append((float(np.mean(busy)), tuples))  # the state's first pages)
+        track.stepped_input = track.stepped_input or tuples > 0
         seen = sum(t for _, t in track.costs)
         demand = (sum(b for b, _ in track.costs) / seen * rows / budget
                   if seen >= _COST_TUPLES else None)

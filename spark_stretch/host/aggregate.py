@@ -68,6 +68,14 @@ def _add_sources(engines, spec) -> None:
             eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=start)
 
 
+def _whole_batches(engines, spec) -> None:
+    """In append mode, engines whose aggregates are order-free apply each batch whole, as Spark
+    does (no event-time sort, no row held back: ``Engine.apply_whole_batches``)."""
+    if getattr(spec, "output_mode", "append") == "append":
+        for eng in engines:
+            eng.apply_whole_batches()
+
+
 class AggregateRuntime(EventTimes, Resharding, Runtime):
     """The engine side of one query of built-in aggregations (``spec``: an
     :class:`~spark_stretch.protocol.specs.AggregateSpec`); :class:`~.operator.OperatorRuntime`
@@ -85,9 +93,8 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         # Per input stream (one withWatermark each): the largest event time seen so far, in ms.
         self.stream_max_ms: list = [None] * len(self._delays())
         ops = self._operators()
-        # Continue after Spark's last committed batch (resume_batch): from the latest checkpoint
-        # at or before it, then the batches after that checkpoint again, from the input log
-        # (``replay``, stepped by the driver, which rewrites their outputs idempotently).
+        # Continue after Spark's last committed batch: from the latest checkpoint at or before it,
+        # then the later batches from the input log (``replay``: outputs rewritten idempotently).
         resume = spec.resume_batch
         try:
             start = self._resume_from(resume)
@@ -96,8 +103,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                 # the checkpoint's own output too, if it kept one: the sink may not have it yet
                 first = start if self.last_reply is not None else start + 1
             elif self.share is not None and resume is not None and self.share.mine.any():
-                # a host new to the query, given groups: their state after the move's batch,
-                # from the checkpoints every other host wrote of it
+                # (new here, given groups: their state after the move, from the others' checkpoints)
                 self.engines = self._resharded(resume, ops)
                 first = resume + 1
             else:
@@ -113,9 +119,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         except BaseException:
             self.store.release_lock()
             raise
-        if getattr(spec, "output_mode", "append") == "append":
-            for eng in self.engines:  # (Spark's order-free aggregates: no event-time sort)
-                eng.apply_whole_batches()
+        _whole_batches(self.engines, spec)
         self._set_replay(resume, first)
 
     def describe(self) -> M.Opened:
@@ -198,9 +202,8 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         mode = getattr(self.spec, "output_mode", "append")
         rank_strings(self.spec, self.codec, self.engines)
         if mode == "append":
-            for eng in self.engines:
-                if eng.applies_whole_batches:  # (the watermark then fires what it closes)
-                    eng.release_all(0)
+            for eng in filter(lambda e: e.applies_whole_batches, self.engines):
+                eng.release_all(0)  # (then the watermark fires what it closes)
             return self._advance(self.next_watermark_ms)
         stamp = batch + 1  # (> 0: an unstamped window has 0)
         for eng in self.engines:

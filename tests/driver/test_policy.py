@@ -103,6 +103,7 @@ def test_a_failing_policy_is_named_with_its_batch():
 
     run = ElasticRun(Broken(), max_parallelism=2, metrics=QueryMetrics())
     fig = {"step_ms": 1.0, "instances": [0], "busy_ms": [0.5], "parallelism": 1, "tuples": 1}
+    run.batch_done(2, fig, written_at=None)  # (the first with input: the policy is not asked)
     with pytest.raises(RuntimeError, match=r"the elastic policy .*Broken.* failed on batch 3: "
                                            r"KeyError: 'oops'"):
         run.batch_done(3, fig, written_at=None)
@@ -240,7 +241,9 @@ def test_the_figures_of_several_hosts_and_their_switches():
 
     fig = {"key_groups": 4, "hosts": [host("a", [0, 1], [95.0], 800), host("b", [2, 3],
                                                                            [10.0], 200)]}
-    m = run.batch_done(0, fig, written_at=None)
+    run.batch_done(0, fig, written_at=None)  # (the first with input: the policy is not asked)
+    assert run.pending(moves=True) == []
+    m = run.batch_done(1, fig, written_at=None)
     assert [h.host for h in m.hosts] == ["a", "b"] and m.parallelism == 2
     assert m.group_load.tolist() == [400, 400, 100, 100] and m.host_map.tolist() == [0, 0, 1, 1]
     assert m.host_load == [800, 200] and m.host_imbalance == pytest.approx(1.6)
@@ -251,9 +254,9 @@ def test_the_figures_of_several_hosts_and_their_switches():
     assert run.pending(moves=True) == [Decision("rebalance_hosts", key_groups={0: "b"})]
     # a switch of one host's instances: that host's figures start again; a move: every host's
     run.switched({"cause": "scale_out", "host": "a", "parallelism": 2})
-    m = run.batch_done(1, fig, written_at=None)
+    m = run.batch_done(2, fig, written_at=None)
     assert [h.batches_since_switch for h in m.hosts] == [1, None]
     assert [h.switched for h in m.hosts] == ["scale_out", None] and m.switched == "scale_out"
     run.switched({"cause": "rebalance_hosts", "key_groups": {"a": 1, "b": 3}})
-    m = run.batch_done(2, fig, written_at=None)
+    m = run.batch_done(3, fig, written_at=None)
     assert [h.batches_since_switch for h in m.hosts] == [1, 1] and m.batches_since_move == 1
