@@ -517,11 +517,13 @@ class Engine(Epochs, Snapshots):
         ([0], [1], [9])
         """
         ip = self._ip
+        if (getattr(self.op, "engine_kind", "vsn") != "vsn" or self.op.builtin_ip is None
+                or ip[3] != K.IN_ORDER or self.op.WA is None
+                or getattr(self.op, "session_end", None)):  # (a join's parameters are its own)
+            return False
         codes = ([int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]))] if ip[2] == K.AGG_MULTI
                  else [int(ip[2])])
-        if (self.op.builtin_ip is None or ip[3] != K.IN_ORDER or self.op.WA is None
-                or getattr(self.op, "session_end", None)
-                or not all(c in _ORDER_FREE for c in codes)):
+        if not all(c in _ORDER_FREE for c in codes):
             return False
         self._ip = ip.copy()  # (the operator's own stays as it was)
         self._ip[3] = K.WHOLE
@@ -531,7 +533,7 @@ class Engine(Epochs, Snapshots):
     @property
     def applies_whole_batches(self) -> bool:
         """Whether :meth:`apply_whole_batches` applies."""
-        return int(self._ip[3]) == K.WHOLE
+        return getattr(self.op, "engine_kind", "vsn") == "vsn" and int(self._ip[3]) == K.WHOLE
 
     def release_all(self, stamp: int) -> None:
         """Apply every tuple added so far now, closing no window the watermark does not close,

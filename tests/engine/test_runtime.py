@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from numba import njit
 
-from spark_stretch.engine import Engine, EngineError, ListColumn, Operator, SNEngine, reconfigure, setup
+from spark_stretch.engine import (Engine, EngineError, JoinEngine, ListColumn, Operator, SNEngine,
+                                  reconfigure, setup)
 from spark_stretch.engine.reference import ref_aggregate, reference_run
 from spark_stretch.engine.snapshot import Blob, loads
 from spark_stretch.ops import aggregate, aggregate_many, paircount, wordcount
+from spark_stretch.ops.join import hedge_join
 from spark_stretch.testing.engine import batch_to_rows, rows_to_batch, run_engine, same_rows
 
 
@@ -425,6 +427,8 @@ def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls):
     for other in ([("max", "v", "f", None)], [("first", "v", "i", None)]):
         plain = Engine(aggregate_many(other, key="k", WS=WS, WA=WA), m=1, n=1)
         assert not plain.apply_whole_batches() and not plain.applies_whole_batches
+    join = JoinEngine(hedge_join(10), m=1, n=1)  # (not an aggregation: its own parameters)
+    assert not join.apply_whole_batches() and not join.applies_whole_batches
 
 
 def _spark_sessions(batches, delay):
