@@ -15,12 +15,14 @@ Examples
 >>> rows = [BatchMetrics(batch=b, parallelism=1 + (3 <= b < 6), max_parallelism=2,
 ...                      time_ms=500 * b, input_rate=[1e3, 5e4][3 <= b < 6],
 ...                      latency_p99_ms=200.0, utilization=[0.5]).row() for b in range(9)]
->>> out = os.path.join(tempfile.mkdtemp(), "run.png")
+>>> d = tempfile.TemporaryDirectory()
+>>> out = os.path.join(d.name, "run.png")
 >>> fig = plot_metrics({"per_batch": rows}, out, title="stepped rate")
 >>> [ax.get_ylabel() for ax in fig.axes]
 ['input rate (rows/s)', 'parallelism', 'event-time latency (ms)']
 >>> os.path.getsize(out) > 0
 True
+>>> d.cleanup()
 """
 
 from __future__ import annotations

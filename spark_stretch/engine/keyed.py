@@ -28,7 +28,8 @@ checkpoint is a compact copy of the environment (:meth:`KeyedStore.snapshot`).
 Examples
 --------
 >>> import tempfile
->>> kv = KeyedStore(tempfile.mkdtemp())
+>>> d = tempfile.TemporaryDirectory()
+>>> kv = KeyedStore(d.name)
 >>> s = kv.step()
 >>> kb = encode_key(3, ("a", 1))
 >>> s.put(kb, (("a", 1), (5,), 1000))
@@ -39,7 +40,7 @@ True
 >>> log = s.commit(0, 1, "reply")
 >>> kv.rows(), log.num_rows, kv.applied(0, 1)
 (1, 1, 'reply')
->>> kv.close()
+>>> kv.close(); d.cleanup()
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ Examples
 >>> import tempfile, pyarrow as pa
 >>> from deltalake import write_deltalake
 >>> from spark_stretch.host.delta import append
->>> path = tempfile.mkdtemp()
+>>> d = tempfile.TemporaryDirectory(); path = d.name
 >>> write_deltalake(path, pa.table({"k": pa.array([], pa.string()), "n": pa.array([], pa.int64())}))
 >>> append(path, pa.table({"k": ["a"], "n": [1]}), "app", 0)["written"]
 True
 >>> append(path, pa.table({"k": ["a"], "n": [1]}), "app", 0)["written"]  # a replay: no-op
 False
+>>> d.cleanup()
 """
 
 from __future__ import annotations

@@ -14,12 +14,14 @@ Examples
 >>> import tempfile, pyarrow as pa
 >>> from pathlib import Path
 >>> from spark_stretch.host.input_log import InputLog
->>> log = InputLog(Path(tempfile.mkdtemp()))
+>>> d = tempfile.TemporaryDirectory()
+>>> log = InputLog(Path(d.name))
 >>> log.write(3, pa.table({"x": [1, 2]}))
 >>> log.read(3).num_rows, log.batches()
 (2, [3])
 >>> log.drop_through(3); log.batches()
 []
+>>> d.cleanup()
 """
 
 from __future__ import annotations

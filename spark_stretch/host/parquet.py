@@ -15,12 +15,14 @@ Examples
 --------
 >>> import pyarrow as pa, pyarrow.parquet as pq, tempfile, os
 >>> from spark_stretch.host.parquet import read_like_spark
->>> f = os.path.join(tempfile.mkdtemp(), "a.parquet")
+>>> d = tempfile.TemporaryDirectory()
+>>> f = os.path.join(d.name, "a.parquet")
 >>> pq.write_table(pa.table({"x": pa.array([1, 2], pa.int64())}), f)
 >>> read_like_spark([f], ["x"], pa.schema([("x", pa.int64())])).num_rows
 2
 >>> read_like_spark([f], ["y"], pa.schema([("y", pa.int64())])).split(": ", 1)[1]
 "no column 'y' (Spark matches names ignoring case, or reads nulls)"
+>>> d.cleanup()
 """
 
 from __future__ import annotations

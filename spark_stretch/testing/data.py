@@ -138,11 +138,12 @@ def publish(file, folder) -> Path:
     --------
     >>> import tempfile
     >>> from spark_stretch.testing import publish, write_tweets
-    >>> tmp = Path(tempfile.mkdtemp())
+    >>> d = tempfile.TemporaryDirectory(); tmp = Path(d.name)
     >>> src = write_tweets(tmp / "src", 100, files=2)
     >>> live = tmp / "live"; live.mkdir()
     >>> [publish(f, live).name for f in sorted(src.glob("*.parquet"))]
     ['tweets-000000.parquet', 'tweets-000001.parquet']
+    >>> d.cleanup()
     """
     file, folder = Path(file), Path(folder)
     tmp = folder / f".{file.name}.tmp"
