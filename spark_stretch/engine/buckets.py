@@ -5,8 +5,8 @@ kernels, :mod:`spark_stretch.engine.kernels` and :mod:`spark_stretch.engine.sess
 A key's bucket is ``((mix64(key) >> 32) * B) >> 32`` of ``B`` buckets
 (:func:`bucket_of`; the placement policy of :mod:`spark_stretch.protocol.placement`): all
 windows of a key share it. Per bucket ``b`` an open-addressing table of ``cap`` slots (any
-count: :func:`next_cap` grows it by half), one int64 record per slot ``rec[b, s] = (key, window start l or EMPTY, acc_i...)``
-(unpadded; at most 3/4 of the slots live) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
+count: :func:`next_cap` grows it by half), one int64 record per slot
+``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (unpadded; at most 3/4 of the slots live) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
 slots, ``bminl[b]`` earliest window start (``NO_L`` when empty), ``dirty[b]`` "modified since
 last checkpoint". A window's first slot is :func:`_slot0` of its key's hash and its start,
 then linear probing; keys are compared in full (key and window start), so there are no

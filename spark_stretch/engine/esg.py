@@ -351,13 +351,12 @@ class ESG:
         if n == 0:
             e = np.empty(0, np.int64)
             return Segment(e, e, e, e, [None] * self.n_streams, W, self.watermark)
-        if len(per_stream[0]) == n_single(per_stream) == 1:
+        # (one chunk; or one stream's chunks as they came, not in_order: taken as they are)
+        if len(per_stream[0]) == n_single(per_stream) == 1 or (self.n_streams == 1
+                                                                 and not self.in_order):
             b = batches[0]
             ts, stream, row = b["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
             parts = batches
-        elif self.n_streams == 1 and not self.in_order:  # (chunks as they came)
-            parts = [batches[0]]
-            ts, stream, row = batches[0]["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
         elif self.n_streams == 1:  # one stream (an operator's output): merge its sorted chunks
             b = batches[0]
             bounds = np.cumsum([0] + [len(ch["ts"]) for ch in per_stream[0]])

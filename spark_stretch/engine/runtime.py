@@ -50,6 +50,13 @@ _ORDER_FREE = frozenset({K.AGG_COUNT, K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.A
                          K.AGG_MEAN})
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
+
+
+def _fused_codes(ip) -> list:
+    """The aggregate codes of a fused built-in aggregation (``aggregate_many``), else []."""
+    return [int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]))] if ip[2] == K.AGG_MULTI else []
+
+
 INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
 
 
@@ -521,9 +528,7 @@ class Engine(Epochs, Snapshots):
                 or ip[3] != K.IN_ORDER or self.op.WA is None
                 or getattr(self.op, "session_end", None)):  # (a join's parameters are its own)
             return False
-        codes = ([int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]))] if ip[2] == K.AGG_MULTI
-                 else [int(ip[2])])
-        if not all(c in _ORDER_FREE for c in codes):
+        if not all(c in _ORDER_FREE for c in (_fused_codes(ip) or [int(ip[2])])):
             return False
         self._ip = ip.copy()  # (the operator's own stays as it was)
         self._ip[3] = K.WHOLE
@@ -555,7 +560,7 @@ class Engine(Epochs, Snapshots):
         of its extremum, is re-ranked here. Call when idle, with every string of the tuples
         still to apply ranked."""
         ip = self._ip
-        codes = [int(ip[K.MULTI + 3 * q]) for q in range(int(ip[8]) if ip[2] == K.AGG_MULTI else 0)]
+        codes = _fused_codes(ip)
         # (the slot of the extremum's id: a min_s's own, a max_by_s's by_key after it)
         qs = [(q, q + (c != K.AGG_MIN_S and c != K.AGG_MAX_S)) for q, c in enumerate(codes)
               if c in (K.AGG_MIN_S, K.AGG_MAX_S, K.AGG_MAXBY_S, K.AGG_MINBY_S)]

@@ -234,7 +234,7 @@ def return_freed_memory() -> None:
     batch ends, but allocators keep it: Arrow's default pool (jemalloc) holds its arenas, and
     glibc's malloc raises its mmap threshold after the first large free, after which large
     arrays come from the heap and stay there. Measured on 5M live windows (BENCHMARKS.md,
-    aggstate.py): 385 MB less resident, no slower. So Arrow allocates with the system's
+    aggstate.py): 345 MB less resident, no slower. So Arrow allocates with the system's
     malloc here, and glibc's threshold is pinned (arrays of 128 KB and more are mapped, and
     unmapped when freed).
     """
