@@ -17,11 +17,13 @@ until one last event three hours later closes them all and both sides emit every
 (append mode, into Delta). Tables checked equal (exceptAll both ways).
 
 Reported per side: time and events/s; for the engine, its processes' peak resident memory
-(VmHWM of the host engine and its instance processes, read every 0.5 s), the live windows before
+(VmHWM of the host engine and its instance processes, read every 0.2 s), the live windows before
 the closing batch, and bytes per live window: the peak RSS over live windows, and the same with
 the engine's RSS at its start subtracted (the interpreter, numba's code and pyarrow, which do
 not grow with the state). The peak is the closing batch's, which emits every window at once;
-``live_rss_bytes`` is the largest RSS sampled while the windows were live, before it.
+``live_rss_bytes`` is the largest RSS sampled while the windows were live, between batches;
+``live_peak_rss_bytes`` the peak while they were live, inside batches too (a batch's working
+set, a table's grow): the issue's measure, peak RSS over live windows, before the closing one.
 ``AGGSTATE_TRACE=1`` prints the engine's RSS as the batches go.
 
 Fair set-up for native Spark: the same session (local[2], spark.driver.memory=4g),
@@ -88,13 +90,16 @@ class Peak(threading.Thread):
     def __init__(self, q):
         super().__init__(daemon=True)
         self.q, self.hwm, self.live, self.base, self.stop = q, {}, 0, None, False
-        self.live_rss = 0  # (the largest RSS sampled while windows are live)
+        self.live_rss = 0  # (the largest RSS sampled while windows are live, between batches)
+        self.live_peak = 0  # (the peak RSS while windows are live, inside batches too)
         self.disk = 0  # (the largest state on disk reported)
         self.trace = bool(int(os.environ.get("AGGSTATE_TRACE", "0")))
 
     def run(self):
+        pids = []
         while not self.stop:
             try:
+                hwm_before = sum(self._hwm(pids).values())  # (read before the lock: see below)
                 m = self.q.metrics()["engine"]
                 pids = [p for p in m.get("instance_pids", []) + [m.get("engine_pid")] if p]
                 rss = 0
@@ -111,6 +116,9 @@ class Peak(threading.Thread):
                 live = int(m.get("live_windows") or 0)
                 if live and live >= self.live:
                     self.live_rss = max(self.live_rss, rss)
+                    # (metrics() waits for a batch to end; the peak read before it is the
+                    # processes' peak while these windows were live, batches' insides with it)
+                    self.live_peak = max(self.live_peak, hwm_before)
                 self.live = max(self.live, live)
                 if self.base is None and self.hwm:  # (the first reading: the engine at its start)
                     self.base = sum(self.hwm.values())
@@ -121,7 +129,15 @@ class Peak(threading.Thread):
                     self.disk = max(self.disk, int(disk))
             except Exception:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
+
+    @staticmethod
+    def _hwm(pids) -> dict:
+        out = {}
+        for pid in pids:
+            with open(f"/proc/{pid}/status") as f:
+                out[pid] = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM"))
+        return out
 
 
 def main() -> None:
@@ -169,8 +185,9 @@ def main() -> None:
         rss = sum(peak.hwm.values())
         res.update(stretch_peak_rss_bytes=rss, live_windows=peak.live,
                    stretch_base_rss_bytes=peak.base, live_rss_bytes=peak.live_rss,
-                   state_disk_bytes=peak.disk,
+                   live_peak_rss_bytes=peak.live_peak, state_disk_bytes=peak.disk,
                    live_bytes_per_window=peak.live_rss / max(peak.live, 1),
+                   live_peak_bytes_per_window=peak.live_peak / max(peak.live, 1),
                    bytes_per_window=rss / max(peak.live, 1),
                    bytes_per_window_above_base=(rss - (peak.base or 0)) / max(peak.live, 1))
         got = spark.read.format("delta").load(str(tmp / "stretch"))

@@ -339,6 +339,10 @@ class ESG:
                 (int(p["ts"][-1]) for ps in per_stream for p in ps), default=self.watermark))
         if n_parts == 0 and W <= self.watermark:
             return
+        if not self.in_order and self.n_streams == 1:  # (chunks as they came, never joined:
+            for ch in per_stream[0][:-1]:              # one segment each, the last moves W)
+                self._log.append(self._merge([[ch]], self.watermark))
+            per_stream = [per_stream[0][-1:]]
         seg = self._merge(per_stream, max(W, self.watermark))
         self.watermark = seg.watermark
         self._log.append(seg)
@@ -421,16 +425,19 @@ class ESG:
             del self._log[:lo]
             self._log_base += lo
 
-    def get_batch(self, j, format="dict"):
+    def get_batch(self, j, format="dict", chunks=False):
         """All released rows for reader ``j`` as one columnar batch (``dict`` or ``"arrow"``), and the watermark.
 
-        Only for single-stream ESGs (an operator's output). Control tuples are skipped.
+        Only for single-stream ESGs (an operator's output). Control tuples are skipped. With
+        ``chunks``, a list of batches (dicts), as released, not joined into one.
         """
         items = self.get(j, stop_at_control=False)
         segs = [it for it in items if isinstance(it, Segment) and len(it)]
         with self._lock:
             wm = self.watermark
             cols = self._schemas.get(0)
+        if chunks:
+            return [s.parts[0] for s in segs], wm
         if segs:
             batch = batch_concat([s.parts[0] for s in segs])
         else:

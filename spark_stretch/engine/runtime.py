@@ -58,6 +58,9 @@ def _fused_codes(ip) -> list:
 
 
 INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
+# output rows an instance gathers before it hands them out as a block, when their order does not
+# matter (whole batches): a window close of millions of windows never builds them in one piece
+OUT_CHUNK_ROWS = 1 << 20
 
 
 class Instance:
@@ -248,6 +251,7 @@ class Engine(Epochs, Snapshots):
         inst.opos[0] = 0
         inst.resume[:] = 0
         inst.gathered, inst.gathered_to = [], 0
+        parts = []
         WA = op.WA or 1
         WS = op.WS or 1
         while True:
@@ -268,7 +272,11 @@ class Engine(Epochs, Snapshots):
             if status == K.DONE:
                 break
             if status == K.NEED_OUT:
-                inst.grow_out()
+                if not self.esg_out.in_order and inst.o_ts.shape[0] >= OUT_CHUNK_ROWS:
+                    parts.append(self._block(inst))  # (then the kernel goes on from row 0)
+                    inst.opos[0] = 0
+                else:
+                    inst.grow_out()
             elif status == K.NEED_GROW:
                 self._grow_state(st, ver)
             elif status == K.NEED_POOL:
@@ -280,7 +288,7 @@ class Engine(Epochs, Snapshots):
                 inst.resume[2] = inst.resume[3] = 0
             else:  # pragma: no cover
                 raise EngineError(f"kernel returned unknown status {status}")
-        return self._block(inst)
+        return parts + [self._block(inst)] if parts else self._block(inst)
 
     def _grow_state(self, st, ver):
         """Grow the shared state under the write lock, unless another instance already did
@@ -320,11 +328,13 @@ class Engine(Epochs, Snapshots):
         return list(self.active)
 
     def _block(self, inst):
-        """The instance's output rows, sorted, as new arrays (gathered once from its buffers)."""
+        """The instance's output rows, sorted (unless ESG_out takes them as they come: whole
+        batches), as new arrays (gathered once from its buffers)."""
         p = int(inst.opos[0])
         op = self.op
         perm = sort_rows({"ts": inst.o_ts[:p], "key": inst.o_key[:p], "window_start": inst.o_l[:p],
-                          "_seq": inst.o_seq[:p], "_sub": inst.o_sub[:p]}, OUT_TIES)
+                          "_seq": inst.o_seq[:p], "_sub": inst.o_sub[:p]}, OUT_TIES) \
+            if self.esg_out.in_order else np.arange(p)
         l = inst.o_l[:p][perm]
         out = {"ts": inst.o_ts[:p][perm], "key": inst.o_key[:p][perm], "window_start": l,
                "window_end": np.where(l >= 0, l + (op.WS or 0), -1) if op.WA is not None else l.copy()}
@@ -379,9 +389,10 @@ class Engine(Epochs, Snapshots):
         return max(1, share // (32 * mmap.PAGESIZE)), max(1, share // row)
 
     def _emit(self, j, blk, watermark):
-        if len(blk["ts"]):
-            self.esg_out.add(blk, j, presorted=True)
-            self._m["out_rows"] += len(blk["ts"])
+        for part in blk if isinstance(blk, list) else [blk]:  # (a list: whole batches' chunks)
+            if len(part["ts"]):
+                self.esg_out.add(part, j, presorted=True)
+                self._m["out_rows"] += len(part["ts"])
         self.esg_out.add_watermark(watermark, j)
 
     def drain(self, timeout=None):
@@ -496,15 +507,18 @@ class Engine(Epochs, Snapshots):
     def live_windows(self):
         return self.state.live_windows()
 
-    def apply_whole_batches(self) -> bool:
+    def apply_whole_batches(self, ordered_output: bool = False) -> bool:
         """Apply each batch's tuples as they came, at once, and fire windows at the watermark
         only (``kernels.WHOLE``), when the result cannot depend on the order: a built-in
         aggregation over time windows of counts, sums, means, and minima and maxima of
         integers, in append mode (windows fired only by the watermark). (A sum of doubles
         rounds by its order, as Spark's own does by the order its partitions merge in; exact
         for integral values below 2**53.) The ESG then neither sorts nor holds back
-        tuples; the caller hands over every batch with :meth:`release_all`. Returns whether it
-        applies (otherwise nothing changes: tuples in event-time order).
+        tuples; the caller hands over every batch with :meth:`release_all`. Unless
+        ``ordered_output`` (rows that must line up with another engine's), ESG_out takes the
+        output rows as they come too: in no particular order, a window close of millions of
+        windows in blocks of :data:`OUT_CHUNK_ROWS` (``get_batch(chunks=True)``). Returns
+        whether it applies (otherwise nothing changes: tuples in event-time order).
 
         Examples
         --------
@@ -533,6 +547,7 @@ class Engine(Epochs, Snapshots):
         self._ip = ip.copy()  # (the operator's own stays as it was)
         self._ip[3] = K.WHOLE
         self.esg_in.in_order = False
+        self.esg_out.in_order = ordered_output
         return True
 
     @property

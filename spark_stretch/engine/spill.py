@@ -225,6 +225,34 @@ def drop_file_pages(path, keep: int) -> int:
     return total
 
 
+def release_done(arr, lo: int, hi: int) -> None:
+    """Give the pages of buckets ``lo:hi`` of the in-memory table ``arr`` back to the system:
+    a grow is done with them (it rehashed them into the new table), so the old table and the
+    new are never both whole in memory (their sum was the peak: 2.5 times the old table).
+
+    Only an array that owns its memory (not a view, not a mapped file) and is past
+    :data:`CHUNK_BYTES` is touched, and only the pages wholly inside the range and past its
+    first page (malloc keeps its bookkeeping before and at the start of a block). The bytes
+    read as zeros afterwards: ``arr`` must not be read again.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> t = np.ones((64, 1 << 16), np.int64)               # 32 MiB
+    >>> release_done(t, 32, 64); int(t[10, 0]), int(t[40, 0]), int(t[31, -1])
+    (1, 0, 1)
+    """
+    if arr.base is not None or arr.nbytes < CHUNK_BYTES:
+        return
+    base = arr.ctypes.data
+    row = arr.nbytes // arr.shape[0]
+    start = max(base + lo * row, base + PAGE)
+    start = -(-start // PAGE) * PAGE
+    end = (base + hi * row) // PAGE * PAGE
+    if end > start:
+        _madvise(start, end - start, mmap.MADV_DONTNEED)
+
+
 def _madvise(addr: int, length: int, advice: int) -> None:
     import ctypes
 

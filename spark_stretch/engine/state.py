@@ -19,7 +19,7 @@ from . import strings as S
 from ..protocol import placement
 from .errors import EngineError
 from .buckets import next_cap
-from .spill import Gathered, chunk_ranges
+from .spill import Gathered, chunk_ranges, release_done
 
 GATHER_BYTES = 4 << 20  # (bytes of table a lazy snapshot copies the live windows of at a time)
 
@@ -224,10 +224,10 @@ class BucketState:
         self.pool = np.zeros((0, int(words)), np.int64)
         self.free = np.zeros((int(n), 1), np.int64)
 
-    def _new_rec(self, cap):
+    def _new_rec(self, cap, empty=True):
         # (key, start, acc_i...), unpadded: a window's bytes are the state's size
         rec = self._table((self.n_buckets, cap, 2 + self.init_i.shape[0]), np.int64, cap)
-        for lo, hi in self._chunks(rec):
+        for lo, hi in self._chunks(rec) if empty else ():  # (a grow empties it as it goes)
             rec[lo:hi, :, 1] = K.EMPTY
             if self.spill is not None:
                 self.spill.trim(rec)
@@ -345,12 +345,16 @@ class BucketState:
         """Grow every bucket's table to ``cap`` slots (default: :func:`~.buckets.next_cap`),
         rehashing. Caller must hold the exclusive lock."""
         cap = next_cap(self.cap) if cap is None else int(cap)
-        nrec = self._new_rec(cap)
+        nrec = self._new_rec(cap, empty=False)  # (zeroed pages, not yet touched)
         naf = self._table((self.n_buckets, cap, self.acc_f.shape[2]), np.float64, cap)
-        for lo, hi in self._chunks(nrec):
+        spilled = self.spilled() or self.spill is not None and self.spill.spilled(nrec)
+        for lo, hi in self._chunks(nrec) if spilled else chunk_ranges(self.rec):
+            nrec[lo:hi, :, 1] = K.EMPTY
             K.rehash_into(self.rec[lo:hi], self.acc_f[lo:hi], nrec[lo:hi], naf[lo:hi])
             if self.spill is not None:
                 self.spill.trim(self.rec, self.acc_f, nrec, naf)
+            release_done(self.rec, lo, hi)  # (in memory: the old chunk's pages go as the new fill)
+            release_done(self.acc_f, lo, hi)
         self.rec, self.acc_f = nrec, naf
         self.version += 1
 

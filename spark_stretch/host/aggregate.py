@@ -70,10 +70,22 @@ def _add_sources(engines, spec) -> None:
 
 def _whole_batches(engines, spec) -> None:
     """In append mode, engines whose aggregates are order-free apply each batch whole, as Spark
-    does (no event-time sort, no row held back: ``Engine.apply_whole_batches``)."""
+    does (no event-time sort, no row held back: ``Engine.apply_whole_batches``); their rows
+    come out in no particular order, unless several engines' rows must line up."""
     if getattr(spec, "output_mode", "append") == "append":
         for eng in engines:
-            eng.apply_whole_batches()
+            eng.apply_whole_batches(ordered_output=len(engines) > 1)
+
+
+def _output_in_blocks(spec, codec, engines) -> Optional[pa.Table]:
+    """The query's rows from one engine's output blocks (whole batches), each let go once made
+    rows: a close of millions of windows is never whole twice. None: ordered rows, or none."""
+    if len(engines) > 1 or engines[0].esg_out.in_order:
+        return None
+    blocks = engines[0].esg_out.get_batch("driver", chunks=True)[0]
+    tables = [output_table(spec, codec, per_aggregation(spec, [blocks.pop(0)]))
+              for _ in range(len(blocks))]
+    return pa.concat_tables(tables) if tables else None
 
 
 class AggregateRuntime(EventTimes, Resharding, Runtime):
@@ -330,8 +342,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         return self._output() if read else None
 
     def _arrived(self, table: pa.Table) -> pa.Table:
-        # (the engine's input columns from the scan's own, when the shim left them to it; on
-        # several hosts, this host's share of them)
+        # (the engine's input from the scan's columns if the shim left it; this host's share)
         table = table if self.spec.prepare is None else prepare(table, self.spec.prepare)
         return table if self.share is None else self.share.kept(table)
 
@@ -339,7 +350,8 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         reject_nulls(self.spec, table, batch)
 
     def _output(self) -> pa.Table:
-        return output_table(self.spec, self.codec, per_aggregation(
+        out = _output_in_blocks(self.spec, self.codec, self.engines)
+        return out if out is not None else output_table(self.spec, self.codec, per_aggregation(
             self.spec, [eng.esg_out.get_batch("driver")[0] for eng in self.engines]))
 
     # -- control -----------------------------------------------------------------------------------

@@ -36,12 +36,13 @@ def read_arrow(path: Path) -> pa.Table:
         return pa.ipc.open_file(src).read_all()
 
 
-def arrow_bytes(table: pa.Table) -> bytes:
-    """``table`` as the bytes of an Arrow IPC file."""
+def arrow_bytes(table: pa.Table) -> pa.Buffer:
+    """``table`` as the bytes of an Arrow IPC file (a buffer: not copied again into ``bytes``,
+    a batch's output can be large)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return sink.getvalue()
 
 
 class CheckpointStore:

@@ -622,7 +622,8 @@ def test_driver_killed_mid_stream_then_restart_is_exact(spark, stream, tmp_path)
     import subprocess
 
     src, args, want = stream
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grouped_driver_job.py")),
                              str(src), str(tmp_path / "o"), str(tmp_path / "o-ckpt")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -206,7 +206,8 @@ def test_pysparks_own_state_variable_tests_on_two_hosts(cluster):
 
 @pytest.mark.slow  # a kill on the cluster: in `make test-slow`
 def test_killed_driver_leaves_nothing(cluster, tmp_path):
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable,
+               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
     proc = subprocess.Popen([sys.executable, str(JOB), cluster.url, "hold", str(tmp_path)],
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -231,7 +232,8 @@ def test_killed_driver_leaves_nothing(cluster, tmp_path):
 @pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_new_host_given_key_groups(tmp_path):
     with StandaloneCluster(hosts=("127.0.0.2",), cores=1, memory="2g") as c:
-        env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+        env = dict(os.environ, PYSPARK_PYTHON=sys.executable,
+                   SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
         err = open(tmp_path / "stderr", "w")  # (a pipe nobody reads would fill and block it)
         proc = subprocess.Popen([sys.executable, str(JOB), c.url, "grow", str(tmp_path)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)

@@ -77,7 +77,8 @@ def test_kafka_through_stretch_with_the_engine_killed_equals_native(spark, topic
 def test_kafka_through_stretch_with_the_driver_killed_then_restarted_equals_native(
         spark, topic, tmp_path):
     kafka, native = topic
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
     proc = subprocess.Popen([sys.executable, *_job(kafka, tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     # batch 2 logged; Spark may or may not have committed it

@@ -8,6 +8,7 @@ from numba import njit
 
 from spark_stretch.engine import (Engine, EngineError, JoinEngine, ListColumn, Operator, SNEngine,
                                   reconfigure, setup)
+from spark_stretch.engine import runtime
 from spark_stretch.engine.reference import ref_aggregate, reference_run
 from spark_stretch.engine.snapshot import Blob, loads
 from spark_stretch.ops import aggregate, aggregate_many, paircount, wordcount
@@ -381,12 +382,13 @@ def test_stamped_aggregation_gives_each_batch_the_windows_it_changed(engine_cls)
 
 
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
-def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls):
+def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls, monkeypatch):
     """apply_whole_batches: tuples applied as they came (no event-time sort, none held back),
     windows fired by the watermark only; the windows emitted, with their count, sum, min and
     max, equal to a dict kept by Spark's rules (late rows, stragglers into windows still open),
-    with a rescale and a checkpoint restored between batches. Order-dependent aggregates (first,
-    a double's max: NaN and -0.0) keep the event-time order."""
+    with a rescale and a checkpoint restored between batches, and a last close of more windows
+    than an instance's output block holds (handed out in blocks). Order-dependent aggregates
+    (first, a double's max: NaN and -0.0) keep the event-time order."""
     WS, WA, delay = 20, 10, 15
     aggs = [("count", None, "i", None), ("sum", "v", "i", None), ("min", "v", "i", None),
             ("max", "v", "i", None)]
@@ -424,6 +426,25 @@ def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls):
             eng = engine_cls.restore(op, eng.snapshot())
             assert eng.apply_whole_batches()
     assert len(got) > 50
+    monkeypatch.setattr(runtime, "OUT_CHUNK_ROWS", 1024)  # (an instance's first block: 1024)
+    ts, k = np.arange(top, top + 5000), 100 + np.arange(5000) % 2500
+    eng.esg_in.add({"ts": ts, "k": k, "v": k % 7}, 0)
+    eng.release_all(0)
+    for t, key in zip(ts.tolist(), k.tolist()):
+        for l in range((t // WA) * WA, t - WS, -WA):
+            n, sm, mn, mx = state.get((key, l), (0, 0, key % 7, key % 7))
+            state[(key, l)] = (n + 1, sm + key % 7, min(mn, key % 7), max(mx, key % 7))
+    eng.esg_in.advance_watermark(10 ** 9)
+    eng.drain()
+    blocks = eng.esg_out.get_batch("driver", chunks=True)[0]
+    assert len(blocks) > 6 and max(len(b["ts"]) for b in blocks) <= 1024
+    for out in blocks:
+        for key, l, *vals in zip(*(out[c].tolist() for c in ("key", "window_start", "_0", "_1",
+                                                            "_2", "_3"))):
+            assert (key, l) not in got
+            got[(key, l)] = tuple(vals)
+    emitted.update(state)
+    assert got == emitted and len(state) > 9000
     for other in ([("max", "v", "f", None)], [("first", "v", "i", None)]):
         plain = Engine(aggregate_many(other, key="k", WS=WS, WA=WA), m=1, n=1)
         assert not plain.apply_whole_batches() and not plain.applies_whole_batches

@@ -68,6 +68,35 @@ def test_full_key_compare_no_collision_mistakes_and_growth():
     eng.close()
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("VmRSS"))
+
+
+def test_a_grow_gives_the_old_tables_pages_back_as_it_goes():
+    """Growing rehashes a chunk of buckets at a time and gives that chunk of the old table back
+    to the system: the process never holds both tables whole (old + new was the peak). Held
+    here on purpose, the old table has lost its pages: RSS rose by about new - old, not new;
+    every window is where it was, by its contents."""
+    eng = Engine(count(key="k", WS=100), m=1, n=1, n_buckets=256)
+    eng.esg_in.add_sources([0], ordered=False)
+    keys = np.random.default_rng(3).permutation(1_500_000).astype(np.int64) * 7919
+    eng.esg_in.add({"ts": np.zeros(len(keys), np.int64), "k": keys}, 0)
+    eng.esg_in.advance_watermark(0)
+    eng.drain()
+    st = eng.state
+    before = sorted(zip(*(a.tolist() for a in st.bucket_rows()[:2])))
+    old = st.rec
+    rss = _rss()
+    st.grow()
+    grown = _rss() - rss
+    assert st.rec.nbytes > old.nbytes > 16 << 20
+    assert grown < st.rec.nbytes - old.nbytes // 2, (grown, old.nbytes, st.rec.nbytes)
+    assert sorted(zip(*(a.tolist() for a in st.bucket_rows()[:2]))) == before
+    assert st.live_windows() == len(keys)
+    eng.close()
+
+
 def test_take_list_matches_python():
     off = np.array([0, 2, 2, 5], np.int64)
     vals = np.array([1, 2, 3, 4, 5], np.int64)
