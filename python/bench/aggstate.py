@@ -190,6 +190,7 @@ def main() -> None:
                    live_peak_bytes_per_window=peak.live_peak / max(peak.live, 1),
                    bytes_per_window=rss / max(peak.live, 1),
                    bytes_per_window_above_base=(rss - (peak.base or 0)) / max(peak.live, 1))
+        print("stretch:", json.dumps(res), file=sys.stderr, flush=True)  # (before the long check)
         got = spark.read.format("delta").load(str(tmp / "stretch"))
         if a.native:
             want = spark.read.format("delta").load(str(tmp / "native"))
