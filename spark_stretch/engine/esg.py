@@ -429,20 +429,23 @@ class ESG:
         """All released rows for reader ``j`` as one columnar batch (``dict`` or ``"arrow"``), and the watermark.
 
         Only for single-stream ESGs (an operator's output). Control tuples are skipped. With
-        ``chunks``, a list of batches (dicts), as released, not joined into one.
+        ``chunks``, a list of batches (dicts), as released, not joined into one (no rows: one
+        empty batch).
         """
         items = self.get(j, stop_at_control=False)
         segs = [it for it in items if isinstance(it, Segment) and len(it)]
         with self._lock:
             wm = self.watermark
             cols = self._schemas.get(0)
-        if chunks:
+        if chunks and segs:
             return [s.parts[0] for s in segs], wm
         if segs:
             batch = batch_concat([s.parts[0] for s in segs])
         else:
             dt = self.dtypes or {}
             batch = {c: np.empty(0, dt.get(c, np.int64)) for c in (cols or ("ts",))}
+        if chunks:  # (no rows: one empty batch, so a reader always has the columns)
+            return [batch], wm
         return (to_arrow(batch) if format == "arrow" else batch), wm
 
     # ---- snapshot -----------------------------------------------------------------------------

@@ -347,7 +347,8 @@ class BucketState:
         cap = next_cap(self.cap) if cap is None else int(cap)
         nrec = self._new_rec(cap, empty=False)  # (zeroed pages, not yet touched)
         naf = self._table((self.n_buckets, cap, self.acc_f.shape[2]), np.float64, cap)
-        spilled = self.spilled() or self.spill is not None and self.spill.spilled(nrec)
+        # (spilled: a chunk of the new table's file at a time; in memory: a chunk of the old)
+        spilled = self.spill is not None and self.spill.spilled(nrec)
         for lo, hi in self._chunks(nrec) if spilled else chunk_ranges(self.rec):
             nrec[lo:hi, :, 1] = K.EMPTY
             K.rehash_into(self.rec[lo:hi], self.acc_f[lo:hi], nrec[lo:hi], naf[lo:hi])

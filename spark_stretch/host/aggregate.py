@@ -79,13 +79,15 @@ def _whole_batches(engines, spec) -> None:
 
 def _output_in_blocks(spec, codec, engines) -> Optional[pa.Table]:
     """The query's rows from one engine's output blocks (whole batches), each let go once made
-    rows: a close of millions of windows is never whole twice. None: ordered rows, or none."""
+    rows: a close of millions of windows is never whole twice. None: ordered rows."""
     if len(engines) > 1 or engines[0].esg_out.in_order:
         return None
     blocks = engines[0].esg_out.get_batch("driver", chunks=True)[0]
-    tables = [output_table(spec, codec, per_aggregation(spec, [blocks.pop(0)]))
-              for _ in range(len(blocks))]
-    return pa.concat_tables(tables) if tables else None
+    blocks.reverse()  # (taken from the end: each block is let go as it is made rows)
+    tables = []
+    while blocks:
+        tables.append(output_table(spec, codec, per_aggregation(spec, [blocks.pop()])))
+    return pa.concat_tables(tables)
 
 
 class AggregateRuntime(EventTimes, Resharding, Runtime):

@@ -445,6 +445,8 @@ def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls, monkeypa
             got[(key, l)] = tuple(vals)
     emitted.update(state)
     assert got == emitted and len(state) > 9000
+    empty, = eng.esg_out.get_batch("driver", chunks=True)[0]  # (nothing more: one empty block)
+    assert {"key", "window_start", "_3"} <= set(empty) and len(empty["ts"]) == 0
     for other in ([("max", "v", "f", None)], [("first", "v", "i", None)]):
         plain = Engine(aggregate_many(other, key="k", WS=WS, WA=WA), m=1, n=1)
         assert not plain.apply_whole_batches() and not plain.applies_whole_batches
