@@ -215,7 +215,6 @@ def main() -> None:
             if f"{side}_s" in res:
                 res[f"{side}_events_per_s"] = events / res[f"{side}_s"]
         print(json.dumps(res) if a.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
-        spark.stop()
         if not res["equal"]:
             sys.exit("outputs differ")
     finally:
