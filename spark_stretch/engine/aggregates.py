@@ -33,7 +33,7 @@ AGG_COUNT, AGG_SUM_I, AGG_SUM_F, AGG_MIN_I, AGG_MIN_F, AGG_MAX_I, AGG_MAX_F, AGG
 # timestamp (a float keeps microseconds since 1970 exactly until the year 2255)
 AGG_FIRST_I, AGG_FIRST_F, AGG_LAST_I, AGG_LAST_F = range(8, 12)
 # several aggregates in one state record (stream 0 only): ip[8] = K aggregates, ip[9] and
-# ip[10] the int and float value columns per tuple (``vi``/``vf`` hold them row-major); then per
+# ip[10] the int and float value columns per tuple (``vi``/``vf`` hold them column-major); then per
 # aggregate q its code and value columns, ip[MULTI + 3q : MULTI + 3q + 3] (-1: none), its
 # state the int slot q of the record and, if it keeps a float (:func:`uses_float`), the float
 # slot ip[MULTI + 4K + q] of its accumulators (-1: none; a count, sum, min or max of ints has
@@ -171,13 +171,14 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
     pool row it holds; a max_by/min_by by an exact ordering also in the int slot after).
     (Called once per tuple and window, not per aggregate: the reference counts of the arrays it
     takes are paid once for all.)"""
-    kv, kf = ip[9], ip[10]
+    ni = vi0.shape[0] // ip[9] if ip[9] > 0 else 0  # (the tuples: value columns are
+    nf = vf0.shape[0] // ip[10] if ip[10] > 0 else 0  # column-major, k at [k * n, (k + 1) * n))
     for q in range(ip[8]):
         c = MULTI + 3 * q
         code = ip[c]
         f = _fslot(ip, q)
-        xi = vi0[ri * kv + ip[c + 1]] if ip[c + 1] >= 0 else 0
-        xf = vf0[ri * kf + ip[c + 2]] if ip[c + 2] >= 0 else 0.0
+        xi = vi0[ip[c + 1] * ni + ri] if ip[c + 1] >= 0 else 0
+        xf = vf0[ip[c + 2] * nf + ri] if ip[c + 2] >= 0 else 0.0
         if code < AGG_MIN_S:
             ci, cf = _apply(code, rec[b, s, base + q], acc_f[b, s, f] if f >= 0 else 0.0,
                             xi, xf, t)
@@ -197,7 +198,7 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
                     rec[b, s, base + q] = xi
                     acc_f[b, s, f] = r
             else:  # by the ordering the AGG_BY_KEY after it reads
-                o = vi0[ri * kv + ip[c + 4]]
+                o = vi0[ip[c + 4] * ni + ri]
                 if code <= AGG_MINBY_L:
                     k = rec[b, s, base + q + 1]
                     if o >= k if code == AGG_MAXBY_L else o <= k:

@@ -231,8 +231,7 @@ class ESG:
             elif isinstance(self.late_window, str):  # a session window: late when it ended
                 late = b[self.late_window] <= src.wm
             else:  # Spark's rule: late only when every window of the tuple has ended
-                WA, WS = self.late_window
-                late = (ts // WA) * WA + WS <= src.wm
+                late = ts < _first_open(int(src.wm), *self.late_window)
             if late.any():
                 self.late_dropped += int(late.sum())
                 b = batch_take(b, np.flatnonzero(~late))
@@ -472,6 +471,14 @@ class ESG:
             self._rank = snap["rank"]
             self.late_dropped = snap["late_dropped"]
             self.released = snap["released"]
+
+
+def _first_open(wm: int, WA: int, WS: int) -> int:
+    """The least timestamp whose last window (the one starting at ``ts // WA * WA``) is open at
+    watermark ``wm``: a tuple below it has every window ended (one comparison per tuple, not
+    a division), clamped to int64."""
+    t = ((wm - WS) // WA + 1) * WA  # (q * WA + WS <= wm  <=>  q <= (wm - WS) // WA)
+    return min(max(t, -2 ** 63), 2 ** 63 - 1)
 
 
 def n_single(per_stream):

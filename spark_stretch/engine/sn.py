@@ -111,8 +111,8 @@ def _copy_cols(cols, idx):
     lc = ListColumn(off, vals).take(idx)
     out += [lc.offsets, lc.values]
     n = off.shape[0] - 1
-    for c in cols[2:]:  # (a fused aggregation's values: k per row, row-major)
+    for c in cols[2:]:  # (a fused aggregation's values: k per row, column-major)
         k = c.shape[0] // n if n else 1
-        out.append(c.reshape(n, k)[idx].ravel() if c.shape[0] and k > 1 else
+        out.append(c.reshape(k, n)[:, idx].ravel() if c.shape[0] and k > 1 else
                    c[idx] if c.shape[0] else c)
     return tuple(out)

@@ -153,9 +153,9 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
     key_col = key if key is not None else keys
     out_name = "longest" if agg == "longest" else agg
 
-    def prepare(stream, batch):
-        cols = _prepare(stream, batch)
-        if session_end is None:
+    def prepare(stream, batch, values_only=False):
+        cols = _prepare(stream, batch, values_only)
+        if session_end is None or values_only:
             return cols
         if batch is None:
             return cols + (_EMPTY_I,)
@@ -163,28 +163,15 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
             raise EngineError(f"session end column {session_end!r} is not an input column (columns: {sorted(batch)})")
         return cols + (np.ascontiguousarray(batch[session_end], np.int64),)
 
-    def _prepare(stream, batch):
+    def _prepare(stream, batch, values_only):
         if batch is None:
             return (np.zeros(1, np.int64), _EMPTY_I, _EMPTY_F, _EMPTY_I)
         if key_col not in batch:
             raise EngineError(f"key column {key_col!r} is not an input column (columns: {sorted(batch)})")
         kc = batch[key_col]
-        if keys is not None:
-            if not isinstance(kc, ListColumn):
-                raise EngineError(f"keys column {key_col!r} has type {kc.dtype}; keys= needs a list column "
-                                  "(use key= for a scalar key column)")
-            off, vals = kc.offsets, kc.values
-        else:
-            if isinstance(kc, ListColumn):
-                raise EngineError(f"key column {key_col!r} is a list column; use keys= for list columns")
-            vals = kc
-            off = np.arange(len(kc) + 1, dtype=np.int64)
-        if not np.issubdtype(vals.dtype, np.integer):
-            raise EngineError(f"key column {key_col!r} has dtype {vals.dtype}; keys must be int ids or strings")
-        vals = np.ascontiguousarray(vals, np.int64)
-        # (pairs: an id flagged ~id, negative, starts no pair here: another host's first word)
-        if pairs and vals.size and (vals.min() < -2 ** 31 or vals.max() >= 2 ** 31):
-            raise EngineError(f"keys column {key_col!r} has ids outside [0, 2**31); pair keys pack two 32-bit ids")
+        off = vals = None  # (values only: a fused aggregation's later aggregates, keyed by the first's)
+        if not values_only:
+            off, vals = _keys(kc)
         vf, vi = _EMPTY_F, _EMPTY_I
         if value is not None:
             if value not in batch:
@@ -204,7 +191,26 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
                 if by not in batch:
                     raise EngineError(f"by column {by!r} is not an input column (columns: {sorted(batch)})")
                 vf = np.ascontiguousarray(batch[by], np.float64)
-        return (np.ascontiguousarray(off, np.int64), vals, vf, vi)
+        return (off if values_only else np.ascontiguousarray(off, np.int64), vals, vf, vi)
+
+    def _keys(kc):  # (the offsets of each row's keys and the keys, int64)
+        if keys is not None:
+            if not isinstance(kc, ListColumn):
+                raise EngineError(f"keys column {key_col!r} has type {kc.dtype}; keys= needs a list column "
+                                  "(use key= for a scalar key column)")
+            off, vals = kc.offsets, kc.values
+        else:
+            if isinstance(kc, ListColumn):
+                raise EngineError(f"key column {key_col!r} is a list column; use keys= for list columns")
+            vals = kc
+            off = np.arange(len(kc) + 1, dtype=np.int64)
+        if not np.issubdtype(vals.dtype, np.integer):
+            raise EngineError(f"key column {key_col!r} has dtype {vals.dtype}; keys must be int ids or strings")
+        vals = np.ascontiguousarray(vals, np.int64)
+        # (pairs: an id flagged ~id, negative, starts no pair here: another host's first word)
+        if pairs and vals.size and (vals.min() < -2 ** 31 or vals.max() >= 2 ** 31):
+            raise EngineError(f"keys column {key_col!r} has ids outside [0, 2**31); pair keys pack two 32-bit ids")
+        return off, vals
 
     def decode(k, interner):
         k = np.asarray(k, np.int64)
@@ -231,6 +237,29 @@ _READS_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_FIRST_I, K.AGG_LAST_I, 
 _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.AGG_LAST_F,
             K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S,
             *_BY}
+
+
+# aggregates that read their value column and nothing else (no take flags, no ordering): the
+# ones reading the same column share its copy
+_PLAIN_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I}
+_PLAIN_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN}
+
+
+def _value_slots(reads, plain, values):
+    """Each aggregate's value column among a fused aggregation's (-1: it reads none), and the
+    aggregate that provides each column: one column per value column that plain aggregates
+    read (sum, min, max and mean of ``price``: one), one per other reader."""
+    slot_of, slots, first = {}, [], []
+    for q, r in enumerate(reads):
+        if not r:
+            slots.append(-1)
+            continue
+        key = ("value", values[q]) if plain[q] else ("aggregate", q)
+        if key not in slot_of:
+            slot_of[key] = len(first)
+            first.append(q)
+        slots.append(slot_of[key])
+    return slots, first
 
 
 def _check_layout(codes) -> None:
@@ -305,26 +334,26 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
         ip[K.MULTI + 3 * len(ops) + q] = first
     reads_i = [c in _READS_I or c >= K.AGG_HLL for c in codes]
     reads_f = [c in _READS_F or c >= K.AGG_HLL for c in codes]
-    ip[9], ip[10] = sum(reads_i), sum(reads_f)
+    values = [a[1] for a in aggs]
+    slot_i, first_i = _value_slots(reads_i, [c in _PLAIN_I for c in codes], values)
+    slot_f, first_f = _value_slots(reads_f, [c in _PLAIN_F for c in codes], values)
+    ip[9], ip[10] = len(first_i), len(first_f)
     # (a float slot only for an aggregate that keeps a float: count, sum and max of ints none)
     floats = tuple(q for q, code in enumerate(codes) if uses_float(code))
     ip[K.MULTI + 4 * len(ops) + np.array(floats, np.int64)] = np.arange(len(floats))
     for q, code in enumerate(codes):
         ip[K.MULTI + 3 * q] = code
-        if reads_i[q]:
-            ip[K.MULTI + 3 * q + 1] = sum(reads_i[:q])
-        if reads_f[q]:
-            ip[K.MULTI + 3 * q + 2] = sum(reads_f[:q])
+        ip[K.MULTI + 3 * q + 1] = slot_i[q]
+        ip[K.MULTI + 3 * q + 2] = slot_f[q]
+    asked = sorted({0, *first_i, *first_f})
 
     def prepare(stream, batch):
-        # (the first operator's keys for all; an operator that reads no value is not asked)
-        parts = [op.prepare(stream, batch) if q == 0 or reads_i[q] or reads_f[q] else None
-                 for q, op in enumerate(ops)]
-        vi = [p[3] for p, r in zip(parts, reads_i) if r]
-        vf = [p[2] for p, r in zip(parts, reads_f) if r]
-        # (row-major: a tuple's values side by side)
-        vi = np.ascontiguousarray(np.stack(vi, 1)).ravel() if vi else _EMPTY_I
-        vf = np.ascontiguousarray(np.stack(vf, 1)).ravel() if vf else _EMPTY_F
+        # (the first operator's keys for all; only the first reader of a value column asked)
+        parts = {q: ops[q].prepare(stream, batch, values_only=q > 0) for q in asked}
+        # (column-major: value column k's rows at [k * n, (k + 1) * n), copied whole; a
+        # row-major interleave cost a strided copy of every column, a tenth of a step)
+        vi = np.concatenate([parts[q][3] for q in first_i]) if first_i else _EMPTY_I
+        vf = np.concatenate([parts[q][2] for q in first_f]) if first_f else _EMPTY_F
         return (parts[0][0], parts[0][1], vf, vi) + tuple(parts[0][4:])
 
     at = 2 if session_end is not None else 0  # (an aggregate's init among a session's ints)
