@@ -189,7 +189,8 @@ class Pipeline(_Decisions):
             t0 = time.perf_counter()
             reply = eng.call(M.Result(query=self._qid, batch=batch_id))
             t1 = time.perf_counter()
-            out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
+            out = (self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows
+                   else self._sink.emit_empty(batch_id))
             t2, written = time.perf_counter(), time.time()
             # written meanwhile; waited for here only for its figures (and a write error)
             saved = eng.call(M.Saved(query=self._qid))
@@ -237,7 +238,8 @@ class Pipeline(_Decisions):
                                 batch_ts_ms=self._kind.batch_time(self._rec, batch_id, info),
                                 watermarks=marks if len(marks) == 2 else None))
         t2 = time.perf_counter()
-        out = self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows else None
+        out = (self._sink.emit(reply.stream, reply.rows, batch_id) if reply.rows
+               else self._sink.emit_empty(batch_id))
         t3, written = time.perf_counter(), time.time()
         # The engine wrote its state after this batch while Spark wrote the output; it must be on
         # disk before Spark commits the batch (a restart resumes from it).

@@ -13,7 +13,8 @@ whenever deltalake cannot write the table, the executors read the rows back from
   ``...protocol.*``), a column name needs column mapping (``sum(x)``) or a column's type is
   outside the plain ones (decimals, ``timestamp_ntz``, maps, ...): then Spark creates it. The
   engine casts its rows to the table's own schema (types must agree up to string sizes and
-  timestamp units).
+  timestamp units). A table Spark writes is made by the first batch, as Spark's Delta sink
+  does, with no rows if that batch has none (:meth:`Sink.emit_empty`).
 - **Spark writes instead** when the sink is a table name or has writer options (``mergeSchema``,
   ``partitionBy``, ...), ``spark.stretch.delta.directWrite`` is ``false``, or deltalake cannot
   open or write the table (an object store without credentials, a table feature it lacks, a
@@ -100,6 +101,7 @@ class Sink:
         self.direct = (direct and fmt == "delta" and bool(path) and not table
                        and not set(options) - {"path"})
         self._table_ready: Optional[threading.Thread] = None
+        self._written = False  # a batch's rows went to the sink in this run
 
     @property
     def idempotent_path(self) -> bool:
@@ -138,7 +140,24 @@ class Sink:
                 self._metrics.set("direct_write_off", reply.unsupported)
         out = self._read_output(stream, rows)
         self._write(out, batch_id, app_suffix)
+        self._written = True
         return out
+
+    def emit_empty(self, batch_id: int) -> None:
+        """A batch with no rows: nothing to write, but Spark's Delta sink commits a first batch
+        even when it is empty, so the table exists from then on (empty, with the query's
+        columns, made with the writer's options). A Delta table Spark writes and that does not
+        exist yet is made here the same way, once per run, until a batch has rows (a table
+        the engine writes was made when the query started)."""
+        if self._written or self.direct or self.format not in IDEMPOTENT:
+            return
+        self._written = True
+        if (self._spark.catalog.tableExists(self.table) if self.table
+                else (Path(self.path) / "_delta_log").is_dir()):
+            return  # (a path this host cannot list, an object store: one empty commit)
+        empty = self._spark.createDataFrame(self._spark.sparkContext.emptyRDD(),
+                                            self._kind.schema)
+        self._write(empty, batch_id)
 
     def emit_flush(self, stream: str, rows: int, batch: int) -> Optional[DataFrame]:
         """Write the rows of the no-data batch after ``batch``, as :meth:`emit`, under the app

@@ -133,6 +133,30 @@ def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, twee
     _equal(spark, tmp_path / "options", want)
 
 
+def test_a_table_spark_writes_exists_when_no_window_closed(spark, tweets, tmp_path):
+    """Native Spark's Delta sink commits its first batch even when no window closes, so the
+    table exists, empty, with the query's columns: so does the table Spark writes for the
+    engine (directWrite=false, or a writer option), not only the one the engine makes."""
+    def agg():
+        return source(spark, tweets).stretchAggregate(keys="words", window="1 day")
+
+    want = run_native(spark, agg(), tmp_path / "native")
+    assert want.count() == 0
+    spark.conf.set("spark.stretch.delta.directWrite", "false")
+    try:
+        q = _start(agg(), tmp_path / "spark")
+    finally:
+        spark.conf.unset("spark.stretch.delta.directWrite")
+    q2 = _start(agg(), tmp_path / "options", mergeSchema="true")
+    for out, query in ((tmp_path / "spark", q), (tmp_path / "options", q2)):
+        assert "direct_writes" not in query.metrics()
+        got = spark.read.format("delta").load(str(out))
+        assert got.count() == 0
+        assert [(f.name, f.dataType) for f in got.schema] == \
+            [(f.name, f.dataType) for f in want.schema]
+        assert {w for _, _, w in _txns(out)} <= {"spark"}
+
+
 def _creator(path: Path) -> str:
     first = (path / "_delta_log" / f"{0:020d}.json").read_text()
     return "spark" if "Apache-Spark" in first else "engine"
