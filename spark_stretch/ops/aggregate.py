@@ -350,8 +350,8 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
     def prepare(stream, batch):
         # (the first operator's keys for all; only the first reader of a value column asked)
         parts = {q: ops[q].prepare(stream, batch, values_only=q > 0) for q in asked}
-        # (column-major: value column k's rows at [k * n, (k + 1) * n), copied whole; a
-        # row-major interleave cost a strided copy of every column, a tenth of a step)
+        # (column-major: value column k's rows at [k * n, (k + 1) * n), each copied whole;
+        # interleaving them row by row would be a strided copy of every column)
         vi = np.concatenate([parts[q][3] for q in first_i]) if first_i else _EMPTY_I
         vf = np.concatenate([parts[q][2] for q in first_f]) if first_f else _EMPTY_F
         return (parts[0][0], parts[0][1], vf, vi) + tuple(parts[0][4:])
