@@ -36,10 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -50,6 +47,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import functions as F
 
 import spark_stretch
+from workdir import bench_run
 
 SCHEMA = "ts TIMESTAMP, user BIGINT, x BIGINT"
 HOUR_S = 3_600
@@ -151,87 +149,68 @@ def main() -> None:
                         "it in files on local disk")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    # (a run stopped with SIGTERM still removes its files, gigabytes at 20M keys; a second
-    # SIGTERM, as `timeout` forwards one, must not cut the clean-up short)
-    def stop(*_):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sys.exit(143)
-
-    signal.signal(signal.SIGTERM, stop)
-    tmp = Path(tempfile.mkdtemp(prefix="aggstate-"))
-    spark = None
-    try:
-        src = tmp / "events"
-        events = write_events(src, a.keys, a.files)
-        conf = {"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
-                "spark.sql.streaming.stateStore.providerClass":
-                    "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"}
-        spark = spark_stretch.session(conf=conf)
-        res = {"keys": a.keys, "events": events, "files": a.files,
-               "state_memory": a.state_memory}
-        if a.state_memory:
-            spark.conf.set("spark.stretch.state.memory", a.state_memory)
-
-        def run(df, name):
-            t0 = time.perf_counter()
-            q = (df.writeStream.format("delta").outputMode("append")
-                 .option("checkpointLocation", str(tmp / f"{name}-ckpt"))
-                 .trigger(availableNow=True).start(str(tmp / name)))
-            peak = None
-            if name == "stretch":
-                peak = Peak(q)
-                peak.start()
-            q.awaitTermination()
-            s = time.perf_counter() - t0
-            if peak is not None:
-                peak.stop = True
-                peak.join()
-            return s, peak
-
-        if a.native:
-            res["native_s"], _ = run(query(spark, src), "native")
-        res["stretch_s"], peak = run(spark_stretch.stretch(query(spark, src)), "stretch")
-        rss = sum(peak.hwm.values())
-        res.update(stretch_peak_rss_bytes=rss, live_windows=peak.live,
-                   stretch_base_rss_bytes=peak.base, live_rss_bytes=peak.live_rss,
-                   live_peak_rss_bytes=peak.live_peak, state_disk_bytes=peak.disk,
-                   live_bytes_per_window=peak.live_rss / max(peak.live, 1),
-                   live_peak_bytes_per_window=peak.live_peak / max(peak.live, 1),
-                   bytes_per_window=rss / max(peak.live, 1),
-                   bytes_per_window_above_base=(rss - (peak.base or 0)) / max(peak.live, 1))
-        print("stretch:", json.dumps(res), file=sys.stderr, flush=True)  # (before the long check)
-        got = spark.read.format("delta").load(str(tmp / "stretch"))
-        if a.native:
-            want = spark.read.format("delta").load(str(tmp / "native"))
-            res["throughput_ratio"] = res["native_s"] / res["stretch_s"]
-        else:  # a batch SQL query over the same files
-            want = (spark.read.schema(SCHEMA).parquet(str(src)).where(f"ts < timestamp_micros({T0 + HOUR})")
-                    .groupBy(F.window("ts", "1 hour"), "user")
-                    .agg(F.count("*").alias("n"), F.sum("x").alias("s"), F.max("x").alias("m")))
-        res["rows"] = got.count()
-        res["equal"] = res["rows"] == want.count() and got.exceptAll(want).isEmpty() \
-            and want.exceptAll(got).isEmpty()
-        for side in ("native", "stretch"):
-            if f"{side}_s" in res:
-                res[f"{side}_events_per_s"] = events / res[f"{side}_s"]
-        print(json.dumps(res) if a.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
-        if not res["equal"]:
-            sys.exit("outputs differ")
-    finally:
-        if spark is not None:  # (its queries stopped first: they would write on into tmp)
-            for stop_one in [q.stop for q in _active(spark)] + [spark.stop]:
-                try:
-                    stop_one()
-                except Exception:  # (a query cut short by SIGTERM: stopping is best effort)
-                    pass
-        shutil.rmtree(tmp, ignore_errors=True)
+    with bench_run("aggstate-") as bench:
+        _main(a, bench)
 
 
-def _active(spark) -> list:
-    try:
-        return spark.streams.active
-    except Exception:
-        return []
+def _main(a, bench) -> None:
+    tmp = bench.path
+    src = tmp / "events"
+    events = write_events(src, a.keys, a.files)
+    conf = {"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
+            "spark.sql.streaming.stateStore.providerClass":
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"}
+    spark = bench.session(spark_stretch.session(conf=conf))
+    res = {"keys": a.keys, "events": events, "files": a.files,
+           "state_memory": a.state_memory}
+    if a.state_memory:
+        spark.conf.set("spark.stretch.state.memory", a.state_memory)
+
+    def run(df, name):
+        t0 = time.perf_counter()
+        q = (df.writeStream.format("delta").outputMode("append")
+             .option("checkpointLocation", str(tmp / f"{name}-ckpt"))
+             .trigger(availableNow=True).start(str(tmp / name)))
+        peak = None
+        if name == "stretch":
+            peak = Peak(q)
+            peak.start()
+        q.awaitTermination()
+        s = time.perf_counter() - t0
+        if peak is not None:
+            peak.stop = True
+            peak.join()
+        return s, peak
+
+    if a.native:
+        res["native_s"], _ = run(query(spark, src), "native")
+    res["stretch_s"], peak = run(spark_stretch.stretch(query(spark, src)), "stretch")
+    rss = sum(peak.hwm.values())
+    res.update(stretch_peak_rss_bytes=rss, live_windows=peak.live,
+               stretch_base_rss_bytes=peak.base, live_rss_bytes=peak.live_rss,
+               live_peak_rss_bytes=peak.live_peak, state_disk_bytes=peak.disk,
+               live_bytes_per_window=peak.live_rss / max(peak.live, 1),
+               live_peak_bytes_per_window=peak.live_peak / max(peak.live, 1),
+               bytes_per_window=rss / max(peak.live, 1),
+               bytes_per_window_above_base=(rss - (peak.base or 0)) / max(peak.live, 1))
+    print("stretch:", json.dumps(res), file=sys.stderr, flush=True)  # (before the long check)
+    got = spark.read.format("delta").load(str(tmp / "stretch"))
+    if a.native:
+        want = spark.read.format("delta").load(str(tmp / "native"))
+        res["throughput_ratio"] = res["native_s"] / res["stretch_s"]
+    else:  # a batch SQL query over the same files
+        want = (spark.read.schema(SCHEMA).parquet(str(src)).where(f"ts < timestamp_micros({T0 + HOUR})")
+                .groupBy(F.window("ts", "1 hour"), "user")
+                .agg(F.count("*").alias("n"), F.sum("x").alias("s"), F.max("x").alias("m")))
+    res["rows"] = got.count()
+    res["equal"] = res["rows"] == want.count() and got.exceptAll(want).isEmpty() \
+        and want.exceptAll(got).isEmpty()
+    for side in ("native", "stretch"):
+        if f"{side}_s" in res:
+            res[f"{side}_events_per_s"] = events / res[f"{side}_s"]
+    print(json.dumps(res) if a.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+    if not res["equal"]:
+        sys.exit("outputs differ")
 
 
 if __name__ == "__main__":

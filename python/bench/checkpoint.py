@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from spark_stretch.host.aggregate import AggregateRuntime
+from workdir import bench_run
 from spark_stretch.protocol.specs import AggregateSpec, Checkpointing
 
 
@@ -92,13 +91,11 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=4096)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-ckpt-"))
-    try:
+    with bench_run("stretch-bench-ckpt-") as bench:
+        work = bench.path
         run(1000, args.changed, 3, args.buckets, work / "warm-up")  # compiles the kernels
         report = [run(int(w), args.changed, args.batches, args.buckets, work)
                   for w in args.windows.split(",")]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(report))
         return

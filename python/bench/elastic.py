@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 import spark_stretch
+from workdir import bench_run
 from spark_stretch.driver.engine import HostEngine
 from spark_stretch.testing.stepped import event_source, publish_steps, steps
 
@@ -130,10 +129,10 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(n * args.trigger) for n in steps(args.low, args.high, args.phase, args.phase,
                                                   args.phase)]
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-elastic-"))
-    spark = spark_stretch.session(app_name="spark-stretch elastic bench")
-    summaries = []
-    try:
+    with bench_run("stretch-bench-elastic-") as bench:
+        work = bench.path
+        spark = bench.session(spark_stretch.session(app_name="spark-stretch elastic bench"))
+        summaries = []
         for name in args.runs.split(","):
             r = run(spark, name, sizes, args, work)
             summaries.append(summarize(r, args))
@@ -147,9 +146,6 @@ def main() -> None:
                              title=f"{name}: {args.low:,} -> {args.high:,} -> {args.low:,} "
                                    "events/s")
             print(json.dumps(summaries[-1]) if args.json else _line(summaries[-1]), flush=True)
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _ms(v) -> str:

@@ -42,10 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -58,6 +56,7 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql.streaming.state import GroupStateTimeout
 
 import spark_stretch
+from workdir import bench_run
 
 SCHEMA = "ts TIMESTAMP, user STRING, value BIGINT"
 OUT = "user string, start long, end long, n long, total long, closed boolean"
@@ -367,9 +366,10 @@ def main() -> None:
             "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
     spark = spark_stretch.session(master=a.master, conf=conf)
     spark.sparkContext.setLogLevel("ERROR")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-grouped-"))
-    res = {"events": a.events, "users": a.users, "files": a.files, "master": a.master}
-    try:
+    with bench_run("bench-grouped-") as bench:
+        tmp = bench.path
+        bench.session(spark)
+        res = {"events": a.events, "users": a.users, "files": a.files, "master": a.master}
         if a.growth:
             res = growth(spark, tmp, a)
             print(json.dumps(res), flush=True)
@@ -426,9 +426,6 @@ def main() -> None:
                 # Against the slower of stretch's two requests (driver round trip included).
                 res["rescale_ratio"] = (res["spark_rescale_total_s"] * 1e3
                                         / max(res["stretch_reconfigure_request_ms"]))
-    finally:
-        spark.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     if a.json:
         print(json.dumps(res))
         return

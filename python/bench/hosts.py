@@ -40,13 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from workdir import bench_run
 
 LAYOUTS = {"1x2": (("127.0.0.2",), 2), "2x1": (("127.0.0.2", "127.0.0.3"), 1)}
 SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
@@ -345,17 +345,17 @@ def main() -> None:
     from spark_stretch.testing import write_tweets
     from spark_stretch.testing.cluster import StandaloneCluster
 
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-hosts-"))
-    if any(q != "sessions" for q in args.queries.split(",") if q):
-        write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
-    if "sessions" in args.queries.split(","):
-        import grouped
+    with bench_run("stretch-bench-hosts-") as bench:
+        work = bench.path
+        if any(q != "sessions" for q in args.queries.split(",") if q):
+            write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
+        if "sessions" in args.queries.split(","):
+            import grouped
 
-        grouped.write_events(work / "events", args.events, args.users, args.files, seed=1)
-    if args.bytes_tweets:
-        write_tweets(work / "tweets-small", args.bytes_tweets, files=4, rate=1000.0, seed=2)
-    report = {"tweets": args.tweets, "layouts": {}}
-    try:
+            grouped.write_events(work / "events", args.events, args.users, args.files, seed=1)
+        if args.bytes_tweets:
+            write_tweets(work / "tweets-small", args.bytes_tweets, files=4, rate=1000.0, seed=2)
+        report = {"tweets": args.tweets, "layouts": {}}
         for layout, (hosts, cores) in LAYOUTS.items():
             if layout == "1x2" and not args.queries:
                 continue
@@ -373,8 +373,6 @@ def main() -> None:
                     raise RuntimeError(f"layout {layout} failed:\n{p.stdout[-3000:]}"
                                        f"{p.stderr[-5000:]}")
                 report["layouts"][layout] = json.loads(line[0][len("RESULT "):])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     one = report["layouts"].get("1x2", {}).get("queries", {})
     two = report["layouts"]["2x1"]["queries"]
     for name in one:

@@ -25,12 +25,11 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
 from pyspark.sql import functions as F
 
 import spark_stretch
+from workdir import bench_run
 from spark import WINDOW, _source, _timed  # python/bench/spark.py: the same stream and query
 from spark_stretch.testing import write_tweets
 
@@ -51,10 +50,15 @@ def main() -> None:
     for v in args.variant:
         name, _, settings = v.partition(":")
         paths[name] = ("files", dict(kv.split("=", 1) for kv in settings.split(",")))
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-ingest-"))
+    with bench_run("stretch-bench-ingest-") as bench:
+        _main(args, paths, bench)
+
+
+def _main(args, paths, bench) -> None:
+    work = bench.path
     src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
-    spark = spark_stretch.session(app_name="bench ingest",
-                                  conf={"spark.sql.shuffle.partitions": "2"})
+    spark = bench.session(spark_stretch.session(app_name="bench ingest",
+                                                conf={"spark.sql.shuffle.partitions": "2"}))
     spark.sparkContext.setLogLevel("ERROR")
 
     def run(name: str) -> float:
@@ -89,18 +93,14 @@ def main() -> None:
 
     names = ["floor", *paths]
     times = {n: [] for n in names}
-    try:
+    for n in names:
+        run(n)  # untimed warm-up
+    for _ in range(args.repeat):
         for n in names:
-            run(n)  # untimed warm-up
-        for _ in range(args.repeat):
-            for n in names:
-                times[n].append(run(n))
-        tables = [spark.read.format("delta").load(str(work / n)) for n in paths]
-        equal = all(t.count() == tables[0].count() and t.exceptAll(tables[0]).isEmpty()
-                    and tables[0].exceptAll(t).isEmpty() for t in tables[1:])
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
+            times[n].append(run(n))
+    tables = [spark.read.format("delta").load(str(work / n)) for n in paths]
+    equal = all(t.count() == tables[0].count() and t.exceptAll(tables[0]).isEmpty()
+                and tables[0].exceptAll(t).isEmpty() for t in tables[1:])
     tps = {n: args.tweets / statistics.median(v) for n, v in times.items()}
     report = {"tweets": args.tweets, "files": args.files, "tps": tps, "equal": bool(equal),
               "runs_s": times}

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from pyspark.sql import functions as F
 
 import spark_stretch
+from workdir import bench_run
 from spark_stretch.ops import band_join
 from spark_stretch.testing import write_points
 
@@ -52,14 +50,15 @@ def main() -> None:
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-join-"))
-    for name, cols, seed in (("l", ("x", "y"), 1), ("r", ("a", "b"), 2)):
-        write_points(work / name, args.points, files=args.files, rate=args.rate, seed=seed,
-                     columns=cols, span=1000.0, jitter_s=2.0)
-    spark = spark_stretch.session(app_name="bench join",
-                                  conf={"spark.sql.shuffle.partitions": "2"})
-    spark.sparkContext.setLogLevel("ERROR")
-    try:
+    with bench_run("stretch-bench-join-") as bench:
+        work = bench.path
+        for name, cols, seed in (("l", ("x", "y"), 1), ("r", ("a", "b"), 2)):
+            write_points(work / name, args.points, files=args.files, rate=args.rate, seed=seed,
+                         columns=cols, span=1000.0, jitter_s=2.0)
+        spark = bench.session(spark_stretch.session(app_name="bench join",
+                                                    conf={"spark.sql.shuffle.partitions": "2"}))
+        spark.sparkContext.setLogLevel("ERROR")
+
         def stream(name, cols):
             return (spark.readStream.schema(f"ts TIMESTAMP, {cols}")
                     .option("maxFilesPerTrigger", 1).parquet(str(work / name))
@@ -85,9 +84,6 @@ def main() -> None:
         report = {"points_per_stream": args.points, "rate": args.rate, "files": args.files,
                   "native": n / native_s, "stretch": n / stretch_s, "rows": rows,
                   "equal": bool(equal)}
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(report))
     else:

@@ -29,10 +29,8 @@ import argparse
 import contextlib
 import datetime
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,6 +46,7 @@ import nexmark_gen as gen  # noqa: E402
 import spark_stretch  # noqa: E402
 from spark_stretch.driver.engine import HostEngine  # noqa: E402
 from spark_stretch.testing.kafka import SPARK_KAFKA_PACKAGE, KafkaBroker, send  # noqa: E402
+from workdir import bench_run  # noqa: E402
 
 TICK_S = 0.1
 ALIGN_S = 10
@@ -173,16 +172,17 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-latency-"))
     results, ok = {}, True
     with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        bench = stack.enter_context(bench_run("stretch-bench-latency-"))
+        work = bench.path
         broker = stack.enter_context(KafkaBroker())
         spark = spark_stretch.session(app_name="bench latency", conf={
             "spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
             "spark.sql.session.timeZone": "UTC", "spark.jars.packages": SPARK_KAFKA_PACKAGE,
             "spark.sql.streaming.numRecentProgressUpdates": "100000"})
-        stack.callback(spark.stop)
+        bench.session(spark)
+        stack.callback(bench.stop_sessions)  # (its queries, then Spark; before the broker's end)
         spark.sparkContext.setLogLevel("ERROR")
         for name in args.queries.split(","):
             res = {side: run_one(spark, broker, work, name, side, args)

@@ -31,17 +31,15 @@ Fair set-up for native Spark as in
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from pathlib import Path
 
 from pyspark.sql import functions as F
 
 import spark_stretch
+from workdir import bench_run
 from spark_stretch.driver.engine import HostEngine
 from spark_stretch.testing import write_tweets
 
@@ -64,10 +62,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--queries", default="wordcount,composite,fallback")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-native-"))
+    with bench_run("stretch-bench-native-") as bench:
+        _main(args, bench)
+
+
+def _main(args, bench) -> None:
+    work = bench.path
     src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
-    spark = spark_stretch.session(app_name="bench native spelling",
-                                  conf={"spark.sql.shuffle.partitions": "2"})
+    spark = bench.session(spark_stretch.session(app_name="bench native spelling",
+                                                conf={"spark.sql.shuffle.partitions": "2"}))
     spark.sparkContext.setLogLevel("ERROR")
 
     def source():
@@ -126,39 +129,35 @@ def main() -> None:
         },
     }
     ok = True
-    try:
-        for query in args.queries.split(","):
-            kinds = variants[query]
-            times = {k: [] for k in kinds}
-            outs = {}
-            for k, make in kinds.items():  # an untimed warm-up of each (JIT, class loading)
-                run(make, f"{query}-{k}-warmup", 0)
-            names = list(kinds)
-            for i in range(args.repeat):
-                # Each round starts with the next kind: no kind always runs right after
-                # another's (native's long runs leave the JVM garbage the next run collects)
-                for k in names[i % len(names):] + names[:i % len(names)]:
-                    s, outs[k] = run(kinds[k], f"{query}-{k}".replace("(", "").replace(")", ""),
-                                     i)
-                    times[k].append(s)
-            # stretchAggregate's columns are window, key, count: compare it renamed
-            equal = {}
-            for k, out in outs.items():
-                if k == "stretchAggregate":
-                    a = spark.read.format("delta").load(str(out)).toDF("window", "word", "count")
-                    b = spark.read.format("delta").load(str(outs["native"]))
-                    equal[k] = a.exceptAll(b).isEmpty() and b.exceptAll(a).isEmpty()
-                else:
-                    equal[k] = same(out, outs["native"])
-            ok = ok and all(equal.values())
-            med = {k: statistics.median(v) for k, v in times.items()}
-            for k in kinds:
-                print(f"{query:<10} {k:<17} {med[k]:6.2f} s  {args.tweets / med[k]:>10,.0f} "
-                      f"tweets/s  {med['native'] / med[k]:5.2f}x native  equal={equal[k]}  "
-                      f"runs={[round(t, 2) for t in times[k]]}", flush=True)
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    for query in args.queries.split(","):
+        kinds = variants[query]
+        times = {k: [] for k in kinds}
+        outs = {}
+        for k, make in kinds.items():  # an untimed warm-up of each (JIT, class loading)
+            run(make, f"{query}-{k}-warmup", 0)
+        names = list(kinds)
+        for i in range(args.repeat):
+            # Each round starts with the next kind: no kind always runs right after
+            # another's (native's long runs leave the JVM garbage the next run collects)
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                s, outs[k] = run(kinds[k], f"{query}-{k}".replace("(", "").replace(")", ""),
+                                 i)
+                times[k].append(s)
+        # stretchAggregate's columns are window, key, count: compare it renamed
+        equal = {}
+        for k, out in outs.items():
+            if k == "stretchAggregate":
+                a = spark.read.format("delta").load(str(out)).toDF("window", "word", "count")
+                b = spark.read.format("delta").load(str(outs["native"]))
+                equal[k] = a.exceptAll(b).isEmpty() and b.exceptAll(a).isEmpty()
+            else:
+                equal[k] = same(out, outs["native"])
+        ok = ok and all(equal.values())
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k in kinds:
+            print(f"{query:<10} {k:<17} {med[k]:6.2f} s  {args.tweets / med[k]:>10,.0f} "
+                  f"tweets/s  {med['native'] / med[k]:5.2f}x native  equal={equal[k]}  "
+                  f"runs={[round(t, 2) for t in times[k]]}", flush=True)
     if not ok:
         sys.exit("outputs differ from native Spark's")
 

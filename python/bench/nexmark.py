@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +43,7 @@ import nexmark_gen as gen  # noqa: E402
 import spark_stretch  # noqa: E402
 from spark_stretch.driver.engine import HostEngine  # noqa: E402
 from spark_stretch.testing.kafka import SPARK_KAFKA_PACKAGE, KafkaBroker  # noqa: E402
+from workdir import bench_run  # noqa: E402
 
 WATERMARK = "4 seconds"
 CORES = 2
@@ -167,9 +166,9 @@ def main() -> None:
                     help="Parquet files, or a Kafka broker started here (KafkaBroker)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-nexmark-"))
     with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        bench = stack.enter_context(bench_run("stretch-bench-nexmark-"))
+        work = bench.path
         broker = None
         t = time.perf_counter()
         if args.source == "kafka":
@@ -180,10 +179,11 @@ def main() -> None:
             counts = {}
         print(f"generated {args.events:,} events into {args.source} in "
               f"{time.perf_counter() - t:.1f} s", flush=True)
-        _bench(args, work, broker, counts)
+        _bench(args, bench, broker, counts)
 
 
-def _bench(args, work: Path, broker, counts) -> None:
+def _bench(args, bench, broker, counts) -> None:
+    work = bench.path
     conf = {"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
             "spark.sql.session.timeZone": "UTC"}
     if broker is not None:
@@ -191,7 +191,7 @@ def _bench(args, work: Path, broker, counts) -> None:
     if args.rocksdb:
         conf["spark.sql.streaming.stateStore.providerClass"] = (
             "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
-    spark = spark_stretch.session(app_name="bench nexmark", conf=conf)
+    spark = bench.session(spark_stretch.session(app_name="bench nexmark", conf=conf))
     spark.sparkContext.setLogLevel("ERROR")
 
     def reader(kind, schema):
@@ -269,8 +269,8 @@ def _bench(args, work: Path, broker, counts) -> None:
                   + (f"  FALLBACK: {row['fallback']}" if reasons else ""), flush=True)
         for name, why in NOT_EXPRESSIBLE.items():
             print(f"{name:<6} not expressible in Structured Streaming: {why}")
-    finally:
-        spark.stop()
+    finally:  # (its queries first; before the broker stops)
+        bench.stop_sessions()
     if args.json:
         Path(args.json).write_text(json.dumps({"events": args.events, "files": args.files,
                                                "source": args.source,

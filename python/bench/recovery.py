@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import spark_stretch
 from spark_stretch.testing import publish, write_tweets
+from workdir import bench_run
 
 SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
 
@@ -36,38 +34,38 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-recovery-"))
-    files = sorted((write_tweets(work / "all", args.tweets, files=args.files, rate=50.0,
-                                 seed=3)).glob("*.parquet"))
-    # Two hours later: closes every window of the first hour (written after the timed restart,
-    # so the outputs can be compared).
-    closing = sorted(write_tweets(work / "late", 1000, rate=50.0, start_s=7200.0, seed=4,
-                                  first_file=args.files).glob("*.parquet"))[0]
-    src = work / "src"
-    src.mkdir()
-    for f in files[:-1]:
-        publish(f, src)
-    spark = spark_stretch.session(app_name="bench recovery",
-                                  conf={"spark.sql.shuffle.partitions": "2"})
-    spark.sparkContext.setLogLevel("ERROR")
+    with bench_run("stretch-bench-recovery-") as bench:
+        work = bench.path
+        files = sorted((write_tweets(work / "all", args.tweets, files=args.files, rate=50.0,
+                                     seed=3)).glob("*.parquet"))
+        # Two hours later: closes every window of the first hour (written after the timed restart,
+        # so the outputs can be compared).
+        closing = sorted(write_tweets(work / "late", 1000, rate=50.0, start_s=7200.0, seed=4,
+                                      first_file=args.files).glob("*.parquet"))[0]
+        src = work / "src"
+        src.mkdir()
+        for f in files[:-1]:
+            publish(f, src)
+        spark = bench.session(spark_stretch.session(app_name="bench recovery",
+                                                    conf={"spark.sql.shuffle.partitions": "2"}))
+        spark.sparkContext.setLogLevel("ERROR")
 
-    def agg():
-        return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(src))
-                .withWatermark("ts", "10 seconds")
-                .stretchAggregate(keys=spark_stretch.pairs("words", distance=3),
-                                  window="1 hour", parallelism=2, max_parallelism=2))
+        def agg():
+            return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(src))
+                    .withWatermark("ts", "10 seconds")
+                    .stretchAggregate(keys=spark_stretch.pairs("words", distance=3),
+                                      window="1 hour", parallelism=2, max_parallelism=2))
 
-    def run(kind):
-        a = agg()
-        w = a.native().writeStream.outputMode("append") if kind == "native" else a.writeStream
-        t0 = time.perf_counter()
-        q = (w.format("delta").option("checkpointLocation", str(work / f"{kind}-ckpt"))
-             .trigger(availableNow=True).start(str(work / kind)))
-        q.awaitTermination()
-        return time.perf_counter() - t0, q
+        def run(kind):
+            a = agg()
+            w = a.native().writeStream.outputMode("append") if kind == "native" else a.writeStream
+            t0 = time.perf_counter()
+            q = (w.format("delta").option("checkpointLocation", str(work / f"{kind}-ckpt"))
+                 .trigger(availableNow=True).start(str(work / kind)))
+            q.awaitTermination()
+            return time.perf_counter() - t0, q
 
-    report = {"tweets": args.tweets, "files": args.files}
-    try:
+        report = {"tweets": args.tweets, "files": args.files}
         for kind in ("native", "stretch"):
             report[f"{kind}_first_run_s"], q = run(kind)
             if kind == "stretch":
@@ -87,9 +85,6 @@ def main() -> None:
         report["equal"] = bool(a.count() == b.count() and a.exceptAll(b).isEmpty()
                                and b.exceptAll(a).isEmpty())
         report["rows"] = a.count()
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(report))
     else:

@@ -38,7 +38,6 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from pyspark.sql import functions as F
 
 import spark_stretch
 from spark_stretch.testing import write_tweets
+from workdir import bench_run
 
 SCHEMA = "ts TIMESTAMP, words ARRAY<STRING>, user STRING, len BIGINT"
 QUERIES = {
@@ -181,7 +181,12 @@ def main() -> None:
     ap.add_argument("--source", choices=("parquet", "delta"), default="parquet")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="stretch-bench-spark-"))
+    with bench_run("stretch-bench-spark-") as bench:
+        _main(args, bench)
+
+
+def _main(args, bench) -> None:
+    work = bench.path
     src = write_tweets(work / "tweets", args.tweets, files=args.files, rate=1000.0, seed=1)
     names = args.queries.split(",")
     ordered = write_tweets(work / "tweets-sorted", args.tweets, files=args.files, rate=1000.0,
@@ -189,78 +194,74 @@ def main() -> None:
     if args.source == "delta":
         src = _as_delta(src, work / "tweets-delta")
         ordered = ordered and _as_delta(ordered, work / "tweets-sorted-delta")
-    spark = spark_stretch.session(app_name="bench spark",
-                                  conf={"spark.sql.shuffle.partitions": "2"})
+    spark = bench.session(spark_stretch.session(app_name="bench spark",
+                                                conf={"spark.sql.shuffle.partitions": "2"}))
     spark.sparkContext.setLogLevel("ERROR")
     report = {"tweets": args.tweets, "files": args.files, "source": args.source, "queries": {}}
-    try:
-        def floor(ckpt):
-            return _timed(lambda: _source(spark, src, args.source).writeStream.format("noop")
-                          .option("checkpointLocation", str(work / ckpt))
-                          .trigger(availableNow=True).start())
+    def floor(ckpt):
+        return _timed(lambda: _source(spark, src, args.source).writeStream.format("noop")
+                      .option("checkpointLocation", str(work / ckpt))
+                      .trigger(availableNow=True).start())
 
-        # Warm-up first: the JVM's first pass over the files (class loading, JIT, page cache)
-        # would otherwise be charged to the floor alone and flatter stretch / floor.
-        floor("warmup-ckpt")
-        floors = [floor("floor-ckpt")]
-        for name in names:
-            if name in AS_WRITTEN:
-                report["queries"][name] = _as_written(
-                    spark, ordered if name in SORTED else src, args, work, name)
-                continue
-            agg = _source(spark, src, args.source).stretchAggregate(
-                keys=QUERIES[name](), window=WINDOW, agg="count",
-                parallelism=args.parallelism, max_parallelism=args.parallelism)
-            out_n, out_s = work / f"{name}-native", work / f"{name}-stretch"
-            native_s = _timed(lambda: agg.native().writeStream.format("delta").outputMode("append")
-                              .option("checkpointLocation", str(out_n) + "-ckpt")
-                              .trigger(availableNow=True).start(str(out_n)))
-            # An untimed warm-up pass, as for the floor: the JVM's first run of the shim's ingest
-            # (class loading, JIT) would otherwise be charged to the first timed run alone.
-            _timed(lambda: agg.writeStream.format("delta")
-                   .option("checkpointLocation", str(work / f"{name}-warmup-ckpt"))
-                   .trigger(availableNow=True).start(str(work / f"{name}-warmup")))
-            runs = []
-            for i in range(args.repeat):
-                if i:  # a fresh table and checkpoint each time; the floor in between
-                    shutil.rmtree(out_s, ignore_errors=True)
-                    shutil.rmtree(str(out_s) + "-ckpt", ignore_errors=True)
-                    shutil.rmtree(work / "floor-ckpt", ignore_errors=True)
-                    floors.append(floor("floor-ckpt"))
-                runs.append(_timed(lambda: agg.writeStream.format("delta")
-                                   .option("checkpointLocation", str(out_s) + "-ckpt")
-                                   .trigger(availableNow=True).start(str(out_s))))
-            stretch_s, floor_s = statistics.median(runs), statistics.median(floors)
-            out_w = work / f"{name}-stretch-sparkwrite"
-            spark.conf.set("spark.stretch.delta.directWrite", "false")
-            try:
-                sparkwrite_s = _timed(lambda: agg.writeStream.format("delta")
-                                      .option("checkpointLocation", str(out_w) + "-ckpt")
-                                      .trigger(availableNow=True).start(str(out_w)))
-            finally:
-                spark.conf.unset("spark.stretch.delta.directWrite")
-            a = spark.read.format("delta").load(str(out_n))
-            equal = True
-            for out in (out_s, out_w):
-                b = spark.read.format("delta").load(str(out))
-                equal = equal and a.count() == b.count() and a.exceptAll(b).isEmpty() \
-                    and b.exceptAll(a).isEmpty()
-            report["queries"][name] = {
-                "native": args.tweets / native_s, "stretch": args.tweets / stretch_s,
-                "stretch_sparkwrite": args.tweets / sparkwrite_s,
-                "floor": args.tweets / floor_s, "equal": bool(equal), "rows": a.count(),
-                "stretch_runs_s": runs, "floor_runs_s": list(floors)}
-            if not args.json:
-                r = report["queries"][name]
-                print(f"{name:<12} native {r['native']:>10,.0f}  stretch {r['stretch']:>10,.0f}  "
-                      f"(Spark writing: {r['stretch_sparkwrite']:>10,.0f})  "
-                      f"floor {r['floor']:>10,.0f} tweets/s   stretch/native "
-                      f"{r['stretch'] / r['native']:5.2f}x "
-                      f"({r['stretch_sparkwrite'] / r['native']:5.2f}x)  stretch/floor "
-                      f"{r['stretch'] / r['floor']:5.2f}  equal={equal}", flush=True)
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    # Warm-up first: the JVM's first pass over the files (class loading, JIT, page cache)
+    # would otherwise be charged to the floor alone and flatter stretch / floor.
+    floor("warmup-ckpt")
+    floors = [floor("floor-ckpt")]
+    for name in names:
+        if name in AS_WRITTEN:
+            report["queries"][name] = _as_written(
+                spark, ordered if name in SORTED else src, args, work, name)
+            continue
+        agg = _source(spark, src, args.source).stretchAggregate(
+            keys=QUERIES[name](), window=WINDOW, agg="count",
+            parallelism=args.parallelism, max_parallelism=args.parallelism)
+        out_n, out_s = work / f"{name}-native", work / f"{name}-stretch"
+        native_s = _timed(lambda: agg.native().writeStream.format("delta").outputMode("append")
+                          .option("checkpointLocation", str(out_n) + "-ckpt")
+                          .trigger(availableNow=True).start(str(out_n)))
+        # An untimed warm-up pass, as for the floor: the JVM's first run of the shim's ingest
+        # (class loading, JIT) would otherwise be charged to the first timed run alone.
+        _timed(lambda: agg.writeStream.format("delta")
+               .option("checkpointLocation", str(work / f"{name}-warmup-ckpt"))
+               .trigger(availableNow=True).start(str(work / f"{name}-warmup")))
+        runs = []
+        for i in range(args.repeat):
+            if i:  # a fresh table and checkpoint each time; the floor in between
+                shutil.rmtree(out_s, ignore_errors=True)
+                shutil.rmtree(str(out_s) + "-ckpt", ignore_errors=True)
+                shutil.rmtree(work / "floor-ckpt", ignore_errors=True)
+                floors.append(floor("floor-ckpt"))
+            runs.append(_timed(lambda: agg.writeStream.format("delta")
+                               .option("checkpointLocation", str(out_s) + "-ckpt")
+                               .trigger(availableNow=True).start(str(out_s))))
+        stretch_s, floor_s = statistics.median(runs), statistics.median(floors)
+        out_w = work / f"{name}-stretch-sparkwrite"
+        spark.conf.set("spark.stretch.delta.directWrite", "false")
+        try:
+            sparkwrite_s = _timed(lambda: agg.writeStream.format("delta")
+                                  .option("checkpointLocation", str(out_w) + "-ckpt")
+                                  .trigger(availableNow=True).start(str(out_w)))
+        finally:
+            spark.conf.unset("spark.stretch.delta.directWrite")
+        a = spark.read.format("delta").load(str(out_n))
+        equal = True
+        for out in (out_s, out_w):
+            b = spark.read.format("delta").load(str(out))
+            equal = equal and a.count() == b.count() and a.exceptAll(b).isEmpty() \
+                and b.exceptAll(a).isEmpty()
+        report["queries"][name] = {
+            "native": args.tweets / native_s, "stretch": args.tweets / stretch_s,
+            "stretch_sparkwrite": args.tweets / sparkwrite_s,
+            "floor": args.tweets / floor_s, "equal": bool(equal), "rows": a.count(),
+            "stretch_runs_s": runs, "floor_runs_s": list(floors)}
+        if not args.json:
+            r = report["queries"][name]
+            print(f"{name:<12} native {r['native']:>10,.0f}  stretch {r['stretch']:>10,.0f}  "
+                  f"(Spark writing: {r['stretch_sparkwrite']:>10,.0f})  "
+                  f"floor {r['floor']:>10,.0f} tweets/s   stretch/native "
+                  f"{r['stretch'] / r['native']:5.2f}x "
+                  f"({r['stretch_sparkwrite'] / r['native']:5.2f}x)  stretch/floor "
+                  f"{r['stretch'] / r['floor']:5.2f}  equal={equal}", flush=True)
     if args.json:
         print(json.dumps(report))
     if not all(q["equal"] for q in report["queries"].values()):

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -43,6 +41,7 @@ from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 import spark_stretch
 from grouped import SCHEMA, equal_tables, write_events  # (python/bench/grouped.py: the same event stream)
 from spark_stretch.api.frame import StretchFrame
+from workdir import bench_run
 
 from pyspark import cloudpickle  # noqa: E402
 
@@ -166,9 +165,10 @@ def main() -> None:
         "spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
         "spark.sql.streaming.stateStore.providerClass": ROCKSDB})
     spark.sparkContext.setLogLevel("ERROR")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-transform-"))
-    res = {"events": a.events, "users": a.users, "files": a.files}
-    try:
+    with bench_run("bench-transform-") as bench:
+        tmp = bench.path
+        bench.session(spark)
+        res = {"events": a.events, "users": a.users, "files": a.files}
         src = write_events(tmp / "src", a.events, a.users, a.files)
         sides = ("stretch",) if a.no_native else ("native", "stretch")
         for side in sides if a.events else ():
@@ -188,9 +188,6 @@ def main() -> None:
             print("RESULT " + json.dumps(res), flush=True)
         if a.state_calls:
             res.update(state_call(spark, tmp, a.state_calls))
-    finally:
-        spark.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     if a.json or not a.events or a.no_native:
         print(json.dumps(res))
         return
