@@ -133,6 +133,7 @@ def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, twee
     _equal(spark, tmp_path / "options", want)
 
 
+@pytest.mark.slow  # (three queries, about 90 s: the default run stays under 20 minutes)
 def test_a_table_spark_writes_exists_when_no_window_closed(spark, tweets, tmp_path):
     """Native Spark's Delta sink commits its first batch even when no window closes, so the
     table exists, empty, with the query's columns: so does the table Spark writes for the
