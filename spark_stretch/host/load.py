@@ -41,7 +41,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..engine.meter import state_bytes
 
 __all__ = ["StepClock", "engine_figures", "grouped_figures", "window_changes",
            "window_end_quantiles"]
@@ -110,6 +109,8 @@ def _common(step_ms: float, since_ms: Optional[float], instances, busy_s, load, 
 def engine_figures(rt, t0: float, since_ms: Optional[float]) -> dict:
     """The figures of a step of a runtime over engines (``rt.engines``, one owner map), which
     started at ``t0`` (``perf_counter``)."""
+    from ..engine.meter import state_bytes  # (here: the daemon says READY before numba loads)
+
     step_ms = (time.perf_counter() - t0) * 1e3
     engines = rt.engines
     lead = engines[0]

@@ -33,6 +33,19 @@ def test_the_engine_exits_with_its_reason_before_serving(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_the_engine_serves_before_it_imports_numba():
+    """The daemon's own imports (what runs before it says READY) leave numba and the engine's
+    kernels to the thread that loads them after: a first batch's rows arrive meanwhile."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, spark_stretch.host.daemon; "
+         "print(sorted(m for m in sys.modules if m == 'numba' or m.startswith("
+         "'spark_stretch.engine')))"],
+        capture_output=True, text=True, timeout=120,
+        env={"SPARK_STRETCH_PROCESS": "host", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_the_launcher_turns_the_engines_log_into_a_clear_error(spark):
     hosts = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchHosts
     missing = hosts.whyNotStarted(
