@@ -4,8 +4,9 @@ Every benchmark writes its events, tables and checkpoints under one temporary di
 (gigabytes at 20M keys). :func:`bench_run` makes it and, when the run ends (normally, by an
 exception, Ctrl-C, or one SIGTERM), stops the running queries of every Spark session it was
 given and those sessions, then removes the directory. A second SIGTERM, as ``timeout``
-forwards one, is ignored so that it cannot cut the clean-up short. Under SIGKILL, or when a
-signal kills the whole process group (the JVM with it), nothing can clean up.
+forwards one, is ignored so that it cannot cut the clean-up short. A SIGTERM to the whole
+process group ends Spark's JVM too: stopping then fails at once and the directory is still
+removed. Under SIGKILL nothing can clean up.
 
 Examples
 --------
