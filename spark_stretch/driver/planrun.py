@@ -64,6 +64,9 @@ class _NoSink:
     def emit(self, *args, **kwargs):
         return None
 
+    def emit_empty(self, batch_id: int) -> None:
+        pass
+
     def holds_flush(self, batch: int) -> bool:
         return False
 
