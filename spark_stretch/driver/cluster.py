@@ -200,11 +200,12 @@ class ClusterEngine(FanOut, EngineHandle):
     def wait_ready(self) -> None:
         pass  # (the launcher returns once every engine is ready)
 
-    def _one(self, i: int, msg: M.Request, timeout: float = 600.0):
+    def _one(self, i: int, msg: M.Request, timeout: Optional[float] = None):
         e = self.engines[i]
         try:
             return M.decode_reply(msg, frame_call(e.address(), M.encode_request(msg),
-                                                  timeout=timeout, secret=self.secret))
+                                                  timeout=timeout, secret=self.secret,
+                                                  alive=lambda: self._ping(i)))
         except ConnectionError as err:
             if not self._ping(i):
                 raise EngineDiedError(self._died(i, f"during '{msg.op}'")) from err

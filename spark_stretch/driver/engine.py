@@ -70,8 +70,10 @@ class EngineHandle(ABC):
         return {"endpoints": self.endpoint}
 
     @abstractmethod
-    def call(self, msg: M.Request, timeout: float = 600.0):
-        """Send a control request; its typed reply (:class:`EngineDiedError` if it is gone)."""
+    def call(self, msg: M.Request, timeout: Optional[float] = None):
+        """Send a control request; its typed reply (:class:`EngineDiedError` if it is gone).
+        ``timeout=None``: wait for the reply as long as the engine is :meth:`alive` (a
+        micro-batch's step: it takes as long as its work does)."""
 
     @abstractmethod
     def wait_ready(self) -> None:
@@ -222,14 +224,14 @@ class HostEngine(EngineHandle):
         return (f"the stretch host engine (pid {self.pid}) died (exit status "
                 f"{self.proc.returncode}) {when}")
 
-    def call(self, msg: M.Request, timeout: float = 600.0):
+    def call(self, msg: M.Request, timeout: Optional[float] = None):
         """Send a control request; its typed reply. A failed request raises
         :class:`~spark_stretch.protocol.errors.RemoteError` (its code and message), a dead
         engine :class:`EngineDiedError` with its exit status."""
         self.wait_ready()
         try:
             return M.decode_reply(msg, call(self.socket_path, M.encode_request(msg),
-                                            timeout=timeout))
+                                            timeout=timeout, alive=self.alive))
         except ConnectionError as e:
             try:  # a killed process closes its sockets a moment before it can be reaped
                 self.proc.wait(timeout=2.0)

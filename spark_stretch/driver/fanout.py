@@ -55,18 +55,18 @@ class FanOut:
     _queries: Dict[str, _Query]
 
     # -- requests ----------------------------------------------------------------------------
-    def call(self, msg: M.Request, timeout: float = 600.0):
+    def call(self, msg: M.Request, timeout: Optional[float] = None):
         handler = getattr(self, f"_on_{msg.op}", None)
         if handler is not None:
             return handler(msg, timeout)
         return self._merge(msg, self._all(msg, timeout))
 
-    def _all(self, msg: M.Request, timeout: float, hosts=None) -> list:
+    def _all(self, msg: M.Request, timeout: Optional[float], hosts=None) -> list:
         """``msg`` to every host (or to ``hosts``) in parallel; the replies, in host order."""
         idx = range(len(self.engines)) if hosts is None else hosts
         return self._all_each([(i, msg) for i in idx], timeout)
 
-    def _on_open(self, msg: M.Open, timeout: float) -> M.Opened:
+    def _on_open(self, msg: M.Open, timeout: Optional[float]) -> M.Opened:
         spec = spec_from_wire(msg.spec)
         self._slot_names = None
         if not isinstance(spec, (AggregateSpec, GroupedSpec)):
@@ -101,7 +101,7 @@ class FanOut:
                        checkpoint=None if None in starts else min(starts),
                        instance_pids=[p for r in got for p in r.instance_pids])
 
-    def _all_each(self, pairs, timeout: float) -> list:
+    def _all_each(self, pairs, timeout: Optional[float]) -> list:
         """Each ``(host, message)`` to its host in parallel; the replies in order."""
         out, errors = [None] * len(pairs), []
 
@@ -201,7 +201,7 @@ class FanOut:
         return {h: q.share.host_map.count(q.slots_names.index(h)) for h in self.hosts
                 if h in q.slots_names}
 
-    def _on_reconfigure(self, msg: M.Reconfigure, timeout: float) -> M.Reconfigured:
+    def _on_reconfigure(self, msg: M.Reconfigure, timeout: Optional[float]) -> M.Reconfigured:
         """Every host's instances switch; or, with ``msg.host``, that host's only."""
         if msg.host is None:
             return self._merge(msg, self._all(msg, timeout))
@@ -210,17 +210,17 @@ class FanOut:
                              f"{self.hosts}")
         return self._one(self.hosts.index(msg.host), msg, timeout)
 
-    def _on_step(self, msg: M.Step, timeout: float) -> M.StepResult:
+    def _on_step(self, msg: M.Step, timeout: Optional[float]) -> M.StepResult:
         q = self._queries[msg.query]
         hosts = [i for i, r in enumerate(q.replay) if msg.batch in r]
         got = self._all(msg, timeout, hosts=hosts or None)
         return self._steps(q, got, hosts or None)
 
-    def _on_submit(self, msg: M.Submit, timeout: float) -> M.Submitted:
+    def _on_submit(self, msg: M.Submit, timeout: Optional[float]) -> M.Submitted:
         q = self._queries[msg.query]
         return self._all(replace(msg, stream_max_ms=q.stream_max_ms), timeout)[0]
 
-    def _on_result(self, msg: M.Result, timeout: float) -> M.StepResult:
+    def _on_result(self, msg: M.Result, timeout: Optional[float]) -> M.StepResult:
         return self._steps(self._queries[msg.query], self._all(msg, timeout))
 
     def _steps(self, q: _Query, got: list, hosts=None) -> M.StepResult:
@@ -244,14 +244,14 @@ class FanOut:
         return M.StepResult(rows=sum(r.rows for r in got), stream=got[0].stream, metrics=m,
                             replayed=all(r.replayed for r in got))
 
-    def _on_flush(self, msg: M.Flush, timeout: float) -> M.FlushResult:
+    def _on_flush(self, msg: M.Flush, timeout: Optional[float]) -> M.FlushResult:
         q = self._queries[msg.query]
         got = self._all(replace(msg, stream_max_ms=q.stream_max_ms), timeout)
         return M.FlushResult(rows=sum(r.rows for r in got), batch=got[0].batch,
                              stream=next((r.stream for r in got if r.stream), None),
                              changed=any(r.changed for r in got), metrics=dict(got[0].metrics))
 
-    def _on_write_delta(self, msg: M.WriteDelta, timeout: float) -> M.DeltaWritten:
+    def _on_write_delta(self, msg: M.WriteDelta, timeout: Optional[float]) -> M.DeltaWritten:
         prep = M.PrepareDelta(query=msg.query, stream=msg.stream, path=msg.path,
                               app_id=msg.app_id, version=msg.version)
         got = self._all(prep, timeout)
@@ -265,18 +265,18 @@ class FanOut:
         return self._one(0, M.CommitDelta(query=msg.query, path=msg.path, app_id=msg.app_id,
                                           version=msg.version, actions=actions), timeout)
 
-    def _on_create_delta(self, msg: M.CreateDelta, timeout: float) -> M.DeltaCreated:
+    def _on_create_delta(self, msg: M.CreateDelta, timeout: Optional[float]) -> M.DeltaCreated:
         return self._one(0, msg, timeout)
 
-    def _on_ingest_files(self, msg: M.IngestFiles, timeout: float) -> M.FilesIngested:
+    def _on_ingest_files(self, msg: M.IngestFiles, timeout: Optional[float]) -> M.FilesIngested:
         got = self._all(msg, timeout)  # (every host reads every file, keeping its keys)
         return next((r for r in got if r.unsupported is not None), got[0])
 
-    def _on_close(self, msg: M.Close, timeout: float) -> M.Closed:
+    def _on_close(self, msg: M.Close, timeout: Optional[float]) -> M.Closed:
         got = self._all(msg, timeout)
         return M.Closed(max(r.open_queries for r in got))
 
-    def _on_metrics(self, msg: M.Metrics, timeout: float) -> M.Figures:
+    def _on_metrics(self, msg: M.Metrics, timeout: Optional[float]) -> M.Figures:
         got = [r.figures for r in self._all(msg, timeout)]
         share = self._queries[msg.query].share if msg.query in self._queries else None
         merged = dict(got[0])

@@ -38,7 +38,7 @@ from .ingest import Ingest
 from .metrics import QueryMetrics
 from .elastic import ElasticRun
 from .recovery import Recovery
-from .sink import Sink
+from .sink import QuerySink
 
 __all__ = ["Pipeline"]
 
@@ -88,7 +88,7 @@ class _Decisions:
 class Pipeline(_Decisions):
     """The micro-batches of one query (``kind.pipelined``: overlapped, see the module doc)."""
 
-    def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: Sink,
+    def __init__(self, qid: str, kind, rec: Recovery, ingest: Ingest, sink: QuerySink,
                  metrics: QueryMetrics, trigger: Callable[[], Optional[Tuple]],
                  elastic: Optional[ElasticRun] = None):
         self._qid = qid

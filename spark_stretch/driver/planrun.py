@@ -37,7 +37,7 @@ from .pipeline import Pipeline
 from .policy import Policy
 from .recovery import Recovery
 from .settings import read_settings
-from .sink import Sink, arrow_schema
+from .sink import QuerySink, Sink, arrow_schema
 
 __all__ = ["Marked", "PlanRun"]
 
@@ -53,25 +53,26 @@ class Marked:
     settle: Optional[Callable] = None
 
 
-class _NoSink:
+class _NoSink(QuerySink):
     """Spark's sink writes the output: batches the engine redoes after a restart were written."""
-
-    idempotent_path = False
 
     def start(self) -> None:
         pass
 
-    def emit(self, *args, **kwargs):
+    def join(self, timeout=None) -> None:
+        pass
+
+    def emit(self, stream, rows, batch_id, app_suffix=""):
         return None
 
     def emit_empty(self, batch_id: int) -> None:
         pass
 
+    def emit_flush(self, stream, rows, batch):
+        return None
+
     def holds_flush(self, batch: int) -> bool:
         return False
-
-    def join(self, timeout=None) -> None:
-        pass
 
 
 class _Kind:

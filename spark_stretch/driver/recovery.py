@@ -29,7 +29,7 @@ from .cluster import acquire_engine
 from .engine import EngineDiedError
 from .metrics import QueryMetrics
 from .settings import QuerySettings
-from .sink import Sink
+from .sink import QuerySink
 
 __all__ = ["Recovery", "check_host", "checkpointing", "last_committed", "query_ids",
            "reconfiguration", "remove_shm"]
@@ -110,7 +110,7 @@ class Recovery:
     """
 
     def __init__(self, qid: str, spec: QuerySpec, layout: QueryLayout, settings: QuerySettings,
-                 sink: Sink, kind, metrics: QueryMetrics, resume: Optional[int]):
+                 sink: QuerySink, kind, metrics: QueryMetrics, resume: Optional[int]):
         self.qid = qid
         self._spec = spec
         self.layout = layout

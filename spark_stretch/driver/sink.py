@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -37,7 +38,7 @@ from ..protocol import messages as M
 from . import jvm
 from .metrics import QueryMetrics
 
-__all__ = ["Sink", "SINK_FORMATS", "arrow_schema"]
+__all__ = ["QuerySink", "Sink", "SINK_FORMATS", "arrow_schema"]
 
 IDEMPOTENT = {"delta"}
 FILE_FORMATS = {"parquet", "json", "csv", "orc"}
@@ -69,7 +70,41 @@ def arrow_schema(schema, metadata: bool = False) -> Optional[str]:
     return M.schema_to_wire(arrow)
 
 
-class Sink:
+class QuerySink(ABC):
+    """What the pipeline and the recovery ask of a query's output: one subclass per way the
+    output is written (:class:`Sink`: the engine or Spark's writer, batch by batch; the
+    in-plan run's ``_NoSink``: Spark's own sink, in the plan)."""
+
+    #: A batch written twice lands once (a path-based Delta sink's ``txn``).
+    idempotent_path: bool = False
+
+    @abstractmethod
+    def start(self) -> None:
+        """Called once when the query starts, before its first batch."""
+
+    @abstractmethod
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Called once when the query stops: wait for what :meth:`start` began."""
+
+    @abstractmethod
+    def emit(self, stream: str, rows: int, batch_id: int,
+             app_suffix: str = "") -> Optional[DataFrame]:
+        """The ``rows`` the engine offers on ``stream``, as batch ``batch_id``."""
+
+    @abstractmethod
+    def emit_empty(self, batch_id: int) -> None:
+        """Batch ``batch_id`` had no rows."""
+
+    @abstractmethod
+    def emit_flush(self, stream: str, rows: int, batch: int) -> Optional[DataFrame]:
+        """The rows of the no-data batch after ``batch`` (the run's end)."""
+
+    @abstractmethod
+    def holds_flush(self, batch: int) -> bool:
+        """Whether the output already has the no-data batch after ``batch``."""
+
+
+class Sink(QuerySink):
     """The sink of one query.
 
     Parameters

@@ -14,9 +14,15 @@ Modules: :mod:`.runtime` (``Engine``: the step loop and its threads), :mod:`.epo
 :mod:`.batch` (columnar batches), :mod:`.kernels` (the jitted VSN kernel), :mod:`.buckets`
 (keys to buckets, the buckets' window tables), :mod:`.aggregates` (the built-in aggregates'
 arithmetic), :mod:`.sessions` (session windows), :mod:`.state` (shared state, owner maps,
-interning), :mod:`.sn` and :mod:`.store` (the shared-nothing and join engines).
+interning), :mod:`.sn` and :mod:`.store` (the shared-nothing and join engines), :mod:`.jitcache`
+(numba's on-disk cache kept in step with the sources).
 """
-from .errors import EngineError
+from pathlib import Path as _Path
+
+from .jitcache import purge_stale as _purge_stale
+
+_purge_stale(_Path(__file__).parent)  # before any kernel is defined: numba's cache in step
+from .errors import EngineError  # noqa: E402
 from .batch import ListColumn, to_arrow
 from .esg import ESG, Control, Segment
 from .operator import Operator

@@ -23,8 +23,10 @@ Examples
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
+from typing import Callable, Optional
 
 from .auth import answer
 from .errors import BadRequest, raise_for
@@ -100,9 +102,15 @@ def connect(endpoint: str, timeout: float, secret: bytes = None) -> socket.socke
     return s
 
 
-def call(endpoint: str, header: dict, timeout: float = 120.0, secret: bytes = None) -> dict:
+def call(endpoint: str, header: dict, timeout: Optional[float] = 120.0, secret: bytes = None,
+         alive: Optional[Callable[[], bool]] = None, poll: float = 10.0) -> dict:
     """Send one request to the server on ``endpoint`` (a Unix socket path, or
     ``tcp://host:port`` with the application's ``secret``); return its reply header.
+
+    ``timeout`` bounds the connection and the wait for the reply. ``None``: the reply is
+    waited for as long as ``alive()`` says the server is up, asked every ``poll`` seconds (a
+    micro-batch's step takes as long as its work does; a server that died is found at the next
+    poll, if not at once by its closed socket).
 
     Raises
     ------
@@ -113,9 +121,19 @@ def call(endpoint: str, header: dict, timeout: float = 120.0, secret: bytes = No
     """
     if secret is None and tcp_address(endpoint) is not None:
         raise ValueError(f"'{endpoint}' is a TCP endpoint: a secret is needed to reach it")
+    if timeout is None and alive is None:
+        raise ValueError("timeout=None needs alive(): a reply waited for without a bound")
     try:
-        with connect(endpoint, timeout, secret) as s, s.makefile("rwb") as f:
+        with connect(endpoint, poll if timeout is None else timeout, secret) as s, \
+                s.makefile("rwb") as f:
             write_header(f, header)
+            if timeout is None:
+                # (nothing read yet: the file's buffer is empty, so the socket tells)
+                while not select.select([s], [], [], poll)[0]:
+                    if not alive():
+                        raise ConnectionError(f"the server stopped answering pings in the "
+                                              f"{poll:g} s waits of a reply")
+                s.settimeout(poll)  # (the reply has begun: the rest follows at once)
             reply = read_header(f)
     except (OSError, ConnectionError, ValueError) as e:
         raise ConnectionError(f"stretch engine at '{endpoint}' is unreachable or did not answer "

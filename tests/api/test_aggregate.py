@@ -38,6 +38,7 @@ def _check(spark, agg, tmp_path, approx=False):
     return got
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_wordcount_sliding_with_late_data_equals_native(spark, tweets, tmp_path):
     agg = source(spark, tweets).stretchAggregate(
         keys=F.col("words"), window=("120 seconds", "60 seconds"), agg="count")

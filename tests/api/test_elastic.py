@@ -83,6 +83,7 @@ class _Progress(StreamingQueryListener):
         pass
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_stepped_rate_scales_out_and_back_in_and_equals_native(spark, tmp_path):
     sizes = steps(LOW, HIGH, BEFORE, DURING, AFTER)
     src = write_steps(tmp_path / "src", sizes, keys=100_000, seed=1)

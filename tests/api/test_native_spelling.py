@@ -209,6 +209,7 @@ def test_session_windows_equal_native_batch_by_batch(spark, events, tmp_path, ga
     assert spark_stretch.control(q).metrics()["engine"]["batches"] >= 4
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_session_windows_straight_to_delta(spark, events, tmp_path):
     _to_delta(_sessions(events(), "12 seconds"), tmp_path, "nat")
     q = _to_delta(spark_stretch.stretch(_sessions(events(), "12 seconds")), tmp_path, "st")
