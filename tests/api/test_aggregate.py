@@ -45,6 +45,7 @@ def test_wordcount_sliding_with_late_data_equals_native(spark, tweets, tmp_path)
     _check(spark, agg, tmp_path)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_paircount_equals_native(spark, tweets, tmp_path):
     agg = source(spark, tweets).stretchAggregate(
         keys=spark_stretch.pairs("words", distance=3), window="60 seconds", agg="count",
