@@ -51,6 +51,8 @@ def purge_stale(pkg: Path) -> bool:
     cache elsewhere and the package's sources do not change: nothing is done. Two processes
     importing at once may both drop the files: each then compiles, nothing worse.
     """
+    if not os.access(pkg, os.W_OK):
+        return False
     cache = pkg / "__pycache__"
     stamp = cache / _STAMP
     digest = _sources_hash(pkg)
@@ -59,8 +61,6 @@ def purge_stale(pkg: Path) -> bool:
             return False
     except OSError:
         pass
-    if not os.access(pkg, os.W_OK):
-        return False
     dropped = False
     try:
         cache.mkdir(exist_ok=True)

@@ -133,7 +133,7 @@ def call(endpoint: str, header: dict, timeout: Optional[float] = 120.0, secret: 
                     if not alive():
                         raise ConnectionError(f"the server stopped answering pings in the "
                                               f"{poll:g} s waits of a reply")
-                s.settimeout(poll)  # (the reply has begun: the rest follows at once)
+                # (the reply has begun: the rest follows within the connection's poll timeout)
             reply = read_header(f)
     except (OSError, ConnectionError, ValueError) as e:
         raise ConnectionError(f"stretch engine at '{endpoint}' is unreachable or did not answer "
