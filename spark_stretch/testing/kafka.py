@@ -95,6 +95,18 @@ def send(producer, topic: str, value: bytes, **kw) -> None:
             producer.poll(0.05)
 
 
+def cluster_id() -> str:
+    """A random KRaft cluster id: a UUID in URL-safe base64, never starting with ``-``.
+
+    Kafka's own ``Uuid.randomUuid`` draws again for the same reason: an id starting with ``-``
+    (one in 64) is read by the storage tool's argument parser as an option, and formatting fails.
+    """
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
 class KafkaBroker:
     """One KRaft Kafka node on ``host`` (broker and controller), started on ``__enter__`` and
     stopped on ``__exit__``.
@@ -168,9 +180,8 @@ class KafkaBroker:
             props = self._dir / "server.properties"
             props.write_text(self._properties())
             (self._dir / "log4j2.properties").write_text(_LOG4J.format(log=self.log))
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            fmt = subprocess.run(self._java("kafka.tools.StorageTool", "format", "-t",
-                                            cluster_id, "-c", str(props)),
+            fmt = subprocess.run(self._java("kafka.tools.StorageTool", "format",
+                                            f"--cluster-id={cluster_id()}", "-c", str(props)),
                                  capture_output=True, text=True, timeout=120)
             if fmt.returncode != 0:
                 raise RuntimeError("formatting the Kafka broker's storage failed:\n"
