@@ -131,8 +131,8 @@ def call(endpoint: str, header: dict, timeout: Optional[float] = 120.0, secret: 
                 # (nothing read yet: the file's buffer is empty, so the socket tells)
                 while not select.select([s], [], [], poll)[0]:
                     if not alive():
-                        raise ConnectionError(f"the server stopped answering pings in the "
-                                              f"{poll:g} s waits of a reply")
+                        raise ConnectionError(f"the server was found down while its reply "
+                                              f"was awaited (checked every {poll:g} s)")
                 # (the reply has begun: the rest follows within the connection's poll timeout)
             reply = read_header(f)
     except (OSError, ConnectionError, ValueError) as e:
