@@ -88,6 +88,25 @@ class ListColumn:
         return ListColumn(np.concatenate(offs), np.concatenate([c.values for c in cols]))
 
 
+def frozen(x):
+    """``x`` (an array, or a tuple of them) as read-only views.
+
+    numba compiles a kernel once per argument types, and an array's read-only flag is part of its
+    type: a batch's columns are read-only when Arrow lent them and writable when they were
+    computed, so without this a query compiled the (large) kernel twice, each 20-50 s. Kernels
+    take their inputs through this.
+    """
+    if isinstance(x, np.ndarray):
+        if not x.flags.writeable:
+            return x
+        v = x.view()
+        v.flags.writeable = False
+        return v
+    if type(x) is tuple:  # (not a named tuple: its type is the kernel's too)
+        return tuple(frozen(a) for a in x)
+    return x
+
+
 def _take(col, idx):
     return col.take(idx) if isinstance(col, ListColumn) else col[idx]
 

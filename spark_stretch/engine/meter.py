@@ -39,6 +39,7 @@ import time
 import numpy as np
 from numba import njit
 
+from .batch import frozen
 from .buckets import bucket_of
 from .kernels import _mk_builtin_keys
 
@@ -94,7 +95,7 @@ class Meter:
         self.tuples += n
         if getattr(op, "builtin_ip", None) is None or n == 0:  # (a join: no built-in keys)
             return
-        (off0, val0), (off1, val1) = cols[0][:2], cols[1][:2]
+        (off0, val0), (off1, val1) = frozen(tuple(cols[0][:2])), frozen(tuple(cols[1][:2]))
         stride = max(1, -(-n // SAMPLE))
         start = 0
         while start >= 0:

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import kernels as K
-from .batch import _slice, sort_rows, to_arrow
+from .batch import _slice, frozen, sort_rows, to_arrow
 from .epochs import Epochs, _check_mn
 from .errors import EngineError
 from .esg import ESG, Control
@@ -61,24 +61,6 @@ INLINE_ROWS = 4096  # segments smaller than this run the instances one after ano
 # output rows an instance gathers before it hands them out as a block, when their order does not
 # matter (whole batches): a window close of millions of windows never builds them in one piece
 OUT_CHUNK_ROWS = 1 << 20
-
-
-def _frozen(x):
-    """``x`` (an array, or a tuple of them) as read-only views.
-
-    numba compiles a kernel once per argument types, and an array's read-only flag is part of its
-    type: a batch's columns are read-only when Arrow lent them and writable when they were
-    computed, so without this a query compiled the (large) kernel twice, each 20-50 s.
-    """
-    if isinstance(x, np.ndarray):
-        if not x.flags.writeable:
-            return x
-        v = x.view()
-        v.flags.writeable = False
-        return v
-    if type(x) is tuple:  # (not a named tuple: its type is the kernel's too)
-        return tuple(_frozen(a) for a in x)
-    return x
 
 
 class Instance:
@@ -266,7 +248,7 @@ class Engine(Epochs, Snapshots):
         inst = self.instances[j]
         op = self.op
         ts, stream, row, seq, (c0, c1) = self._segment_for(j, seg, cols)
-        ts, c0, c1 = _frozen(ts), _frozen(c0), _frozen(c1)
+        ts, c0, c1 = frozen(ts), frozen(c0), frozen(c1)
         inst.opos[0] = 0
         inst.resume[:] = 0
         inst.gathered, inst.gathered_to = [], 0

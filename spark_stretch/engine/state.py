@@ -18,6 +18,7 @@ from . import kernels as K
 from . import strings as S
 from ..protocol import placement
 from .errors import EngineError
+from .batch import frozen
 from .buckets import next_cap
 from .spill import Gathered, chunk_ranges, release_done
 
@@ -174,6 +175,12 @@ def narrow_floats(a: dict, float_cols) -> dict:
     cols = np.asarray(float_cols, np.int64)
     return {**a, "init_f": np.asarray(a["init_f"])[cols],
             "acc_f": np.asarray(a["acc_f"]).reshape(len(a["rec"]), -1)[:, cols]}
+
+
+def _insert_rows(bs, rows, afs, rec, acc_f):
+    """:func:`~.buckets.insert_rows` compiled once: its inputs C-ordered and read-only,
+    whatever the snapshot's arrays were (numba types each flag apart)."""
+    K.insert_rows(*(frozen(np.ascontiguousarray(x)) for x in (bs, rows, afs)), rec, acc_f)
 
 
 class BucketState:
@@ -457,7 +464,7 @@ class BucketState:
         bs, afs = np.asarray(a["b"], np.int64), np.asarray(a["acc_f"], np.float64)
         chunks = self._chunks(self.rec)
         if len(chunks) == 1:
-            K.insert_rows(bs, rows, afs, self.rec, self.acc_f)
+            _insert_rows(bs, rows, afs, self.rec, self.acc_f)
         else:  # (a chunk of buckets at a time, in bucket order, dropping the pages: of the
             #      tables, and of the snapshot when it is a mapped file)
             if len(bs) > 1 and not bool(np.all(bs[1:] >= bs[:-1])):  # (a snapshot is in order)
@@ -465,7 +472,7 @@ class BucketState:
                 bs, rows, afs = bs[order], rows[order], afs[order]
             for lo, hi in chunks:
                 i0, i1 = np.searchsorted(bs, [lo, hi])
-                K.insert_rows(bs[i0:i1], rows[i0:i1], afs[i0:i1], self.rec, self.acc_f)
+                _insert_rows(bs[i0:i1], rows[i0:i1], afs[i0:i1], self.rec, self.acc_f)
                 self.spill.trim(self.rec, self.acc_f, rows, afs)
         self.bcount, self.bminl = np.array(a["bcount"]), np.array(a["bminl"])
 
