@@ -1001,3 +1001,26 @@ def test_a_snapshot_holds_the_windows_once_and_reads_as_written_before():
         assert sorted(zip(*[a.tolist() for a in again.state.bucket_rows()[:2]])) == want
         again.close()
     eng.close()
+
+
+def test_read_only_and_writable_batches_run_one_compiled_kernel():
+    # numba types an array's read-only flag apart: Arrow's columns are read-only, computed ones
+    # writable. Without frozen() each kind of batch compiled the 20-50 s kernel once more.
+    from spark_stretch.engine import kernels as K
+
+    ro = tweets(30, seed=1)
+    for a in (ro["ts"], ro["words"].offsets, ro["words"].values):
+        a.flags.writeable = False
+    eng = Engine(wordcount(WS=10), 1, 2, n_buckets=8)
+    eng.esg_in.add_sources([0], ordered=False)
+    eng.esg_in.add(ro, 0)
+    eng.esg_in.add(tweets(30, t0=100, seed=2), 0)  # (writable)
+    eng.esg_in.advance_watermark(400)
+    eng.drain()
+    out, _ = eng.read_output()
+    n_words = len(ro["words"].values) + len(tweets(30, t0=100, seed=2)["words"].values)
+    assert out["count"].sum() == n_words  # (both batches counted)
+    eng.close()
+    sigs = K.agg_kernel.signatures
+    assert sigs and all(not sig[7].mutable for sig in sigs), sigs  # ts: always read-only
+    assert all(not a.mutable for sig in sigs for a in (*sig[11], *sig[12])), sigs  # the columns
