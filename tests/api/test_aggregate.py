@@ -122,6 +122,7 @@ def _event_times(q) -> dict:
     return {p["batchId"]: p["eventTime"] for p in q.recentProgress if p["numInputRows"]}
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_file_columnar_and_row_ingest_equal_native_with_spark_progress_intact(spark, tweets,
                                                                               tmp_path):
     agg = source(spark, tweets).stretchAggregate(

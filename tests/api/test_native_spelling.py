@@ -709,6 +709,7 @@ def test_approx_count_distinct_is_sparks_own_estimate(spark, many, tmp_path, win
     assert all(abs(v - exact[g]) <= 0.2 * exact[g] for g, v in final.items())
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 @_windows_and_modes("30 seconds", ("40 seconds", "20 seconds"), "2 seconds", "tumbling")
 def test_approx_count_distinct_of_rsd_0_01_is_sparks_own_estimate(spark, tmp_path, window, mode):
     # rsd 0.01 (2^14 registers): each window's registers in a row of the engine's register

@@ -27,6 +27,7 @@ def _start(script=SCRIPT, verbose=False):
                           env=env, timeout=300)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_a_session_starts_without_spark_logs_or_ivy_reports():
     proc = _start()
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -73,6 +73,7 @@ def _rss() -> int:
         return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("VmRSS"))
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_a_grow_gives_the_old_tables_pages_back_as_it_goes():
     """Growing rehashes a chunk of buckets at a time and gives that chunk of the old table back
     to the system: the process never holds both tables whole (old + new was the peak). Held

@@ -94,6 +94,7 @@ def _equal(spark, out: Path, want):
                        ignore_nullable=True, ignore_metadata=True, ignore_column_order=True)
 
 
+@pytest.mark.slow  # (for time: the default run stays under 20 minutes; CI runs -m slow)
 def test_engine_appends_to_the_table_spark_created_and_equals_native(spark, tweets, tmp_path):
     def agg():
         return source(spark, tweets).stretchAggregate(keys=F.col("words"),
