@@ -1013,12 +1013,13 @@ def test_read_only_and_writable_batches_run_one_compiled_kernel():
         a.flags.writeable = False
     eng = Engine(wordcount(WS=10), 1, 2, n_buckets=8)
     eng.esg_in.add_sources([0], ordered=False)
+    rw = tweets(30, t0=100, seed=2)  # (writable)
     eng.esg_in.add(ro, 0)
-    eng.esg_in.add(tweets(30, t0=100, seed=2), 0)  # (writable)
+    eng.esg_in.add(rw, 0)
     eng.esg_in.advance_watermark(400)
     eng.drain()
     out, _ = eng.read_output()
-    n_words = len(ro["words"].values) + len(tweets(30, t0=100, seed=2)["words"].values)
+    n_words = len(ro["words"].values) + len(rw["words"].values)
     assert out["count"].sum() == n_words  # (both batches counted)
     eng.close()
     sigs = K.agg_kernel.signatures

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import uuid
 
 from spark_stretch.testing import kafka
@@ -18,7 +19,6 @@ def test_a_cluster_id_never_starts_with_a_dash(monkeypatch):
 
 
 def test_a_cluster_id_is_a_uuid_in_url_safe_base64():
-    import base64
     for _ in range(2000):
         cid = kafka.cluster_id()
         assert not cid.startswith("-") and len(cid) == 22
