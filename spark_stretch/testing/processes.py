@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["end_process_groups", "kill_driver", "kill_driver_once_logged", "running"]
+__all__ = ["driver_env", "end_process_groups", "kill_driver", "kill_driver_once_logged",
+           "running"]
 
 
 def running(pid: int) -> bool:
@@ -28,6 +29,33 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def driver_env(tmp: Path, **extra) -> dict:
+    """The environment for a Spark driver started as a process to be killed: this one's, with
+    Spark's temporary files under ``tmp``.
+
+    A JVM killed with -9 deletes nothing on its way out, and Spark puts its scratch in two
+    places: its local directories (``SPARK_LOCAL_DIRS``: shuffle and block files) and the JVM's
+    ``java.io.tmpdir`` (its ``spark-*`` and ``artifacts-*`` directories, the native libraries
+    lz4 and snappy unpack). Both are set under ``tmp`` (a test's ``tmp_path``, which pytest
+    removes), so a killed driver leaves nothing in the machine's /tmp. ``extra``: more
+    variables, e.g. ``SPARK_LOCAL_IP``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> env = driver_env(Path(tempfile.mkdtemp()), SPARK_LOCAL_IP="127.0.0.1")
+    >>> "-Djava.io.tmpdir=" in env["SPARK_SUBMIT_OPTS"], Path(env["SPARK_LOCAL_DIRS"]).name
+    (True, 'spark-local')
+    """
+    java_tmp = Path(tmp) / "java-tmp"
+    java_tmp.mkdir(parents=True, exist_ok=True)
+    # (SPARK_SUBMIT_OPTS: the options spark-submit's launcher gives the driver JVM it starts,
+    # which pyspark's gateway is; any options already set are kept)
+    opts = f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} -Djava.io.tmpdir={java_tmp}".strip()
+    return {**os.environ, "SPARK_LOCAL_DIRS": str(Path(tmp) / "spark-local"),
+            "SPARK_SUBMIT_OPTS": opts, **extra}
 
 
 def kill_driver(proc: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -27,7 +27,7 @@ import spark_stretch
 import spark_stretch.api
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import TWEETS, publish, write_tweets
-from spark_stretch.testing.processes import kill_driver
+from spark_stretch.testing.processes import driver_env, kill_driver
 
 
 # The functions below are shipped by value (Python workers and stretch instances cannot import
@@ -622,8 +622,7 @@ def test_driver_killed_mid_stream_then_restart_is_exact(spark, stream, tmp_path)
     import subprocess
 
     src, args, want = stream
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
+    env = driver_env(tmp_path, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grouped_driver_job.py")),
                              str(src), str(tmp_path / "o"), str(tmp_path / "o-ckpt")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -26,6 +26,7 @@ import pytest
 
 from spark_stretch.testing import run_script
 from spark_stretch.testing.cluster import StandaloneCluster
+from spark_stretch.testing.processes import driver_env
 
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).with_name("hosts_job.py")
@@ -206,8 +207,7 @@ def test_pysparks_own_state_variable_tests_on_two_hosts(cluster):
 
 @pytest.mark.slow  # a kill on the cluster: in `make test-slow`
 def test_killed_driver_leaves_nothing(cluster, tmp_path):
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
+    env = driver_env(tmp_path, PYSPARK_PYTHON=sys.executable)
     proc = subprocess.Popen([sys.executable, str(JOB), cluster.url, "hold", str(tmp_path)],
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -232,8 +232,7 @@ def test_killed_driver_leaves_nothing(cluster, tmp_path):
 @pytest.mark.soak  # (make test-soak: kept out of CI for its 90-minute budget)
 def test_a_new_host_given_key_groups(tmp_path):
     with StandaloneCluster(hosts=("127.0.0.2",), cores=1, memory="2g") as c:
-        env = dict(os.environ, PYSPARK_PYTHON=sys.executable,
-                   SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
+        env = driver_env(tmp_path, PYSPARK_PYTHON=sys.executable)
         err = open(tmp_path / "stderr", "w")  # (a pipe nobody reads would fill and block it)
         proc = subprocess.Popen([sys.executable, str(JOB), c.url, "grow", str(tmp_path)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)

@@ -5,7 +5,6 @@ connector beside Delta in its session."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import assert_same_rows, run_script
 from spark_stretch.testing.kafka import KafkaBroker
-from spark_stretch.testing.processes import kill_driver_once_logged
+from spark_stretch.testing.processes import driver_env, kill_driver_once_logged
 
 pytestmark = pytest.mark.slow  # (a broker and a driver process per run: CI's -m slow)
 JOB = Path(__file__).with_name("kafka_job.py")
@@ -77,8 +76,7 @@ def test_kafka_through_stretch_with_the_engine_killed_equals_native(spark, topic
 def test_kafka_through_stretch_with_the_driver_killed_then_restarted_equals_native(
         spark, topic, tmp_path):
     kafka, native = topic
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
+    env = driver_env(tmp_path, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     proc = subprocess.Popen([sys.executable, *_job(kafka, tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     # batch 2 logged; Spark may or may not have committed it

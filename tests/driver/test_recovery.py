@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from spark_stretch.driver.engine import EngineDiedError
 from spark_stretch.host.faults import ENV
 from spark_stretch.testing import (assert_same_rows, publish, run_native, run_script, run_stretch,
                                    write_tweets)
-from spark_stretch.testing.processes import kill_driver, kill_driver_once_logged
+from spark_stretch.testing.processes import driver_env, kill_driver, kill_driver_once_logged
 from spark_stretch.testing import tweet_source as source
 
 FILES = 5
@@ -374,8 +373,7 @@ def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
     # The query runs in a driver process that is killed (-9) in the middle of the run; its engine
     # dies with it (no orphan), and a restart from the checkpoint gives the exact table.
     src, _ = stream
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
+    env = driver_env(tmp_path, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     env[ENV] = f"fail@step:3:{tmp_path / 'never'}"  # not a fault: a marker that batch 3 began
     (tmp_path / "never").touch()  # exists, so the "fault" never fires
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver_job.py")),
@@ -411,8 +409,7 @@ def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
     # the checkpoint of batch 1, steps batch 2 again from the log, and the table is exact.
     # The same for stretch(df) written straight to Delta (the engine appends, pipelined).
     src, _ = stream
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"))  # (a killed driver's files)
+    env = driver_env(tmp_path, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     env[ENV] = f"stall@step:2:{tmp_path / 'stalled'}"
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver_job.py")),
                              str(src), str(tmp_path / "o"), str(tmp_path / "c"), spelling],
