@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m spark_stretch.driver > $(VENV)/setup-jars.txt
+	$(PY) -m spark_stretch warm
 	touch $@
 
 demo: setup

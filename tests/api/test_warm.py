@@ -1,0 +1,40 @@
+"""``python -m spark_stretch warm`` (spark_stretch/api/warm.py): the engine's kernels compiled
+and cached by small queries before a real query needs them."""
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from spark_stretch.api.warm import warm
+
+
+def _signatures(cache, name: str) -> int:
+    """How many compiled versions numba's cache under ``cache`` holds of the function ``name``
+    (``module.function``): its index file is a pickled version, then (stamp, overloads)."""
+    index = [f for f in cache.rglob("*.nbi") if f.name.startswith(name + "-")]
+    assert len(index) == 1, (name, sorted(f.name for f in cache.rglob("*.nbi")))
+    with open(index[0], "rb") as f:
+        pickle.load(f)
+        return len(pickle.loads(f.read())[1])
+
+
+@pytest.mark.slow  # (a minute or two of Spark queries; make setup runs it on every fresh clone)
+def test_warm_compiles_the_kernels_once_each_into_numbas_cache(spark, tmp_path, monkeypatch):
+    # The engines the warm-up's queries start (child processes of this one) cache into an empty
+    # NUMBA_CACHE_DIR: after it, the aggregation, session and string kernels are there, each
+    # compiled once (one signature: the queries' batches all reach them with the same types)
+    cache = tmp_path / "numba"
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    assert warm(spark, tmp_path) > 0
+    for name in ("kernels._agg_kernel_py", "kernels._fire_bucket_py",
+                 "sessions._session_kernel_py", "strings.intern_run", "buckets.insert_rows"):
+        assert _signatures(cache, name) == 1, name
+    assert not list(tmp_path.glob("stretch-warm-*")), "the warm-up left its folder"
+
+
+def test_the_command_names_its_one_argument():
+    r = subprocess.run([sys.executable, "-m", "spark_stretch", "wram"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "usage: python -m spark_stretch warm" in r.stderr
