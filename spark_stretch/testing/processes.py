@@ -45,9 +45,11 @@ def driver_env(tmp: Path, **extra) -> dict:
     Examples
     --------
     >>> import tempfile
-    >>> env = driver_env(Path(tempfile.mkdtemp()), SPARK_LOCAL_IP="127.0.0.1")
+    >>> d = tempfile.TemporaryDirectory()
+    >>> env = driver_env(Path(d.name), SPARK_LOCAL_IP="127.0.0.1")
     >>> "-Djava.io.tmpdir=" in env["SPARK_SUBMIT_OPTS"], Path(env["SPARK_LOCAL_DIRS"]).name
     (True, 'spark-local')
+    >>> d.cleanup()
     """
     java_tmp = Path(tmp) / "java-tmp"
     java_tmp.mkdir(parents=True, exist_ok=True)
