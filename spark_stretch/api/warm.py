@@ -87,8 +87,6 @@ def warm(spark: SparkSession, work: str | Path | None = None) -> float:
     than these queries' still compiles on its first use. Each query's output is checked to have
     rows, so a warm-up that ran nothing fails instead of passing silently.
     """
-    from .native_spelling import stretch
-
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="stretch-warm-", dir=work) as d:
         src = Path(d) / "in"
@@ -98,24 +96,31 @@ def warm(spark: SparkSession, work: str | Path | None = None) -> float:
         df = (spark.readStream.schema(_SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(src))
               .withWatermark("ts", "5 seconds"))
         for i, (name, agg, mode) in enumerate(_queries(df)):
-            for run in range(2 if i == 0 else 1):  # (the first again: restored from its checkpoint)
-                if run:
-                    _write(src, 2)
-                out = Path(d) / f"out-{i}"
-                w = (stretch(agg, parallelism=2, max_parallelism=2).writeStream.outputMode(mode)
-                     .option("checkpointLocation", str(Path(d) / f"checkpoint-{i}"))
-                     .trigger(availableNow=True))
-                # (Delta, which a restart continues; update mode to the memory sink)
-                q = (w.format("memory").queryName(f"stretch_warm_{i}").start() if mode == "update"
-                     else w.format("delta").start(str(out)))
-                try:
-                    q.awaitTermination()
-                finally:
-                    q.stop()
-                rows = spark.table(f"stretch_warm_{i}") if mode == "update" else \
-                    spark.read.format("delta").load(str(out))
-                if not rows.count():
-                    raise RuntimeError(f"the warm-up query '{name}' gave no rows")
-                if mode == "update":
-                    spark.catalog.dropTempView(f"stretch_warm_{i}")
+            _run(spark, name, agg, mode, Path(d), i)
+            if i == 0:  # (the first again, on a new file: restored from its checkpoint)
+                _write(src, 2)
+                _run(spark, name, agg, mode, Path(d), i)
     return time.perf_counter() - t0
+
+
+def _run(spark: SparkSession, name: str, agg, mode: str, work: Path, i: int) -> None:
+    """Query ``i`` through ``stretch(df)`` until its input is read, into Delta under ``work``
+    (which a restart continues), or in update mode into the memory sink; fails if it gave no
+    rows."""
+    from .native_spelling import stretch
+
+    w = (stretch(agg, parallelism=2, max_parallelism=2).writeStream.outputMode(mode)
+         .option("checkpointLocation", str(work / f"checkpoint-{i}"))
+         .trigger(availableNow=True))
+    view, out = f"stretch_warm_{i}", work / f"out-{i}"
+    memory = mode == "update"
+    q = w.format("memory").queryName(view).start() if memory else w.format("delta").start(str(out))
+    try:
+        q.awaitTermination()
+    finally:
+        q.stop()
+    n = (spark.table(view) if memory else spark.read.format("delta").load(str(out))).count()
+    if memory:
+        spark.catalog.dropTempView(view)
+    if not n:
+        raise RuntimeError(f"the warm-up query '{name}' gave no rows")
