@@ -46,8 +46,8 @@ from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META, state_root
 from . import faults, load
 from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
-                           per_aggregation, rank_strings, reject_nulls, state_output,
-                           check_keys, key_encoding)
+                           output_in_blocks, per_aggregation, rank_strings, reject_nulls,
+                           slice_rows, state_output, check_keys, key_encoding)
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime
@@ -77,17 +77,31 @@ def _whole_batches(engines, spec) -> None:
             eng.apply_whole_batches(ordered_output=len(engines) > 1)
 
 
-def _output_in_blocks(spec, codec, engines) -> Optional[pa.Table]:
-    """The query's rows from one engine's output blocks (whole batches), each let go once made
-    rows: a close of millions of windows is never whole twice. None: ordered rows."""
-    if len(engines) > 1 or engines[0].esg_out.in_order:
-        return None
-    blocks = engines[0].esg_out.get_batch("driver", chunks=True)[0]
-    blocks.reverse()  # (taken from the end: each block is let go as it is made rows)
-    tables = []
-    while blocks:
-        tables.append(output_table(spec, codec, per_aggregation(spec, [blocks.pop()])))
-    return pa.concat_tables(tables)
+def _warm_up(runtime, qid: str, spec) -> None:
+    """:meth:`AggregateRuntime.warm_up`: a throwaway ``runtime`` of ``spec`` steps two rows."""
+    from dataclasses import replace
+
+    from ..protocol.specs import Checkpointing
+
+    try:
+        schema = M.schema_from_wire(spec.input_schema)
+        rows = pa.table({f.name: sample(f.type) for f in schema}, schema=schema)
+        rt = runtime(f"{qid}:warm-up", replace(
+            spec, checkpoint=Checkpointing(), resume_batch=None, parallelism=1,
+            max_parallelism=1, buckets=64, warm_up=True), _Nowhere())
+        try:
+            rt.ingest("in:0", "warm-up", rows)
+            rt.step(0)
+            rt.flush()
+            for eng in rt.engines:
+                eng.snapshot(delta=False)
+                eng.snapshot(delta=True)
+        finally:
+            rt.close()
+        import deltalake  # noqa: F401  (the engine's own Delta appends)
+        import pandas  # noqa: F401  (deltalake's first write imports it)
+    except Exception:
+        pass
 
 
 class AggregateRuntime(EventTimes, Resharding, Runtime):
@@ -144,29 +158,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
     def warm_up(self) -> None:
         """Load what the first batch would load (numba's kernels, deltalake; half a second) while
         Spark starts the query: a throwaway copy of the query on two made-up rows. Best effort."""
-        from dataclasses import replace
-
-        from ..protocol.specs import Checkpointing
-
-        try:
-            schema = M.schema_from_wire(self.spec.input_schema)
-            rows = pa.table({f.name: sample(f.type) for f in schema}, schema=schema)
-            rt = type(self)(f"{self.qid}:warm-up", replace(
-                self.spec, checkpoint=Checkpointing(), resume_batch=None, parallelism=1,
-                max_parallelism=1, buckets=64, warm_up=True), _Nowhere())
-            try:
-                rt.ingest("in:0", "warm-up", rows)
-                rt.step(0)
-                rt.flush()
-                for eng in rt.engines:
-                    eng.snapshot(delta=False)
-                    eng.snapshot(delta=True)
-            finally:
-                rt.close()
-            import deltalake  # noqa: F401  (the engine's own Delta appends)
-            import pandas  # noqa: F401  (deltalake's first write imports it)
-        except Exception:
-            pass
+        _warm_up(type(self), self.qid, self.spec)
 
     # -- data --------------------------------------------------------------------------------------
     def _step(self, batch: int, table: Optional[pa.Table], batch_ts_ms=None) -> M.StepResult:
@@ -178,18 +170,16 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         # hosts each source host's logged share of it, with what this host keeps of it)
         parts = table if isinstance(table, list) else [(table, self.share)]
         self.group_load = group_loads(parts, self.share)  # (several hosts: for moves)
+        rows = slice_rows(self.spec, self.engines)  # (0: the batch at once)
         for table, share in parts:
             if table is None or not table.num_rows:
                 continue
             self.counters["input_rows"] += table.num_rows
             tops = tops_of(table)  # (every row's event time counts: one watermark)
-            for s, cols in enumerate(self._stream_columns(table, share)):
-                if cols is None or not len(cols["ts"]):
-                    continue
-                for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
-                    eng.esg_in.add(cols, s)
-                if tops is None:
-                    self._saw(s, int(cols["ts"].max()) // 1000)
+            for lo in range(0, table.num_rows, rows or table.num_rows):
+                self._add(table.slice(lo, rows) if rows else table, share, tops is None)
+                for eng in self.engines if rows else ():  # (applied now: its columns let go)
+                    eng.release_all(0)
             for s, top in enumerate(tops or ()):
                 self._saw(s, top)
         if not self.spec.warm_up:  # a test's fault is for the query itself
@@ -208,6 +198,15 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late,
             "engine_ms": self._ms_since(t0), "stream_max_ms": list(self.stream_max_ms)})
+
+    def _add(self, table: pa.Table, share, saw: bool) -> None:
+        for s, cols in enumerate(self._stream_columns(table, share)):
+            if cols is None or not len(cols["ts"]):
+                continue
+            for eng in self.engines:  # late rule: the ESG still holds W_{N-1}
+                eng.esg_in.add(cols, s)
+            if saw:
+                self._saw(s, int(cols["ts"].max()) // 1000)
 
     def _emit(self, batch: int) -> pa.Table:
         """The batch's output rows, as Spark's output mode has them: in append mode the
@@ -352,7 +351,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
         reject_nulls(self.spec, table, batch)
 
     def _output(self) -> pa.Table:
-        out = _output_in_blocks(self.spec, self.codec, self.engines)
+        out = output_in_blocks(self.spec, self.codec, self.engines)
         return out if out is not None else output_table(self.spec, self.codec, per_aggregation(
             self.spec, [eng.esg_out.get_batch("driver")[0] for eng in self.engines]))
 

@@ -101,6 +101,37 @@ def engine_columns(s: AggregateSpec, codec: KeyCodec, share, table: pa.Table) ->
     return cols
 
 
+def output_in_blocks(spec, codec, engines) -> Optional[pa.Table]:
+    """The query's rows from one engine's output blocks (whole batches), each let go once made
+    rows: a close of millions of windows is never whole twice. None: ordered rows."""
+    if len(engines) > 1 or engines[0].esg_out.in_order:
+        return None
+    blocks = engines[0].esg_out.get_batch("driver", chunks=True)[0]
+    blocks.reverse()  # (taken from the end: each block is let go as it is made rows)
+    tables = []
+    while blocks:
+        tables.append(output_table(spec, codec, per_aggregation(spec, [blocks.pop()])))
+    return pa.concat_tables(tables)
+
+
+SLICE_ROWS = 1 << 18
+"""Rows of a batch applied at a time by engines that apply whole batches (:func:`slice_rows`)."""
+
+
+def slice_rows(s: AggregateSpec, engines: list) -> int:
+    """Rows of a batch that ``engines`` apply at a time (``Engine.release_all`` after each
+    slice), or 0: the batch at once. Slices when every engine applies whole batches in append
+    mode (order-free aggregates, windows fired by the watermark only, which does not move
+    between slices) and no aggregate ranks strings (ranked once a batch, before its rows
+    apply): the state is the same as the batch applied at once, and a batch's engine columns,
+    ESG segment and kernel arrays are held for one slice at a time (BENCHMARKS.md, aggregation
+    state at scale)."""
+    if (getattr(s, "output_mode", "append") != "append" or getattr(s, "session_end", None)
+            or _ranks_strings(s) or not all(e.applies_whole_batches for e in engines)):
+        return 0
+    return SLICE_ROWS
+
+
 def per_aggregation(s: AggregateSpec, outs: list) -> list:
     """The engines' outputs (or state rows ``(rec, acc_f, words)``, ``Engine.state_rows``) one
     per aggregation of ``s``: a fused operator's (:func:`builtin_operators`) split into one per

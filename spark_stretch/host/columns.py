@@ -240,33 +240,38 @@ _OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
 def _evaluate(e: dict, table: pa.Table):
     """One expression of the shim's small language over ``table`` (Arrow compute, as Spark
     evaluates it): see :func:`finish` and :func:`prepare`."""
-    def ev(e):
-        if "ref" in e:
-            return table.column(e["ref"])
-        if "col" in e:
-            return table.column(e["col"])
-        if "keyfield" in e:
-            return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
-        if "lit" in e:  # (Jackson writes NaN and +-Infinity as strings: a min/max's sentinel)
-            v = e["lit"]
-            if isinstance(v, str) and e["type"] in ("double", "float"):
-                v = float(v)
-            return pa.scalar(v, _FINISH_TYPES[e["type"]])
-        if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
-            #               taken may hold a min/max sentinel out of the target's range)
-            return pc.cast(ev(e["cast"]), _FINISH_TYPES[e["type"]], safe=False)
-        if "size" in e:
-            return _size(e, ev(e["size"][0]))
-        if "addus" in e:  # a timestamp plus microseconds, as microseconds
-            return pc.add(pc.cast(ev(e["addus"]), pa.int64()), e["us"])
-        if "row" in e:
-            return unsafe_rows([ev(x) for x in e["row"]], e["types"], table.num_rows)
-        for op, fn in _OPS.items():
-            if op in e:
-                return fn(*(ev(x) for x in e[op]))
-        raise ValueError(f"unknown expression {e}")
-    v = ev(e)
+    v = _ev(e, table)
     return pa.repeat(v, table.num_rows) if isinstance(v, pa.Scalar) else v
+
+
+def _ev(e: dict, table: pa.Table):
+    # (a function of its own, not a closure over ``table`` calling itself: that closure is a
+    # reference cycle, and held each batch's input until Python's cyclic collector ran, which
+    # in the engine's process is rarely: 4-6 batches' columns at once, BENCHMARKS.md)
+    if "ref" in e:
+        return table.column(e["ref"])
+    if "col" in e:
+        return table.column(e["col"])
+    if "keyfield" in e:
+        return unsafe_row_field(table.column(1), e["fields"], e["keyfield"], e["type"])
+    if "lit" in e:  # (Jackson writes NaN and +-Infinity as strings: a min/max's sentinel)
+        v = e["lit"]
+        if isinstance(v, str) and e["type"] in ("double", "float"):
+            v = float(v)
+        return pa.scalar(v, _FINISH_TYPES[e["type"]])
+    if "cast" in e:  # (unchecked: an if_else evaluates both branches, and the one not
+        #               taken may hold a min/max sentinel out of the target's range)
+        return pc.cast(_ev(e["cast"], table), _FINISH_TYPES[e["type"]], safe=False)
+    if "size" in e:
+        return _size(e, _ev(e["size"][0], table))
+    if "addus" in e:  # a timestamp plus microseconds, as microseconds
+        return pc.add(pc.cast(_ev(e["addus"], table), pa.int64()), e["us"])
+    if "row" in e:
+        return unsafe_rows([_ev(x, table) for x in e["row"]], e["types"], table.num_rows)
+    for op, fn in _OPS.items():
+        if op in e:
+            return fn(*(_ev(x, table) for x in e[op]))
+    raise ValueError(f"unknown expression {e}")
 
 
 def finish(table: pa.Table, columns: list) -> pa.Table:
