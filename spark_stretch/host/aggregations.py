@@ -120,14 +120,13 @@ SLICE_ROWS = 1 << 18
 
 def slice_rows(s: AggregateSpec, engines: list) -> int:
     """Rows of a batch that ``engines`` apply at a time (``Engine.release_all`` after each
-    slice), or 0: the batch at once. Slices when every engine applies whole batches in append
-    mode (order-free aggregates, windows fired by the watermark only, which does not move
-    between slices) and no aggregate ranks strings (ranked once a batch, before its rows
-    apply): the state is the same as the batch applied at once, and a batch's engine columns,
-    ESG segment and kernel arrays are held for one slice at a time (BENCHMARKS.md, aggregation
-    state at scale)."""
-    if (getattr(s, "output_mode", "append") != "append" or getattr(s, "session_end", None)
-            or _ranks_strings(s) or not all(e.applies_whole_batches for e in engines)):
+    slice), or 0: the batch at once. Slices when every engine applies whole batches (set up in
+    append mode only, for order-free aggregates over time windows: no session, no ordered
+    aggregate; windows fired by the watermark only, which does not move between slices) and
+    no aggregate ranks strings (ranked once a batch, before its rows apply): the state is the
+    same as the batch applied at once, and a batch's engine columns, ESG segment and kernel
+    arrays are held for one slice at a time (BENCHMARKS.md, aggregation state at scale)."""
+    if _ranks_strings(s) or not all(e.applies_whole_batches for e in engines):
         return 0
     return SLICE_ROWS
 
