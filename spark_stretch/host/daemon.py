@@ -25,6 +25,12 @@ import time
 import traceback
 from typing import Dict, Optional
 
+if __name__ == "__main__":
+    # Arrow's C++ default pool, which the Parquet reader and compute kernels allocate from, is
+    # chosen from this variable when pyarrow loads (below); pa.set_memory_pool in
+    # return_freed_memory sets only the pool that Python calls pass. A user's choice stands.
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
 from ..protocol import messages as M
 from ..protocol.errors import UnknownQuery
 from ..protocol.specs import spec_from_wire
@@ -231,12 +237,14 @@ def return_freed_memory() -> None:
     """Give a batch's freed buffers back to the system, so the engine's memory follows its state.
 
     A batch's working set (its columns, the event-time order, the output) is freed when the
-    batch ends, but allocators keep it: Arrow's default pool (jemalloc) holds its arenas, and
+    batch ends, but allocators keep it: Arrow's default pool (mimalloc) holds its segments, and
     glibc's malloc raises its mmap threshold after the first large free, after which large
     arrays come from the heap and stay there. Measured on 5M live windows (BENCHMARKS.md,
     aggstate.py): 345 MB less resident, no slower. So Arrow allocates with the system's
     malloc here, and glibc's threshold is pinned (arrays of 128 KB and more are mapped, and
-    unmapped when freed).
+    unmapped when freed). ``set_memory_pool`` reaches Python's calls only; Arrow's own
+    allocations (the Parquet reader's) follow ``ARROW_DEFAULT_MEMORY_POOL``, which the engine
+    process sets before pyarrow loads (a further 40 MB at 5M windows).
     """
     import ctypes
 

@@ -46,6 +46,30 @@ def test_the_engine_serves_before_it_imports_numba():
     assert proc.stdout.strip() == "[]"
 
 
+def _engine_arrow_pool(**env) -> str:
+    """The Arrow default pool of the engine's process, as ``python -m`` runs its module."""
+    code = ("import runpy, sys; sys.argv = ['daemon', '--help']\n"
+            "try:\n    runpy.run_module('spark_stretch.host.daemon', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "import pyarrow as pa; print(pa.default_memory_pool().backend_name)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={"SPARK_STRETCH_PROCESS": "host",
+                                            "PATH": "/usr/bin:/bin", **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_engine_allocates_arrow_buffers_with_the_systems_malloc():
+    """Arrow's own allocations (the Parquet reader's) come from the pool chosen when pyarrow
+    loads: the engine's process asks for the system's malloc, which gives freed buffers back
+    (measured in BENCHMARKS.md, aggstate.py); a pool the user chose stands."""
+    import pyarrow as pa
+
+    assert _engine_arrow_pool() == "system"
+    other = next(p for p in ("mimalloc", "jemalloc") if p in pa.supported_memory_backends())
+    assert _engine_arrow_pool(ARROW_DEFAULT_MEMORY_POOL=other) == other
+
+
 def test_the_launcher_turns_the_engines_log_into_a_clear_error(spark):
     hosts = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchHosts
     missing = hosts.whyNotStarted(
