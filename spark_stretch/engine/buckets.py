@@ -5,8 +5,10 @@ kernels, :mod:`spark_stretch.engine.kernels` and :mod:`spark_stretch.engine.sess
 A key's bucket is ``((mix64(key) >> 32) * B) >> 32`` of ``B`` buckets
 (:func:`bucket_of`; the placement policy of :mod:`spark_stretch.protocol.placement`): all
 windows of a key share it. Per bucket ``b`` an open-addressing table of ``cap`` slots (any
-count: :func:`next_cap` grows it by half), one int64 record per slot
-``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (unpadded; at most 3/4 of the slots live) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
+count: :func:`next_cap` grows it by a quarter), one int64 record per slot
+``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (unpadded; a bucket at most 7/8 full,
+the buckets holding windows at most 3/4 on average: the runtime grows the tables past that,
+``Engine._grow_if_loaded``) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
 slots, ``bminl[b]`` earliest window start (``NO_L`` when empty), ``dirty[b]`` "modified since
 last checkpoint". A window's first slot is :func:`_slot0` of its key's hash and its start,
 then linear probing; keys are compared in full (key and window start), so there are no
@@ -62,9 +64,10 @@ def buckets_of(keys, nb):
 
 
 def next_cap(cap: int) -> int:
-    """Slots per bucket after a grow: half as many again (a table is 1/2 to 3/4 full, 5/8 on
-    average; doubling left it 3/8 to 3/4)."""
-    return cap + max(cap // 2, 8)
+    """Slots per bucket after a grow: a quarter more (grown at 3/4 full on average, the tables
+    are 3/5 to 3/4 full; growing by half left them 1/2 to 3/4, less with thousands of buckets
+    grown when the fullest reached 3/4)."""
+    return cap + max(cap // 4, 8)
 
 
 @njit(**HOT)

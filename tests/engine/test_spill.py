@@ -64,13 +64,13 @@ def _run(eng, batches, restore_at=None, restore=None):
 
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
 def test_state_past_the_budget_gives_the_same_rows(engine_cls, tmp_path):
-    """Tables several times a 512 KB budget live in files, and every batch gives the rows an
+    """Tables several times a 256 KB budget live in files, and every batch gives the rows an
     engine without a budget gives (windows closing as event time goes, out-of-order tuples),
     across a snapshot and a restore under the budget; no file is left in the directory (each
     is unlinked once mapped)."""
     op = aggregate_many(AGGS, key="k", WS=100)
     want, _ = _run(engine_cls(op, m=2, n=2, n_buckets=256), _batches(6, 12_000, 80_000))
-    spill = Spill(512 << 10, str(tmp_path))
+    spill = Spill(256 << 10, str(tmp_path))
     eng = engine_cls(op, m=2, n=2, n_buckets=256, spill=spill)
     got, last = _run(eng, _batches(6, 12_000, 80_000), restore_at=2,
                      restore=lambda snap: engine_cls.restore(op, snap, spill=spill))
