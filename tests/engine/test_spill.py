@@ -82,14 +82,14 @@ def test_state_past_the_budget_gives_the_same_rows(engine_cls, tmp_path):
 
 @pytest.mark.slow  # (2 minutes)
 def test_pages_held_stay_within_the_budget(tmp_path):
-    """State six times a 6 MB budget: between two drops the engine held at most the budget of
-    the tables' pages (sampled), through growth, emission, a snapshot and a restore, with two
-    instances applying tuples at once (each within its share); the rows are an unbudgeted
-    engine's."""
+    """State more than five times a 5 MB budget: between two drops the engine held at most
+    the budget of the tables' pages (sampled), through growth, emission, a snapshot and a
+    restore, with two instances applying tuples at once (each within its share); the rows are
+    an unbudgeted engine's."""
     op = aggregate_many(AGGS, key="k", WS=100)
     batches = dict(n_batches=4, rows=400_000, keys=2_000_000)
     want, _ = _run(Engine(op, m=2, n=2, n_buckets=4096), _batches(**batches))
-    spill = Watched(6 << 20, str(tmp_path))
+    spill = Watched(5 << 20, str(tmp_path))
     got, last = _run(Engine(op, m=2, n=2, n_buckets=4096, spill=spill), _batches(**batches),
                      restore_at=1, restore=lambda snap: Engine.restore(op, snap, spill=spill))
     assert got == want
