@@ -9,8 +9,9 @@ Each worker, and so its executors and the engines they start, runs with a home d
 own (``HOME``, ``XDG_CACHE_HOME``; no ``SPARK_STRETCH_CACHE``), as on a machine of its own: what
 reaches an executor comes through Spark's shipping (``spark.jars``, ``spark.jars.packages``,
 ``spark.archives``), never from the driver's caches. The disk, ``/tmp`` and ``/dev/shm`` are
-still this machine's. The cluster is always stopped on exit, its processes
-(workers, their executors, and what those started) ended, its work directories removed.
+still this machine's; the workers' and executors' JVMs keep their temporary files
+(``java.io.tmpdir``: the engines' directories among them) in the cluster's directory. The cluster is always stopped on exit, its
+processes (workers, their executors, and what those started) ended, its directories removed.
 
 Examples
 --------
@@ -72,6 +73,12 @@ class StandaloneCluster:
         self.ui_port = free_port(master_host)
         self.url = f"spark://{master_host}:{self.port}"
 
+    @property
+    def path(self) -> Path:
+        """The cluster's directory: its logs, and each worker's work, home and temporary
+        directories (removed on stop)."""
+        return self._dir
+
     def _start(self, name: str, host: str, args: List[str], env: dict) -> subprocess.Popen:
         log = open(self._dir / f"{name}.log", "wb")
         proc = subprocess.Popen(
@@ -110,14 +117,25 @@ class StandaloneCluster:
     def _worker(self, h: str) -> None:
         work = self._dir / f"worker-{h}"
         home = self._dir / f"home-{h}"
+        # (short: an engine's socket is in here, stretch-engine-<app>-<host>/engine.sock, and
+        # must fit a Unix socket's address, or the launcher moves the engine to /tmp)
+        java_tmp = self._dir / f"tmp{self.hosts.index(h)}"
         (home / ".cache").mkdir(parents=True)
         work.mkdir()
+        java_tmp.mkdir()
+        # The worker's JVM and the executors' it starts (they inherit its environment) keep
+        # their temporary files in the cluster's directory, as a machine of their own would:
+        # the lz4 and snappy libraries they unpack (deleted only when a JVM exits normally)
+        # and the engines' directories. stop() removes it: an executor killed by a test leaves
+        # nothing in the machine's /tmp.
+        tool_opts = f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} -Djava.io.tmpdir={java_tmp}"
         self._start(f"worker-{h}", h,
                     ["org.apache.spark.deploy.worker.Worker", "--host", h, "--cores",
                      str(self.cores), "--memory", self.memory, "--webui-port", "0",
                      "--work-dir", str(work), self.url],
                     {"SPARK_WORKER_DIR": str(work), "HOME": str(home),
-                     "XDG_CACHE_HOME": str(home / ".cache")})
+                     "XDG_CACHE_HOME": str(home / ".cache"),
+                     "JAVA_TOOL_OPTIONS": tool_opts.strip()})
 
     def _wait_workers(self) -> None:
         deadline = time.monotonic() + self.start_timeout

@@ -29,6 +29,7 @@ Parts (each prints ``RESULT <json>``):
   (Spark's own ``pmod(xxhash64(k), 16)``) for an independent look at the host loads.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -172,9 +173,13 @@ def intruders(q):
         time.sleep(0.2)
     refused = []
     for host in q.metrics()["engine"]["hosts"]:
-        info = json.loads((Path(tempfile.gettempdir()) /
-                           f"stretch-engine-{spark.sparkContext.applicationId}-{host['host']}" /
-                           "engine.json").read_text())
+        # (the engine's directory is in its executors' temporary directory, which the test
+        # cluster keeps in its own: stretch-cluster-*/tmp<n>)
+        name = f"stretch-engine-{spark.sparkContext.applicationId}-{host['host']}"
+        found = glob.glob(os.path.join(tempfile.gettempdir(), "stretch-cluster-*", "tmp*",
+                                       name, "engine.json"))
+        assert len(found) == 1, found
+        info = json.loads(Path(found[0]).read_text())
         addr, port = info["tcp"][len("tcp://"):].rsplit(":", 1)
         for payload in (b"", b"\x00\x00\x00\x10{\"op\": \"ping\"}", os.urandom(64)):
             with socket.create_connection((addr, int(port)), timeout=15) as s:

@@ -51,7 +51,12 @@ def _engine_pids() -> set:
 
 
 def _engine_dirs() -> list:
-    return glob.glob(os.path.join(tempfile.gettempdir(), "stretch-engine-app-*"))
+    """The engines' directories on the cluster's hosts: in their executors' temporary directory
+    (:class:`StandaloneCluster` gives each worker one), or in /tmp when that one's path is too
+    long for a Unix socket."""
+    tmp = tempfile.gettempdir()
+    return (glob.glob(os.path.join(tmp, "stretch-cluster-*", "tmp*", "stretch-engine-app-*"))
+            + glob.glob(os.path.join(tmp, "stretch-engine-app-*")))
 
 
 def _no_driver_path(settings: dict) -> None:
@@ -124,11 +129,18 @@ def test_a_users_own_builder_on_two_hosts_reads_delta_back_as_native(cluster, tm
 
 @pytest.mark.slow  # (a few minutes: make test-slow)
 def test_engine_and_executor_killed(cluster, tmp_path):
+    libs = "liblz4-java-*"
+    in_tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), libs)))
     r = run_script(JOB, cluster.url, "faults", tmp_path, timeout=900)
     assert r["ok"] and (tmp_path / "engine-killed").exists()
     assert len(r["engine_restarts"]) == 1  # kill -9 of one host's engine mid-batch
     assert r["killed_executor"] > 0
     assert r["engines_after_stop"] == []
+    # The executors unpack lz4 into their JVM's temporary directory, and one killed with -9
+    # never deletes it: that directory is the cluster's (removed on stop), not this machine's
+    # /tmp (where each slow run used to leave the killed executor's copy).
+    assert glob.glob(str(cluster.path / "tmp*" / libs))
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), libs))) <= in_tmp
 
 
 @pytest.mark.slow  # (a few minutes: make test-slow)
@@ -299,8 +311,8 @@ def test_a_lost_host_s_key_groups_go_to_the_others(cluster, tmp_path):
     assert r["hosts_after"] == [["127.0.0.2", 16]]  # every group on the host that is left
     assert r["engine_restarts"] >= 1
     assert not _engine_pids()
-    # What the killed engine left in its directory was on the lost host's disk (here /tmp is
-    # every host's): gone with the host
+    # What the killed engine left in its directory was on the lost host's disk (here its
+    # worker's temporary directory, on this machine's disk): gone with the host
     for d in _engine_dirs():
         assert d.endswith("-127.0.0.3"), d
         shutil.rmtree(d)

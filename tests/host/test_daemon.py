@@ -88,3 +88,48 @@ def test_the_launcher_turns_the_engines_log_into_a_clear_error(spark):
     other = hosts.whyNotStarted("h", "python3", 139, "Segmentation fault")
     assert other == ("the stretch host engine on h exited with status 139 before it was "
                      "ready: Segmentation fault")
+
+
+def test_an_engine_under_a_long_temporary_directory_gets_a_socket_that_fits(spark, tmp_path):
+    """An executor's ``java.io.tmpdir`` can be long (YARN's is inside the container's
+    directory): where the engine's socket would not fit a Unix socket's address, the launcher
+    puts the engine's directory in /tmp under a hash of the long path, the same for every
+    launcher of the host; the engine starts there, answers, and removes it when it ends."""
+    import os
+    import signal
+    import time
+
+    hosts = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchHosts
+    short = hosts.engineDir("/var/tmp", "app-1", "10.0.0.3").getPath()
+    assert short == "/var/tmp/stretch-engine-app-1-10.0.0.3"  # (fits: where it was)
+    base = tmp_path / ("container_e01_1700000000000_0001_01_000002-" * 2)
+    base.mkdir()
+    long_dir = hosts.engineDir(str(base), "application_1700000000000_0001", "127.0.0.1")
+    path = long_dir.getPath()
+    assert path.startswith("/tmp/stretch-engine-") and len(path) + len("/engine.sock") <= 100
+    assert hosts.engineDir(str(base), "application_1700000000000_0001",
+                           "127.0.0.1").getPath() == path  # (every launcher finds the same)
+
+    jvm = spark.sparkContext._jvm
+    cmd = jvm.java.util.ArrayList()
+    for word in (sys.executable, "-m", "spark_stretch.host.daemon", "--driver-version",
+                 spark_stretch.__version__):
+        cmd.add(word)
+    line = hosts.ensure("127.0.0.1", "application_1700000000000_0001",
+                        jvm.scala.jdk.javaapi.CollectionConverters.asScala(cmd).toSeq(),
+                        "a-secret", str(base), 30.0, 120_000)
+    host, sock, tcp, pid = line.split("|")
+    try:
+        assert (host, os.path.dirname(sock)) == ("127.0.0.1", path)
+        assert os.path.exists(sock) and tcp.startswith("tcp://127.0.0.1:")
+        # a second launcher of the host finds the running engine
+        again = hosts.ensure("127.0.0.1", "application_1700000000000_0001",
+                             jvm.scala.jdk.javaapi.CollectionConverters.asScala(cmd).toSeq(),
+                             "a-secret", str(base), 30.0, 120_000)
+        assert again == line
+    finally:
+        os.kill(int(pid), signal.SIGTERM)
+    deadline = time.time() + 60
+    while os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(path)

@@ -3,6 +3,7 @@ package org.apache.spark.sql.stretch
 import java.io.{File, IOException, RandomAccessFile}
 import java.nio.charset.StandardCharsets
 import java.nio.file.Files
+import java.security.MessageDigest
 
 import scala.jdk.CollectionConverters._
 
@@ -18,7 +19,8 @@ import org.apache.spark.SparkContext
  * lost while other executors of the host still use the engine), living on a lease the driver
  * renews; it exits when the driver stops it, or stops renewing. So no core of the host is held
  * by a launcher task. Per host, `<dir>/stretch-engine-<app>-<host>/` (`<dir>`: the executor's own
- * `java.io.tmpdir` unless the driver names one) holds the engine's Unix
+ * `java.io.tmpdir` unless the driver names one; `/tmp/stretch-engine-<hash>/` where that path is
+ * too long for a Unix socket's address, [[engineDir]]) holds the engine's Unix
  * socket, its `engine.json` (pid, TCP address: how a second launcher finds it), its log and a
  * lock that lets one launcher at a time start it; the engine removes the directory when it exits.
  *
@@ -75,15 +77,38 @@ object StretchHosts {
 
   private val Missed = "MISSED|"
 
+  /** The longest socket path used: a Unix socket's address holds 107 bytes on Linux (108 with
+   * its terminating zero), a few less elsewhere. */
+  val MaxSocketPath = 100
+
+  /**
+   * The engine's directory on `host`: `<base>/stretch-engine-<app>-<host>`, or, when its socket
+   * would not fit a Unix socket's address ([[MaxSocketPath]]), `/tmp/stretch-engine-<hash>`
+   * (16 hex digits of that path's SHA-256: every launcher of the host finds the same). An
+   * executor's `java.io.tmpdir` can be long: YARN's is inside the container's directory.
+   */
+  def engineDir(base: String, app: String, host: String): File = {
+    val safe = host.replaceAll("[^A-Za-z0-9_.-]", "_")
+    val dir = new File(base, s"stretch-engine-$app-$safe")
+    if (new File(dir, "engine.sock").getPath.getBytes(StandardCharsets.UTF_8).length
+        <= MaxSocketPath) {
+      dir
+    } else {
+      val hash = MessageDigest.getInstance("SHA-256")
+        .digest(dir.getPath.getBytes(StandardCharsets.UTF_8)).take(8).map("%02x".format(_))
+        .mkString
+      new File("/tmp", s"stretch-engine-$hash")
+    }
+  }
+
   private def alive(pid: Long): Boolean =
     java.lang.ProcessHandle.of(pid).map[Boolean](_.isAlive).orElse(false)
 
   /** On `host` (this executor's): the running engine's line, or a new engine's. */
   def ensure(host: String, app: String, cmd: Seq[String], secret: String, baseDir: String,
              lease: Double, timeoutMs: Int): String = {
-    val safe = host.replaceAll("[^A-Za-z0-9_.-]", "_")
     val base = if (baseDir.isEmpty) System.getProperty("java.io.tmpdir") else baseDir
-    val dir = new File(base, s"stretch-engine-$app-$safe")
+    val dir = engineDir(base, app, host)
     dir.mkdirs()
     val lock = new RandomAccessFile(new File(dir, "launch.lock"), "rw")
     try {
