@@ -297,16 +297,22 @@ class Step:
         return e
 
     def put(self, kb: bytes, entry: Entry) -> None:
+        self._write(kb, entry)
+
+    def delete(self, kb: bytes) -> None:
+        self._write(kb, None)
+
+    def _write(self, kb: bytes, entry: Optional[Entry]) -> None:
+        """Keep ``entry`` (None: deleted) as ``kb``'s until the commit, its committed timeout
+        read first (the commit removes that timer)."""
         if kb not in self.committed_timeout:
             self.get(kb)
         self.pending[kb] = entry
         self._pending_in.setdefault(kb[:2], set()).add(kb)
 
-    def delete(self, kb: bytes) -> None:
-        if kb not in self.committed_timeout:
-            self.get(kb)
-        self.pending[kb] = None
-        self._pending_in.setdefault(kb[:2], set()).add(kb)
+    def _clear(self) -> None:
+        self.pending.clear()
+        self._pending_in.clear()
 
     def due(self, bucket: int, threshold: int) -> List[bytes]:
         """The keys of ``bucket`` whose timeout is set and earlier than ``threshold``, this
@@ -341,8 +347,7 @@ class Step:
 
     def abort(self) -> None:
         self.txn.abort()
-        self.pending.clear()
-        self._pending_in.clear()
+        self._clear()
 
     def changelog(self) -> pa.Table:
         """This step's changes as an Arrow table (``value`` null: deleted)."""
@@ -369,7 +374,6 @@ class Step:
                         w.put(_timer(kb, t), b"", db=tm)
             w.put(str(index).encode(), pickle.dumps((seq, reply), protocol=5),
                   db=self.store.done)
-        self.pending.clear()
-        self._pending_in.clear()
+        self._clear()
         self.store.hold()
         return log

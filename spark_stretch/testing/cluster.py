@@ -10,8 +10,9 @@ own (``HOME``, ``XDG_CACHE_HOME``; no ``SPARK_STRETCH_CACHE``), as on a machine 
 reaches an executor comes through Spark's shipping (``spark.jars``, ``spark.jars.packages``,
 ``spark.archives``), never from the driver's caches. The disk, ``/tmp`` and ``/dev/shm`` are
 still this machine's; the workers' and executors' JVMs keep their temporary files
-(``java.io.tmpdir``: the engines' directories among them) in the cluster's directory. The cluster is always stopped on exit, its
-processes (workers, their executors, and what those started) ended, its directories removed.
+(``java.io.tmpdir``: the engines' directories among them) in the cluster's directory. The
+cluster is always stopped on exit, its processes (workers, their executors, and what those
+started) ended, its directories removed.
 
 Examples
 --------

@@ -52,11 +52,13 @@ def _engine_pids() -> set:
 
 def _engine_dirs() -> list:
     """The engines' directories on the cluster's hosts: in their executors' temporary directory
-    (:class:`StandaloneCluster` gives each worker one), or in /tmp when that one's path is too
-    long for a Unix socket."""
+    (:class:`StandaloneCluster` gives each worker one), in /tmp (an executor's default), or
+    /tmp's ``stretch-engine-<16 hex>`` where the first would make the socket's path too long
+    for a Unix socket (``StretchHosts.engineDir``)."""
     tmp = tempfile.gettempdir()
     return (glob.glob(os.path.join(tmp, "stretch-cluster-*", "tmp*", "stretch-engine-app-*"))
-            + glob.glob(os.path.join(tmp, "stretch-engine-app-*")))
+            + glob.glob(os.path.join(tmp, "stretch-engine-app-*"))
+            + glob.glob(os.path.join("/tmp", "stretch-engine-" + "[0-9a-f]" * 16)))
 
 
 def _no_driver_path(settings: dict) -> None:

@@ -111,21 +111,20 @@ def test_an_engine_under_a_long_temporary_directory_gets_a_socket_that_fits(spar
                            "127.0.0.1").getPath() == path  # (every launcher finds the same)
 
     jvm = spark.sparkContext._jvm
-    cmd = jvm.java.util.ArrayList()
+    words = jvm.java.util.ArrayList()
     for word in (sys.executable, "-m", "spark_stretch.host.daemon", "--driver-version",
                  spark_stretch.__version__):
-        cmd.add(word)
-    line = hosts.ensure("127.0.0.1", "application_1700000000000_0001",
-                        jvm.scala.jdk.javaapi.CollectionConverters.asScala(cmd).toSeq(),
-                        "a-secret", str(base), 30.0, 120_000)
+        words.add(word)
+    cmd = jvm.scala.jdk.javaapi.CollectionConverters.asScala(words).toSeq()
+    line = hosts.ensure("127.0.0.1", "application_1700000000000_0001", cmd, "a-secret",
+                        str(base), 30.0, 120_000)
     host, sock, tcp, pid = line.split("|")
     try:
         assert (host, os.path.dirname(sock)) == ("127.0.0.1", path)
         assert os.path.exists(sock) and tcp.startswith("tcp://127.0.0.1:")
         # a second launcher of the host finds the running engine
-        again = hosts.ensure("127.0.0.1", "application_1700000000000_0001",
-                             jvm.scala.jdk.javaapi.CollectionConverters.asScala(cmd).toSeq(),
-                             "a-secret", str(base), 30.0, 120_000)
+        again = hosts.ensure("127.0.0.1", "application_1700000000000_0001", cmd, "a-secret",
+                             str(base), 30.0, 120_000)
         assert again == line
     finally:
         os.kill(int(pid), signal.SIGTERM)
