@@ -49,6 +49,7 @@ import os
 import pickle
 import shutil
 import struct
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -58,7 +59,8 @@ import pyarrow as pa
 from .spill import default_budget, drop_file_pages, file_pages_held
 
 __all__ = ["KeyedStore", "Step", "encode_key", "memory_share", "pickled_bucket_entries",
-           "timers_of", "NO_TIMEOUT", "RESERVED_BUCKET", "CHANGELOG_SCHEMA"]
+           "timers_of", "unpack_snapshot", "write_changelog", "NO_TIMEOUT", "RESERVED_BUCKET",
+           "CHANGELOG_SCHEMA", "SNAPSHOT_CODEC"]
 
 NO_TIMEOUT = -1
 RESERVED_BUCKET = 0xFFFF  # (a bucket no query has, B <= 4096: the query's own entries)
@@ -67,6 +69,10 @@ MAP_SIZE = 1 << 40  # address space only: the file grows as state does
 CHANGELOG_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.binary())])
 _TS = struct.Struct(">Q")
 _OFFSET = 1 << 63
+# Checkpoints (format 4) compress the store's copy and the changelogs: a full copy is a
+# zstd stream of LMDB's file (``state.mdb.zst``), a changelog Arrow IPC with zstd buffers.
+SNAPSHOT_CODEC = "zstd"
+_LOG_OPTIONS = pa.ipc.IpcWriteOptions(compression=SNAPSHOT_CODEC)
 
 Entry = Tuple[object, object, int]  # (key, value in Spark's internal form or None, timeout)
 
@@ -109,6 +115,29 @@ def pickled_bucket_entries(files) -> Dict[bytes, Entry]:
         for key, (value, timeout) in pickle.loads(Path(f).read_bytes()).items():
             entries[encode_key(bucket, key)] = (key, value, int(timeout))
     return entries
+
+
+def unpack_snapshot(src: Path, data_file: Path) -> None:
+    """Write a store's file (``data_file``, LMDB's ``data.mdb``) from a full checkpoint's copy:
+    ``state.mdb.zst`` (format 4, :meth:`KeyedStore.snapshot`) or ``state.mdb`` (format 3, as
+    LMDB wrote it)."""
+    src = Path(src)
+    if not src.name.endswith(".zst"):
+        shutil.copyfile(src, data_file)
+        return
+    with pa.CompressedInputStream(str(src), SNAPSHOT_CODEC) as f, open(data_file, "wb") as out:
+        while True:
+            chunk = f.read(1 << 22)
+            if not chunk:
+                break
+            out.write(chunk)
+
+
+def write_changelog(path, log: pa.Table) -> None:
+    """A step's changelog as an Arrow IPC file, its buffers compressed (:data:`SNAPSHOT_CODEC`:
+    a changelog's pickled entries compress about 5x); Arrow's readers decompress it."""
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, log.schema, options=_LOG_OPTIONS) as w:
+        w.write_table(log)
 
 
 class KeyedStore:
@@ -202,18 +231,43 @@ class KeyedStore:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def snapshot(self, dest: Path, txn=None) -> Path:
-        """A compact copy of the whole store as file ``dest``: as of read transaction ``txn``
-        (begun when the state was the one to copy; ended here), else as of now."""
-        tmp = Path(f"{dest}.d")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        """A compact copy of the whole store, compressed (:data:`SNAPSHOT_CODEC`), as file
+        ``dest``: as of read transaction ``txn`` (begun when the state was the one to copy;
+        ended here), else as of now. :func:`unpack_snapshot` makes it a store's file again.
+
+        LMDB writes the copy into a pipe that a thread compresses from, so the uncompressed
+        copy (the size of the state) is never on disk; LMDB's pages compress about 5x."""
+        tmp = Path(f"{dest}.tmp")
+        r, w = os.pipe()
+        failed: List[BaseException] = []
+
+        def pump():
+            try:
+                with os.fdopen(r, "rb") as src, \
+                        pa.CompressedOutputStream(str(tmp), SNAPSHOT_CODEC) as out:
+                    while True:
+                        chunk = src.read(1 << 20)
+                        if not chunk:
+                            break
+                        out.write(chunk)
+            except BaseException as e:  # (closing the pipe's end stops the copy: EPIPE)
+                failed.append(e)
+
+        pumping = threading.Thread(target=pump, name="stretch-snapshot", daemon=True)
+        pumping.start()
         try:
-            self.env.copy(str(tmp), compact=True, txn=txn)
+            self.env.copyfd(w, compact=True, txn=txn)
+        except BaseException as e:
+            failed.append(e)
         finally:
+            os.close(w)
+            pumping.join()
             if txn is not None:
                 txn.abort()
-        os.replace(tmp / "data.mdb", dest)
-        tmp.rmdir()
+        if failed:
+            tmp.unlink(missing_ok=True)
+            raise failed[0]
+        os.replace(tmp, dest)
         return dest
 
     def apply(self, log: pa.Table) -> None:

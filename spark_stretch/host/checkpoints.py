@@ -193,7 +193,7 @@ class CheckpointStore:
         for name, f in files.items():
             shutil.move(f, d / f".{name}.tmp")
             os.replace(d / f".{name}.tmp", d / name)
-        meta.update(kind="full", parent=None, promoted=True)
+        meta.update(kind="full", parent=None, promoted=True, format=self.format)  # (its files')
         tmp = d / f".{self.meta}.tmp"
         with open(tmp, "w") as f:
             f.write(json.dumps(meta))

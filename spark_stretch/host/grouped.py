@@ -34,9 +34,10 @@ applyInPandasWithState drop-in's runtime. The function itself runs in the instan
 - **Checkpoint** per batch under ``<checkpoint>/stretch/state/<N>/``: ``grouped.json`` plus the
   instances' changelogs of the batch (``changes-<step>-<i>.arrow``: a delta); every
   ``min_deltas`` batches (Spark's ``minDeltasForSnapshot``) that delta is promoted to a full
-  checkpoint in the background, a compact copy of the store as of that batch (``state.mdb``),
-  while the next batches run.
-  Checkpoints of format 2 (pickled buckets, spark-stretch 0.18) are read and converted.
+  checkpoint in the background, a compact copy of the store as of that batch
+  (``state.mdb.zst``), while the next batches run; both compressed with zstd (format 4).
+  Checkpoints of format 3 (uncompressed) are read as they are, of format 2 (pickled buckets,
+  spark-stretch 0.18) read and converted.
 """
 
 from __future__ import annotations

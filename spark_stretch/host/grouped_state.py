@@ -4,7 +4,7 @@
 
 - **Checkpoints** (:meth:`GroupedState._save`): each batch's changelogs, moved into
   ``<checkpoint>/stretch/state/<N>/`` (a delta); the first one, one after a conversion and one a
-  key-group move asks for are a compact copy of the store (``state.mdb``: full); a delta that
+  key-group move asks for are a compact copy of the store (``state.mdb.zst``: full); a delta that
   ends a chain long enough (Spark's ``minDeltasForSnapshot``) is promoted to a full one in the
   background (:meth:`GroupedState._promote`) while the next batches run.
 - **Restores** (:meth:`GroupedState._load`): the full copy, then the deltas' changelogs in step
@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..engine.keyed import KeyedStore, pickled_bucket_entries
+from ..engine.keyed import KeyedStore, pickled_bucket_entries, unpack_snapshot
 from ..protocol import placement
 from ..protocol.placement import BUCKET
 from ..protocol.errors import StateError
@@ -47,6 +47,7 @@ __all__ = ["BUCKET", "GroupedState", "restored", "siphash_buckets"]
 # How keys are placed in buckets: by the engine (SipHash) on one host, by Spark (xxhash64) on
 # several; a checkpoint holds keys in the buckets of one of them.
 _PLACEMENT = {False: "siphash", True: "xxhash64"}
+FULL_COPY = "state.mdb.zst"  # a full checkpoint's copy of the store (KeyedStore.snapshot)
 
 
 class GroupedState:
@@ -90,7 +91,7 @@ class GroupedState:
             txn = self.kv.env.begin()  # this batch's version, whatever the next step writes
 
             def files():
-                return {"state.mdb": self.kv.snapshot(snap, txn)}
+                return {FULL_COPY: self.kv.snapshot(snap, txn)}
 
         self.store.save(batch, delta or promote, meta, files, {"changed_rows": rows})
         if promote:
@@ -109,7 +110,7 @@ class GroupedState:
 
         def run():
             try:
-                done = self.store.promote(batch, {"state.mdb": self.kv.snapshot(snap, txn)},
+                done = self.store.promote(batch, {FULL_COPY: self.kv.snapshot(snap, txn)},
                                           writing)
                 self.promoted = {"batch": batch, "done": done}
             except BaseException as e:  # (not fatal: the chain of deltas stands)
@@ -348,8 +349,10 @@ def restored(store: CheckpointStore, batch: int, dest: Path, memory: int = 0):
     metas = [store.read_meta(b) for b in chain]
     first = store.dir / str(chain[0])
     dest.mkdir(parents=True, exist_ok=True)
-    if (first / "state.mdb").exists():
-        shutil.copyfile(first / "state.mdb", dest / "data.mdb")
+    for name in (FULL_COPY, "state.mdb"):  # (format 4, compressed; format 3, as LMDB wrote it)
+        if (first / name).exists():
+            unpack_snapshot(first / name, dest / "data.mdb")
+            break
     kv = KeyedStore(dest, memory)
     kv.forget_steps()
     converted = any(int(m.get("format", 1)) == 2 for m in metas)

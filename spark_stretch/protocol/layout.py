@@ -45,11 +45,12 @@ __all__ = ["QueryLayout", "AGGREGATE_META", "GROUPED_META", "CHECKPOINT_FORMATS"
 # name it was first written under, so older checkpoints stay readable.
 AGGREGATE_META = "bridge.json"
 GROUPED_META = "grouped.json"
-# The format each meta file is written in. The drop-in's is 3: its state store (LMDB) copied whole
-# or as changelogs. Format 2 (pickled buckets placed by protocol.placement) is read and converted;
-# format 1 took SipHash mod B and is refused.
-CHECKPOINT_FORMATS = {AGGREGATE_META: 1, GROUPED_META: 3}
-READABLE_FORMATS = {AGGREGATE_META: (1,), GROUPED_META: (2, 3)}
+# The format each meta file is written in. The drop-in's is 4: its state store (LMDB) copied whole
+# (zstd: state.mdb.zst) or as changelogs (Arrow IPC, zstd buffers). Format 3 (the same,
+# uncompressed: state.mdb) is read as it is; format 2 (pickled buckets placed by
+# protocol.placement) is read and converted; format 1 took SipHash mod B and is refused.
+CHECKPOINT_FORMATS = {AGGREGATE_META: 1, GROUPED_META: 4}
+READABLE_FORMATS = {AGGREGATE_META: (1,), GROUPED_META: (2, 3, 4)}
 INPUT_LOG_FORMAT = 1
 INPUT_LOG_KEY = b"stretch.input_log.format"  # in each logged file's Arrow schema metadata
 QUERY_FORMAT = 1
@@ -110,6 +111,8 @@ def check_format(found, known, where) -> None:
     ok = known if isinstance(known, tuple) else (known,)
     if v not in ok:
         said = " or ".join(str(k) for k in ok)
+        if len(ok) > 2:
+            said = ", ".join(str(k) for k in ok[:-1]) + f" or {ok[-1]}"
         raise StateError(f"{where} has format {v!r}; this version of spark-stretch reads format "
                          f"{said}. Restart the query with a new checkpointLocation, or run it "
                          "with the spark-stretch version that wrote it")

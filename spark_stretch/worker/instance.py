@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..engine.keyed import NO_TIMEOUT as NO_TIMESTAMP
-from ..engine.keyed import KeyedStore, Step, encode_key, memory_share
+from ..engine.keyed import KeyedStore, Step, encode_key, memory_share, write_changelog
 from ..protocol import instances as I
 from .output import OutputBuffer
 
@@ -128,8 +128,7 @@ class Instance:
         changes = None
         if log.num_rows:  # the step's changelog: the engine's incremental checkpoint
             changes = str(I.changes_file(self.shm, msg.seq, self.index))
-            with pa.OSFile(changes, "wb") as f, pa.ipc.new_file(f, log.schema) as w:
-                w.write_table(log)
+            write_changelog(changes, log)
         t3 = time.perf_counter()
         reply = I.BatchDone(out=out_path, rows=rows, dirty=sorted(self.dirty), calls=calls,
                             timeout_calls=tcalls, changes=changes, changed_rows=log.num_rows,

@@ -418,7 +418,7 @@ def _to_format_2(checkpoint: Path, tmp: Path) -> int:
     import pickle
     import shutil
 
-    from spark_stretch.engine.keyed import KeyedStore
+    from spark_stretch.engine.keyed import KeyedStore, unpack_snapshot
 
     state = checkpoint / "stretch" / "state"
     last = max(int(d.name) for d in state.iterdir() if d.name.isdigit())
@@ -426,7 +426,7 @@ def _to_format_2(checkpoint: Path, tmp: Path) -> int:
     while json.loads((state / str(chain[0]) / "grouped.json").read_text())["kind"] == "delta":
         chain.insert(0, json.loads((state / str(chain[0]) / "grouped.json").read_text())["parent"])
     (tmp / "kv").mkdir()
-    shutil.copyfile(state / str(chain[0]) / "state.mdb", tmp / "kv" / "data.mdb")
+    unpack_snapshot(state / str(chain[0]) / "state.mdb.zst", tmp / "kv" / "data.mdb")
     kv = KeyedStore(tmp / "kv")
     import pyarrow.ipc as ipc
     for b in chain[1:]:
@@ -452,7 +452,7 @@ def test_a_checkpoint_of_pickled_buckets_is_converted_and_goes_on_equal_to_nativ
         spark, stream, tmp_path):
     # A query checkpointed by spark-stretch 0.18 (format 2) restarts on this version: its state
     # is converted into the store (timeouts included: the sessions close), the next checkpoint
-    # is written whole in format 3, and the table equals native's, run the same way.
+    # is written whole in format 4, and the table equals native's, run the same way.
     src, args, _ = stream
     live = tmp_path / "live"
     live.mkdir()
@@ -470,8 +470,8 @@ def test_a_checkpoint_of_pickled_buckets_is_converted_and_goes_on_equal_to_nativ
     state = tmp_path / "o-ckpt" / "stretch" / "state"
     after = sorted(int(d.name) for d in state.iterdir() if d.name.isdigit() and int(d.name) > last)
     meta = json.loads((state / str(after[0]) / "grouped.json").read_text())
-    assert (meta["format"], meta["kind"]) == (3, "full")
-    assert (state / str(after[0]) / "state.mdb").exists()
+    assert (meta["format"], meta["kind"]) == (4, "full")
+    assert (state / str(after[0]) / "state.mdb.zst").exists()
 
 
 def test_a_checkpoint_of_an_unknown_format_is_refused_saying_how_to_go_on(spark, stream,
@@ -490,7 +490,7 @@ def test_a_checkpoint_of_an_unknown_format_is_refused_saying_how_to_go_on(spark,
     publish(sorted(Path(src).glob("*.parquet"))[1], live)
     q = start_stretch(g(), tmp_path / "o")
     with pytest.raises(StreamingQueryException, match=r"(?s)has format 1; this version of "
-                       r"spark-stretch reads format 2 or 3\. Restart the query with a new "
+                       r"spark-stretch reads format 2, 3 or 4\. Restart the query with a new "
                        r"checkpointLocation"):
         q.awaitTermination(300)
 

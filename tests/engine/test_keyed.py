@@ -6,14 +6,12 @@ timers are the dict's keys whose timeout is set and earlier than the threshold.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_stretch.engine.keyed import NO_TIMEOUT, KeyedStore, encode_key
+from spark_stretch.engine.keyed import NO_TIMEOUT, KeyedStore, encode_key, unpack_snapshot
 
 BUCKETS = 3
 op = st.tuples(st.sampled_from(["put", "delete"]), st.integers(0, BUCKETS - 1),
@@ -63,10 +61,10 @@ def test_steps_and_their_changelogs_rebuild_the_same_state_as_a_dict(tmp_path_fa
     # a restore: the first step's copy, then the other steps' changelogs
     first = KeyedStore(d / "first")
     first.apply(logs[0])
-    snap = first.snapshot(d / "snap.mdb")
+    snap = first.snapshot(d / "snap.mdb.zst")
     first.close()
     (d / "restored").mkdir()
-    os.replace(snap, d / "restored" / "data.mdb")
+    unpack_snapshot(snap, d / "restored" / "data.mdb")
     restored = KeyedStore(d / "restored")
     for log in logs[1:]:
         restored.apply(log)
@@ -96,9 +94,9 @@ def test_a_snapshot_is_the_state_of_its_read_transaction(tmp_path):
     s = kv.step()
     s.put(encode_key(0, ("b",)), (("b",), (2,), NO_TIMEOUT))
     s.commit(0, 2, None)  # the next step, while the copy has not begun
-    kv.snapshot(tmp_path / "snap.mdb", txn)
+    kv.snapshot(tmp_path / "snap.mdb.zst", txn)
     (tmp_path / "r").mkdir()
-    os.replace(tmp_path / "snap.mdb", tmp_path / "r" / "data.mdb")
+    unpack_snapshot(tmp_path / "snap.mdb.zst", tmp_path / "r" / "data.mdb")
     r = KeyedStore(tmp_path / "r")
     assert [e[0] for _, e in r.entries()] == [("a",)]
     r.close()
@@ -199,3 +197,23 @@ def test_a_store_past_its_memory_share_drops_the_pages_it_mapped(tmp_path):
     s.commit(0, 7, None)
     assert unbounded.held() > 2 * (256 << 10)
     unbounded.close()
+
+
+def test_a_snapshot_that_cannot_be_written_raises_and_leaves_no_file(tmp_path):
+    # The copy goes through a pipe to a compressing thread: the thread's failure (here: no
+    # directory to write into) stops LMDB's copy instead of leaving it blocked on the pipe.
+    kv = KeyedStore(tmp_path / "kv")
+    s = kv.step()
+    for i in range(20_000):  # (more than a pipe's buffer)
+        s.put(encode_key(0, (i,)), ((i,), (i,), NO_TIMEOUT))
+    s.commit(0, 1, None)
+    with pytest.raises(FileNotFoundError):
+        kv.snapshot(tmp_path / "missing" / "snap.mdb.zst")
+    assert not (tmp_path / "missing").exists()
+    kv.snapshot(tmp_path / "snap.mdb.zst")  # (the store is unharmed)
+    (tmp_path / "r").mkdir()
+    unpack_snapshot(tmp_path / "snap.mdb.zst", tmp_path / "r" / "data.mdb")
+    r = KeyedStore(tmp_path / "r")
+    assert r.rows() == 20_000
+    r.close()
+    kv.close()

@@ -244,7 +244,7 @@ def test_a_long_chain_of_deltas_is_promoted_to_a_full_checkpoint_in_the_backgrou
     assert kinds == {0: "full", 1: "delta", 2: "delta", 3: "full", 4: "delta", 5: "delta",
                      6: "full"}
     d = tmp_path / "state" / "6"
-    assert (d / "state.mdb").exists() and not list(d.glob("changes-*.arrow"))
+    assert (d / "state.mdb.zst").exists() and not list(d.glob("changes-*.arrow"))
     assert list((tmp_path / "state" / "5").glob("changes-*.arrow"))
     for resume, chain in ((6, [6]), (4, [3, 4])):
         again = _one(tmp_path, resume=resume)
@@ -278,3 +278,57 @@ def test_a_promotion_that_never_finishes_leaves_the_deltas_to_restore_from(tmp_p
         assert dict(again.kv.entries()) == live
     finally:
         again.close()
+
+
+def test_a_format_3_checkpoint_uncompressed_is_restored_and_goes_on(tmp_path):
+    # Format 4 compresses the full copy (a zstd stream) and the changelogs (Arrow's zstd
+    # buffers); a checkpoint written by the version before (format 3: both as they are) restores
+    # to the same entries and the query goes on. Oracle: the same batches on one runtime
+    # that never stopped.
+    import json
+
+    batches = _count_batches(5)
+    rt = _one(tmp_path / "a", min_deltas=10)
+    try:
+        for b, t in enumerate(batches[:3]):
+            rt.ingest(f"in:{b}", "j", t)
+            rt.step(b, 0)
+        rt.wait_saved()
+        live = dict(rt.kv.entries())
+    finally:
+        rt.close()
+    state = tmp_path / "a" / "state"
+    zst = state / "0" / "state.mdb.zst"
+    assert zst.read_bytes()[:4] == b"\x28\xb5\x2f\xfd"  # (zstd's frame magic)
+    for b in range(3):  # written by this version, then rewritten as format 3 wrote it
+        meta = json.loads((state / str(b) / "grouped.json").read_text())
+        assert meta["format"] == 4
+        (state / str(b) / "grouped.json").write_text(json.dumps({**meta, "format": 3}))
+        for f in (state / str(b)).glob("changes-*.arrow"):
+            log = pa.ipc.open_file(str(f)).read_all()
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_file(sink, log.schema) as w:
+                w.write_table(log)
+            plain = sink.getvalue().to_pybytes()
+            assert f.stat().st_size < len(plain)  # (it was compressed)
+            f.write_bytes(plain)
+    with pa.CompressedInputStream(str(zst), "zstd") as src:
+        (state / "0" / "state.mdb").write_bytes(src.read())
+    zst.unlink()
+
+    again = _one(tmp_path / "a", resume=2, min_deltas=10)
+    whole = _one(tmp_path / "b", min_deltas=10)
+    try:
+        assert dict(again.kv.entries()) == live
+        for b, t in enumerate(batches):
+            whole.ingest(f"in:{b}", "j", t)
+            whole.step(b, 0)
+            if b >= 3:
+                again.ingest(f"in:{b}", "j", t)
+                again.step(b, 0)
+        assert dict(again.kv.entries()) == dict(whole.kv.entries())
+        again.wait_saved()
+        assert again.store.read_meta(4)["format"] == 4
+    finally:
+        again.close()
+        whole.close()
