@@ -203,6 +203,12 @@ class HostDaemon:
         # Its driver gone (SIGTERM, or no parent), the engine does not wait long for a step in
         # flight: what is on disk is whole checkpoints and logged inputs, and a restart redoes it.
         closing.join(5.0 if orphaned else None)
+        if closing.is_alive():  # (a step still runs: what it leaves on the host goes now)
+            for rt in list(self.queries.values()):
+                try:
+                    rt.abandon()
+                except Exception:
+                    traceback.print_exc()
         self.receiver.close()
 
     def _close_all(self, orphaned: bool = False) -> None:

@@ -325,16 +325,24 @@ class GroupedRuntime(GroupedState, Runtime):
                     "state_disk_bytes": self.kv.disk_bytes() if self.kv else 0,
                     "state_memory_bytes": int(self.last_metrics.get("state_memory_bytes", 0))}
 
+    def abandon(self) -> None:
+        for inst in list(self.pool.instances if self.pool else []):
+            inst.kill()  # (their step is lost: a restart redoes it from the checkpoint)
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        for suffix in (".snapshot", ".promoted"):
+            self.state_dir.with_name(self.state_dir.name + suffix).unlink(missing_ok=True)
+
     def _close(self) -> None:
         self._join_promotion()  # (its read transaction must end before the store closes)
         if self.pool is not None:
             self.pool.stop()
         if self.kv is not None:
             self.kv.close()
-        shutil.rmtree(self.shm, ignore_errors=True)
-        shutil.rmtree(self.state_dir, ignore_errors=True)
-        for suffix in (".snapshot", ".promoted"):
-            self.state_dir.with_name(self.state_dir.name + suffix).unlink(missing_ok=True)
+        self._remove_files()
 
 
 def split_rows(table: pa.Table, keys, n_buckets: int, owner: np.ndarray):

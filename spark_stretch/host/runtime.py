@@ -143,6 +143,12 @@ class Runtime(ABC):
     def _close(self) -> None:
         """Release what the subclass holds (under the lock, once)."""
 
+    def abandon(self) -> None:
+        """The engine is exiting without its driver while a step still runs (:meth:`close`
+        did not finish in time): stop the runtime's processes and remove its files on this
+        host now, without the lock, since nobody else would (a query that is never restarted
+        never cleans a dead engine's files)."""
+
     # -- restart -------------------------------------------------------------------------------
     def _resume_from(self, resume: Optional[int]) -> Optional[int]:
         """The checkpoint to continue after Spark's batch ``resume`` from: the latest at or before

@@ -332,3 +332,42 @@ def test_a_format_3_checkpoint_uncompressed_is_restored_and_goes_on(tmp_path):
     finally:
         again.close()
         whole.close()
+
+
+def stuck(key, pdfs, state):
+    """A function that does not return (a step that outlives its driver)."""
+    import time
+
+    time.sleep(600)
+    yield pd.DataFrame({"k": [key[0]], "n": [0], "closed": [0]})
+
+
+def test_an_engine_left_by_its_driver_mid_step_removes_its_files_on_the_host(tmp_path):
+    # The driver is gone while a step runs (its instances busy in the function): the engine
+    # waits a few seconds for the query to close, then kills the instances and removes the
+    # step files (shared memory) and the state store (local disk) before it exits: nobody
+    # else removes them if the query is never restarted.
+    import threading
+    import time
+
+    from spark_stretch.host.daemon import HostDaemon
+
+    share = HostShare(host=0, hosts=1, key_groups=G, host_map=[0] * G)
+    rt = GroupedRuntime("q", _spec(tmp_path / "state", share, func=stuck, timeout="NoTimeout"),
+                        _Offers())
+    daemon = HostDaemon(str(tmp_path / "engine.sock"))
+    daemon.queries["q"] = rt
+    procs = [inst.proc for inst in rt.pool.instances]
+    rt.ingest("in:0", "j", _count_batches(1)[0])
+    stepping = threading.Thread(target=lambda: pytest.raises(Exception, rt.step, 0, 0),
+                                daemon=True)
+    stepping.start()
+    time.sleep(2.0)  # (the instances are in the function)
+    assert rt.shm.exists() and rt.state_dir.exists()
+    t0 = time.monotonic()
+    daemon.serve(parent=1)  # (not this process's parent: orphaned at once)
+    assert time.monotonic() - t0 < 30
+    assert all(p.poll() is not None for p in procs)
+    assert not rt.shm.exists() and not rt.state_dir.exists()
+    stepping.join(30)
+    assert not stepping.is_alive()
