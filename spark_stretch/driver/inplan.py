@@ -201,6 +201,14 @@ class BatchHandler:
                         int(info["operator_id"]) if several else None)
         return json.dumps(run.batch(int(batch_id), jdf, jplan, info))
 
+    def cancel(self, agg_id, run_id, batch_id) -> None:
+        """Spark stops the query while micro-batch ``batch_id`` of run ``run_id`` waits in
+        :meth:`onBatch`: give its step up (:meth:`PlanRun.cancel`)."""
+        with _LOCK:
+            run = _RUNS.get((run_id, agg_id))
+        if run is not None:
+            run.cancel(int(batch_id))
+
     def _aggregations(self, run_id: str) -> List[str]:
         """The stretch operators of the active query run ``run_id``."""
         for q in self._spark.streams.active:

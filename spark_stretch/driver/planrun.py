@@ -26,6 +26,7 @@ from typing import Callable, Optional
 from pyspark.sql import SparkSession
 from pyspark.sql.types import StructType
 
+from ..protocol import messages as M
 from ..protocol.layout import QueryLayout
 from ..protocol.specs import QuerySpec
 from . import jvm, recovery
@@ -191,6 +192,16 @@ class PlanRun:
             answer["state"] = self.elastic.state_figures()
             self._last = (batch_id, answer)
             return answer
+
+    def cancel(self, batch_id: int) -> None:
+        """Spark is stopping the query while micro-batch ``batch_id`` runs (its thread, waiting
+        in :meth:`batch`, was interrupted): the step is given up on the engines, so the stop
+        does not wait for it to end. Best effort, not under the batch's lock; a restart redoes
+        the batch from the checkpoint."""
+        try:
+            self.recovery.engine.call(M.Cancel(query=self.qid, batch=int(batch_id)), timeout=10)
+        except Exception:
+            pass  # (the engine is gone, or the step ended meanwhile)
 
     def reconfigure(self, parallelism: Optional[int] = None, owner_map=None,
                     key_groups=None, host: Optional[str] = None) -> dict:

@@ -69,6 +69,7 @@ class HostDaemon:
                 (M.PrepareDelta, self._prepare_delta), (M.CommitDelta, self._commit_delta),
                 (M.Reconfigure, lambda m: self._query(m).reconfigure(m.parallelism, m.owner_map,
                                                                      m.persist)),
+                (M.Cancel, lambda m: self._query(m).cancel(m.batch) or M.Empty()),
                 (M.Metrics, self._metrics), (M.Close, self._close), (M.Shutdown, self._shutdown)):
             self.receiver.register(message, handler)
 

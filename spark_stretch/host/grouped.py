@@ -98,6 +98,7 @@ class GroupedRuntime(GroupedState, Runtime):
         # of spark.stretch.state.memory)
         self.kv_memory = memory_share(spec)
         self._changes: list = []  # the last step's changelog files: its delta checkpoint
+        self._stepping: Optional[int] = None  # the batch whose step the instances run
         self.shm = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-",
                                          dir=shm_root()))
         self.state_dir = Path(tempfile.mkdtemp(prefix=f"{shm_prefix(qid)}{os.getpid()}-state-",
@@ -222,6 +223,7 @@ class GroupedRuntime(GroupedState, Runtime):
                               group_buckets=gb, initial=ipath, initial_starts=istarts,
                               initial_buckets=igb)
         what = f"batch {batch}"
+        self._stepping = batch
         try:
             replies, retries = self.pool.run(msgs, what, self.spec.instance_max_failures,
                                              self.spec.function_attempts)
@@ -232,6 +234,7 @@ class GroupedRuntime(GroupedState, Runtime):
             self._broken = str(e)
             raise
         finally:
+            self._stepping = None
             for msg in msgs.values():
                 for f in (msg.input, msg.initial):
                     if f:
@@ -325,9 +328,14 @@ class GroupedRuntime(GroupedState, Runtime):
                     "state_disk_bytes": self.kv.disk_bytes() if self.kv else 0,
                     "state_memory_bytes": int(self.last_metrics.get("state_memory_bytes", 0))}
 
+    def cancel(self, batch: int) -> None:
+        # (a step runs the user's function for as long as it takes: minutes at a million keys)
+        if self._stepping == batch and self.pool is not None:
+            self.pool.cancel(f"batch {batch} was cancelled: the query is stopping")
+
     def abandon(self) -> None:
-        for inst in list(self.pool.instances if self.pool else []):
-            inst.kill()  # (their step is lost: a restart redoes it from the checkpoint)
+        if self.pool is not None:  # (their step is lost: a restart redoes it from the checkpoint)
+            self.pool.cancel("the engine is exiting: its driver is gone")
         self._remove_files()
 
     def _remove_files(self) -> None:

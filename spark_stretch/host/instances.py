@@ -17,7 +17,7 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait as conn_wait
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..protocol import instances as I
 from ..protocol.errors import InstanceDiedError, StretchError, UserFunctionError
@@ -122,6 +122,7 @@ class InstancePool:
     def __init__(self, n: int, shm: Path, init: I.Init):
         self.shm, self.init = shm, init
         self.instances: List[InstanceHandle] = []
+        self.cancelled: Optional[str] = None  # why the instances were killed (cancel)
         try:
             for i in range(n):
                 self.instances.append(InstanceHandle(i, shm))
@@ -137,6 +138,14 @@ class InstancePool:
     def _init(self, index: int) -> I.Init:
         return I.Init(spec=self.init.spec, func=self.init.func, shm=self.init.shm, index=index,
                       state=self.init.state)
+
+    def cancel(self, reason: str) -> None:
+        """Kill every instance (from another thread than :meth:`run`'s): the step running fails
+        at once with ``reason`` instead of starting them again; the pool is done."""
+        self.cancelled = reason
+        for inst in list(self.instances):
+            if inst.proc.poll() is None:
+                inst.proc.kill()
 
     @property
     def pids(self) -> List[int]:
@@ -180,6 +189,10 @@ class InstancePool:
             I.changes_file(self.shm, msgs[i].seq, i).unlink(missing_ok=True)
 
         def failed(i: int, died: bool, cause: str) -> None:
+            if self.cancelled:  # (killed on purpose: not started again)
+                for j in msgs:
+                    clean(j)
+                raise InstanceDiedError(self.cancelled)
             t0 = time.perf_counter()
             n, most = (deaths, max_deaths) if died else (raises, max_raises)
             n[i] += 1

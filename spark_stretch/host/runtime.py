@@ -143,6 +143,10 @@ class Runtime(ABC):
     def _close(self) -> None:
         """Release what the subclass holds (under the lock, once)."""
 
+    def cancel(self, batch: int) -> None:
+        """Give up the step of ``batch`` if it is running (Spark is stopping the query), without
+        the lock the step holds. A runtime whose steps are short lets it end (this one)."""
+
     def abandon(self) -> None:
         """The engine is exiting without its driver while a step still runs (:meth:`close`
         did not finish in time): stop the runtime's processes and remove its files on this

@@ -37,8 +37,8 @@ from .errors import BadRequest
 __all__ = ["PROTOCOL_VERSION", "Request", "Reply", "decode_request", "encode_request",
            "decode_reply", "encode_reply", "schema_to_wire", "schema_from_wire", "Write", "Commit", "Abort", "Schema", "Read", "Ping",
            "Open", "IngestFiles", "Step", "Submit", "Result", "Saved", "Flush", "Flushed",
-           "WriteDelta", "PrepareDelta", "CommitDelta", "CreateDelta", "Reconfigure", "Metrics", "Close", "Shutdown",
-           "Empty", "Staged", "Pong", "Opened", "FilesIngested", "StepResult", "Submitted",
+           "WriteDelta", "PrepareDelta", "CommitDelta", "CreateDelta", "Reconfigure", "Metrics", "Cancel", "Close",
+           "Shutdown", "Empty", "Staged", "Pong", "Opened", "FilesIngested", "StepResult", "Submitted",
            "SaveStats", "FlushResult", "DeltaWritten", "DeltaPrepared", "DeltaCreated", "Reconfigured",
            "Figures", "Closed"]
 
@@ -435,6 +435,17 @@ class Metrics(Request):
     op: ClassVar[str] = "metrics"
     reply: ClassVar[type] = Figures
     query: str
+
+
+@dataclass(frozen=True)
+class Cancel(Request):
+    """Give up the step of ``batch`` if it is still running (Spark is stopping the query): it
+    fails at once instead of running to its end; the query's close comes next."""
+
+    op: ClassVar[str] = "cancel"
+    reply: ClassVar[type] = Empty
+    query: str
+    batch: int
 
 
 @dataclass(frozen=True)

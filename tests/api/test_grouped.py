@@ -639,6 +639,70 @@ def test_driver_killed_mid_stream_then_restart_is_exact(spark, stream, tmp_path)
     equal(read(spark, tmp_path / "o"), want)
 
 
+def waits_while(armed: str, waiting: str):
+    """``running_count``, but while file ``armed`` exists, and for 90 s after it was made at
+    most, a call writes ``waiting`` and waits (a step that takes minutes, as a million keys'
+    does; bounded, so that a stop that waits for the step fails the test instead of hanging)."""
+    def func(key, pdfs, state):
+        while True:
+            try:
+                if time.time() > os.path.getmtime(armed) + 90:
+                    break
+            except FileNotFoundError:
+                break
+            open(waiting, "w").close()
+            time.sleep(0.05)
+        yield from running_count(key, pdfs, state)
+    return func
+
+
+@pytest.mark.slow  # 3 query runs; with -m slow
+def test_stop_during_a_long_step_returns_at_once_and_a_restart_is_exact(spark, stream,
+                                                                       tmp_path):
+    # q.stop() interrupts the query's thread, which waits for the engine's step (its instances
+    # in the function): the step is given up on the engine, so stop() returns in seconds, not
+    # when the function would end. A restart redoes the batch from the checkpoint: the table
+    # is native's, nothing lost or written twice.
+    src, _, _ = stream
+    files = sorted(Path(src).glob("*.parquet"))
+    live = tmp_path / "live"
+    live.mkdir()
+    armed, waiting = tmp_path / "armed", tmp_path / "waiting"
+    rest = ("user string, n long, words long", "n long", "Update", GroupStateTimeout.NoTimeout)
+
+    def g(func):
+        return source(spark, live, False).groupBy("user").stretchApplyInPandasWithState(
+            func, *rest)
+
+    for f in files[:2]:
+        publish(f, live)
+    q = start_stretch(g(waits_while(str(armed), str(waiting))), tmp_path / "o",
+                      processingTime="1 second")
+    try:
+        _wait_batches(q, 2)
+        armed.touch()
+        publish(files[2], live)
+        deadline = time.time() + 120
+        while not waiting.exists():
+            assert q.isActive and time.time() < deadline, q.exception()
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        q.stop()
+        took = time.monotonic() - t0
+    finally:
+        armed.unlink(missing_ok=True)
+        q.stop()
+    assert took < 30, f"stop() took {took:.1f} s"
+    assert q.exception() is None
+    assert _committed(tmp_path / "o-ckpt")[-1] == 1  # (batch 2 was not committed)
+    for f in files[3:]:
+        publish(f, live)
+    run_stretch(g(running_count), tmp_path / "o")
+    run_native(source(spark, src, False).groupBy("user").applyInPandasWithState(
+        running_count, *rest), tmp_path / "n")
+    equal(read(spark, tmp_path / "o"), read(spark, tmp_path / "n"))
+
+
 def dies_once_for_some_keys(markers: str, how: str):
     """``sessions``, but the instance process dies (``how``: ``exit``, ``kill``) the first
     time a few keys are called with state (a later batch, or their timeout in the last no-data

@@ -26,7 +26,7 @@ SAMPLES = [
     M.WriteDelta(query="q", stream="q:out:2", path="/t", app_id="a", version=2),
     M.CreateDelta(path="/t", schema="AAA="),
     M.Reconfigure(query="q", parallelism=2, owner_map=[0, 1, 1, 0]), M.Metrics(query="q"),
-    M.Close(query="q"), M.Shutdown(),
+    M.Cancel(query="q", batch=4), M.Close(query="q"), M.Shutdown(),
     M.Submit(query="q", batch=2, stream_max_ms=[5000, None]),
     M.PrepareDelta(query="q", stream="q:out:3", path="/t", app_id="a", version=3),
     M.CommitDelta(query="q", path="/t", app_id="a", version=3,

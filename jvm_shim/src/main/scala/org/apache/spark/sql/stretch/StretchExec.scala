@@ -1,6 +1,9 @@
 package org.apache.spark.sql.stretch
 
+import java.util.concurrent.{ExecutionException, FutureTask}
+
 import scala.jdk.CollectionConverters._
+import scala.util.control.NonFatal
 
 import com.fasterxml.jackson.databind.JsonNode
 
@@ -29,6 +32,30 @@ trait StretchBatchHandler {
   def onBatch(id: String, batchId: Long, outputMode: String, stateDir: String, runId: String,
               input: ClassicDataset[Row], inputPlan: SparkPlan, sink: String,
               batch: String): String
+  /** Spark stops the query while `onBatch` of `batchId` runs: give its step up. */
+  def cancel(id: String, runId: String, batchId: Long): Unit
+}
+
+object StretchExec {
+  /** `call` (the driver's handler, through py4j) on a thread of its own, waited for here: a
+   * py4j callback does not return when this thread is interrupted, and Spark's
+   * `StreamingQuery.stop()` interrupts the query's thread and waits for it. Interrupted,
+   * `cancel` runs (the handler gives the step up) and the interrupt is thrown, as Spark
+   * expects of a stopped query. The thread inherits this one's local properties (the
+   * query's job group, which the stop cancels): the handler's Spark jobs run as before. */
+  def interruptibly[T](call: => T, cancel: => Unit): T = {
+    val task = new FutureTask[T](() => call)
+    val t = new Thread(task, s"${Thread.currentThread().getName}-stretch")
+    t.setDaemon(true)
+    t.start()
+    try task.get()
+    catch {
+      case e: InterruptedException =>
+        try cancel catch { case NonFatal(_) => }  // (best effort: the query is stopping)
+        throw e
+      case e: ExecutionException => throw e.getCause
+    }
+  }
 }
 
 case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: Seq[Attribute])
@@ -79,9 +106,11 @@ case class StretchExec(aggId: String, native: SparkPlan, input: SparkPlan, out: 
     if (StretchIngest.empty(input)) batch.put("empty", true)
     val rdd = new StretchLazyRDD(sparkContext, input, spark)  // (run only by the rows path)
     val df = spark.internalCreateDataFrame(rdd, DataTypeUtils.fromAttributes(input.output))
-    val answer = StretchPlans.mapper.readTree(StretchPlans.handler(aggId).onBatch(
-      aggId, info.storeVersion, outputMode.getOrElse("Append"),
-      info.checkpointLocation, info.queryRunId.toString, df, input, sink, batch.toString))
+    val handler = StretchPlans.handler(aggId)
+    val answer = StretchPlans.mapper.readTree(StretchExec.interruptibly(
+      handler.onBatch(aggId, info.storeVersion, outputMode.getOrElse("Append"),
+        info.checkpointLocation, info.queryRunId.toString, df, input, sink, batch.toString),
+      handler.cancel(aggId, info.queryRunId.toString, info.storeVersion)))
     // The chain's state operator is the query's in Spark's progress: the engine's figures
     // (of the latest batch it finished) as its metrics.
     if (answer.has("state")) StretchState.setChainMetrics(save, answer.get("state"))
