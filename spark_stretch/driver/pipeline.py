@@ -155,7 +155,7 @@ class Pipeline(_Decisions):
         self._apply_decision()
         eng = self._rec.engine
         eng.call(M.Submit(query=self._qid, batch=batch_id,
-                          watermark_ms=(info or {}).get("watermark_ms")))
+                          watermark_ms=(info or {}).get("watermark_ms"), await_result=True))
         reply = eng.call(M.Result(query=self._qid, batch=batch_id))
         self._record({"batch": batch_id, "written_at": time.time(),
                       "step_s": time.perf_counter() - t0, "rows_out": reply.rows,

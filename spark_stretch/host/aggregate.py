@@ -50,7 +50,7 @@ from .aggregations import (builtin_operators, check_checkpoint, engine_columns, 
                            slice_rows, state_output, check_keys, key_encoding)
 from .checkpoints import arrow_bytes, read_arrow
 from .columns import KeyCodec, prepare, sample
-from .runtime import Runtime
+from .runtime import Runtime, ms_since
 from .reshard import Resharding
 from .share import EventTimes, KeyShare, group_loads, tops_of
 
@@ -197,7 +197,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
             self.store.logged(batch)
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late,
-            "engine_ms": self._ms_since(t0), "stream_max_ms": list(self.stream_max_ms)})
+            "engine_ms": ms_since(t0), "stream_max_ms": list(self.stream_max_ms)})
 
     def _add(self, table: pa.Table, share, saw: bool) -> None:
         for s, cols in enumerate(self._stream_columns(table, share)):
@@ -368,7 +368,7 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                 if i == 0:  # a failure half way: some operators switched, some not
                     faults.inject("reconfigure", self.last_batch)
             self.parallelism = m
-            rec = M.Reconfigured(epoch=int(epoch), parallelism=m, switch_ms=self._ms_since(t0),
+            rec = M.Reconfigured(epoch=int(epoch), parallelism=m, switch_ms=ms_since(t0),
                                  after_batch=self.last_batch,
                                  live_windows=int(self.engines[0].live_windows()))
             self.switches.append(rec.to_dict())

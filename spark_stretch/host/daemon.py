@@ -60,7 +60,7 @@ class HostDaemon:
         for message, handler in (
                 (M.Open, self._open), (M.IngestFiles, self._ingest_files), (M.Step, self._step),
                 (M.Submit, lambda m: self._query(m).submit(m.batch, m.stream_max_ms,
-                                                            m.watermark_ms)),
+                                                            m.watermark_ms, m.await_result)),
                 (M.Result, lambda m: self._query(m).result(m.batch)),
                 (M.Saved, lambda m: self._query(m).wait_saved()),
                 (M.Flush, self._flush),

@@ -67,7 +67,7 @@ from . import faults, load
 from .checkpoints import read_arrow
 from .grouped_state import BUCKET, GroupedState, siphash_buckets
 from .instances import InstancePool
-from .runtime import Runtime
+from .runtime import Runtime, ms_since
 
 __all__ = ["BUCKET", "GroupedRuntime"]
 
@@ -167,7 +167,7 @@ class GroupedRuntime(GroupedState, Runtime):
         self._save(batch)
         return self._offer(f"{self.qid}:out:{batch}", out, {
             "watermark_ms": self.watermark_ms, "late_rows": late, "batch_ts_ms": ts_ms,
-            "engine_ms": self._ms_since(t0), **metrics})
+            "engine_ms": ms_since(t0), **metrics})
 
     def flush(self) -> M.FlushResult:
         """Spark runs the drop-in's no-data batches itself (it is inside Spark's plan): each is
@@ -305,7 +305,7 @@ class GroupedRuntime(GroupedState, Runtime):
             self.owner, self.parallelism = om, m
             self.epoch += 1
             faults.inject("reconfigure", self.last_batch)
-            rec = M.Reconfigured(epoch=self.epoch, parallelism=m, switch_ms=self._ms_since(t0),
+            rec = M.Reconfigured(epoch=self.epoch, parallelism=m, switch_ms=ms_since(t0),
                                  after_batch=self.last_batch, moved_buckets=moved,
                                  state_keys=self.state_keys, state_copied_bytes=0)
             self.switches.append(rec.to_dict())

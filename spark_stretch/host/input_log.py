@@ -6,20 +6,27 @@ Spark plans and ingests batch N+1). What makes that safe: the input of batch N i
 Spark commits it, and stays until a checkpoint at or after N is on disk; a restart loads the
 latest checkpoint at or before Spark's last committed batch and steps the logged batches after
 it again (their outputs are rewritten idempotently). Files are written to a temporary name and
-renamed, like Spark's own offset and commit logs. Each carries its format version
+renamed, like Spark's own offset and commit logs. A batch the engine read from Parquet files
+itself, on one host, is logged by reference (``<N>.files``: the files, their sizes and
+modification times, the columns read; :class:`LoggedFiles`), as Spark's file source logs the
+files of a batch and not their rows: writing a million rows takes about 100 ms, on the path to
+Spark's commit. Its replay reads the files again, and refuses if one is gone or changed. Each carries its format version
 (:data:`~spark_stretch.protocol.layout.INPUT_LOG_FORMAT`) in its Arrow schema's metadata.
 
 Examples
 --------
 >>> import tempfile, pyarrow as pa
 >>> from pathlib import Path
->>> from spark_stretch.host.input_log import InputLog
+>>> from spark_stretch.host.input_log import InputLog, LoggedFiles
 >>> d = tempfile.TemporaryDirectory()
 >>> log = InputLog(Path(d.name))
 >>> log.write(3, pa.table({"x": [1, 2]}))
 >>> log.read(3).num_rows, log.batches()
 (2, [3])
->>> log.drop_through(3); log.batches()
+>>> log.write_files(4, LoggedFiles(["/data/part-0.parquet"], ["x"], "", [[10, 0]]))
+>>> log.read(4).files, log.batches()
+(['/data/part-0.parquet'], [3, 4])
+>>> log.drop_through(4); log.batches()
 []
 >>> d.cleanup()
 """
@@ -28,8 +35,10 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import pyarrow as pa
 
@@ -38,9 +47,22 @@ from ..protocol.layout import INPUT_LOG_FORMAT, INPUT_LOG_KEY, check_format
 from . import faults
 from .checkpoints import read_arrow
 
-__all__ = ["InputLog"]
+__all__ = ["InputLog", "InputLogWriter", "LoggedFiles", "read_again"]
 
 _EXTRA_KEY = b"stretch.input_log.extra"  # (the JSON logged with a batch's rows)
+
+
+@dataclass
+class LoggedFiles:
+    """A batch's input by reference: the Parquet ``files`` the engine read it from, the
+    ``columns`` read, their Arrow ``schema`` (base64 IPC, as in
+    :class:`~spark_stretch.protocol.messages.IngestFiles`) and each file's ``[size,
+    mtime_ns]`` when read (:func:`~spark_stretch.host.parquet.file_stats`)."""
+
+    files: List[str]
+    columns: List[str]
+    schema: str
+    stats: List[List[int]]
 
 
 class InputLog:
@@ -68,11 +90,30 @@ class InputLog:
                 w.write_table(table)
             final = self.path / f"{batch}.arrow"
         os.replace(tmp, final)
+        self._drop_other(batch, final.suffix)
         faults.inject("logged", batch)
 
+    def write_files(self, batch: int, files: LoggedFiles, extra: Optional[dict] = None
+                    ) -> None:
+        """Log the input of ``batch`` by reference (:class:`LoggedFiles`), with ``extra``
+        as :meth:`write`."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{batch}.tmp"
+        tmp.write_text(json.dumps({"format": INPUT_LOG_FORMAT, "files": asdict(files),
+                                   "extra": extra}))
+        os.replace(tmp, self.path / f"{batch}.files")
+        self._drop_other(batch, ".files")
+        faults.inject("logged", batch)
+
+    def _drop_other(self, batch: int, kept: str) -> None:
+        """A batch logged again (Spark ran it again): the other kinds of its entry go."""
+        for suffix in (".arrow", ".empty", ".files"):
+            if suffix != kept:
+                (self.path / f"{batch}{suffix}").unlink(missing_ok=True)
+
     def read(self, batch: int, extra: bool = False):
-        """The logged input of ``batch`` (None: it had no rows), and with ``extra`` the dict
-        logged with it (``(table, dict)``); a StateError naming the batch if it is not in the
+        """The logged input of ``batch`` (None: it had no rows; a :class:`LoggedFiles`: by
+        reference), and with ``extra`` the dict logged with it (``(table, dict)``); a StateError naming the batch if it is not in the
         log, or is in a format this version does not read."""
         arrow, empty = self.path / f"{batch}.arrow", self.path / f"{batch}.empty"
         if arrow.exists():
@@ -85,6 +126,12 @@ class InputLog:
             rest = {k: v for k, v in meta.items() if k not in (INPUT_LOG_KEY, _EXTRA_KEY)}
             table = table.replace_schema_metadata(rest or None)
             return (table, more or {}) if extra else table
+        files = self.path / f"{batch}.files"
+        if files.exists():
+            got = json.loads(files.read_text())
+            check_format(got.get("format"), INPUT_LOG_FORMAT, f"the input log file {files}")
+            ref = LoggedFiles(**got["files"])
+            return (ref, got.get("extra") or {}) if extra else ref
         if empty.exists():
             found, _, more = empty.read_bytes().partition(b"\n")
             check_format(_int(found.strip()) if found.strip() else None, INPUT_LOG_FORMAT,
@@ -99,7 +146,7 @@ class InputLog:
         if not self.path.is_dir():
             return []
         return sorted(int(f.stem) for f in self.path.iterdir()
-                      if f.stem.isdigit() and f.suffix in (".arrow", ".empty"))
+                      if f.stem.isdigit() and f.suffix in (".arrow", ".empty", ".files"))
 
     def drop_through(self, batch: int) -> None:
         """Delete the logged inputs up to ``batch`` (a checkpoint holds them now)."""
@@ -115,3 +162,108 @@ def _int(raw: bytes):
         return int(raw)
     except ValueError:
         return raw.decode(errors="replace")
+
+
+def read_again(batch: int, ref: LoggedFiles) -> pa.Table:
+    """The input of ``batch`` read again from the files of its log entry ``ref``, as the
+    engine read it the first time; a StateError if a file is gone or changed since."""
+    from ..protocol.messages import schema_from_wire
+    from .parquet import file_stats, read_like_spark
+
+    how = ("Spark's file source needs them to redo the batch too: put them back, or start the "
+           "query from a new checkpoint")
+    try:
+        now = file_stats(ref.files)
+    except OSError as e:
+        raise StateError(f"batch {batch}'s input file is gone ({e}); {how}") from e
+    changed = [f for f, a, b in zip(ref.files, ref.stats, now) if list(a) != list(b)]
+    if changed:
+        raise StateError(f"batch {batch}'s input file {changed[0]} changed since the batch read "
+                         f"it (size or modification time); {how}")
+    got = read_like_spark(ref.files, ref.columns, schema_from_wire(ref.schema))
+    if isinstance(got, str):
+        raise StateError(f"batch {batch}'s input files cannot be read again: {got}")
+    return got
+
+
+class InputLogWriter:
+    """How a runtime logs its batches' inputs into ``log`` (None: a query without one; its
+    runtime writes nothing) (:meth:`~.runtime.Runtime.submit`):
+    by reference when the engine read the batch from its files itself (:meth:`read_from`);
+    else the rows, at once, or, when the driver waits for the step's result before Spark may
+    commit the batch (inside Spark's plan), on a thread of its own while the batch steps
+    (:meth:`write` with ``beside_step``, then :meth:`wait`). A write that failed beside a step
+    fails its batch, and every later one (:meth:`check`): the batch was stepped, and a restart
+    could not redo it.
+
+    Examples
+    --------
+    >>> import tempfile, pyarrow as pa
+    >>> from pathlib import Path
+    >>> d = tempfile.TemporaryDirectory()
+    >>> w = InputLogWriter(InputLog(Path(d.name)), "q")
+    >>> w.write(0, pa.table({"x": [1]}), None, beside_step=True); w.wait(0)
+    >>> w.log.batches()
+    [0]
+    >>> w.close(); d.cleanup()
+    """
+
+    def __init__(self, log: Optional[InputLog], name: str):
+        self.log = log
+        self.name = name
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._writing: Dict[int, Future] = {}
+        self._files: Dict[int, LoggedFiles] = {}  # (batches the engine read from files)
+        self.failed: Optional[str] = None
+
+    def read_from(self, batch: int, ref: LoggedFiles) -> None:
+        """``batch``'s input was read from the files ``ref`` names: log it by reference."""
+        self._files[batch] = ref
+
+    def forget(self, batch: int) -> None:
+        """``batch``'s input came another way (or is stepped without being logged)."""
+        self._files.pop(batch, None)
+
+    def write(self, batch: int, table: Optional[pa.Table], extra: Optional[dict],
+              beside_step: bool = False) -> None:
+        """Log ``batch``'s input (``table``, None: no rows), with ``extra``."""
+        ref = self._files.pop(batch, None)
+        if ref is not None and table is not None:
+            self.log.write_files(batch, ref, extra)
+        elif beside_step:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"stretch-log-{self.name}")
+            self._writing[batch] = self._pool.submit(self.log.write, batch, table, extra)
+        else:
+            self.log.write(batch, table, extra)
+
+    def wait(self, batch: int) -> None:
+        """Wait for ``batch``'s write beside its step, if any; a StateError if it failed."""
+        fut = self._writing.pop(batch, None)
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except Exception as e:
+            self.failed = f"the input of batch {batch} could not be logged: {e!r}"
+            raise StateError(f"{self.failed}; restart the query from its checkpoint") from e
+
+    def check(self) -> None:
+        """A StateError if a write beside a step failed: nothing more may be stepped."""
+        if self.failed:
+            raise StateError(f"{self.failed}; restart the query from its checkpoint")
+
+    def drop_through(self, batch: int) -> None:
+        """A checkpoint of ``batch`` is on disk: the log through it goes, after any write of it
+        still in flight (which would otherwise land after the drop)."""
+        for b, fut in list(self._writing.items()):
+            if b <= batch:
+                try:
+                    fut.result()
+                except Exception:
+                    pass  # (wait() reports it)
+        self.log.drop_through(batch)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

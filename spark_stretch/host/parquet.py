@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 
-__all__ = ["read_like_spark"]
+__all__ = ["file_stats", "read_like_spark"]
 
 
 def read_like_spark(files: list, columns: list, schema: pa.Schema) -> Union[pa.Table, str]:
@@ -60,6 +60,18 @@ def read_like_spark(files: list, columns: list, schema: pa.Schema) -> Union[pa.T
         return out.cast(pa.schema([schema.field(c) for c in columns]))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         return f"{type(e).__name__}: {e}"
+
+
+def file_stats(files: list) -> list:
+    """Each local file's ``[size, mtime_ns]``: what tells a file read again from the one read
+    before."""
+    import os
+
+    out = []
+    for uri in files:
+        st = os.stat(unquote(urlparse(uri).path))
+        out.append([st.st_size, st.st_mtime_ns])
+    return out
 
 
 def _unlike_spark(f, columns: list, schema: pa.Schema) -> str:

@@ -37,7 +37,7 @@ from ..protocol.specs import AggregateSpec, Checkpointing
 from .aggregations import check_keys, engine_agg
 from ..protocol.layout import input_log_of
 from .checkpoints import CheckpointStore
-from .input_log import InputLog
+from .input_log import InputLog, LoggedFiles
 from .columns import NULL_LONG_KEY, KeyCodec
 from .share import KeyShare
 
@@ -268,4 +268,9 @@ class Resharding:
         extra = {}
         for log, _ in self.sources:  # (the driver's decisions are the same in every log)
             extra = extra or log.read(batch, extra=True)[1]
-        return [(log.read(batch), share) for log, share in self.sources], extra
+        got = [(log.read(batch), share) for log, share in self.sources]
+        if any(isinstance(t, LoggedFiles) for t, _ in got):  # (written on one host only)
+            raise StateError(f"batch {batch} was logged by its files on one host, not by its "
+                             "rows, which key groups moving between hosts need: restart the "
+                             "query on one host")
+        return got, extra

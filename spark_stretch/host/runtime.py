@@ -39,10 +39,10 @@ from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
 from . import faults, load
 from .checkpoints import CheckpointStore
-from .input_log import InputLog
-from .parquet import read_like_spark
+from .input_log import InputLog, InputLogWriter, LoggedFiles, read_again
+from .parquet import file_stats, read_like_spark
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "ms_since"]
 
 
 class Runtime(ABC):
@@ -74,8 +74,9 @@ class Runtime(ABC):
         self._inflight: Dict[int, Future] = {}
         state_dir = spec.checkpoint.state_dir
         self.log = InputLog(input_log_of(state_dir)) if state_dir else None
+        self.logging = InputLogWriter(self.log, qid)
         self.store = CheckpointStore(spec.checkpoint, self.META,
-                                     on_saved=self.log.drop_through if self.log else None)
+                                     on_saved=self.logging.drop_through if self.log else None)
         # Set by an engine whose driver died: the lock is dropped when the process exits, not at
         # close(), so nothing it still does (a Delta append of a request in flight) can overlap a
         # restarted engine of the same query.
@@ -114,8 +115,10 @@ class Runtime(ABC):
         """Checkpoint the state after ``batch`` (through ``self.store``)."""
 
     def _logged(self, batch: int):
-        """``(input, driver's extra)`` of ``batch`` from the input log."""
-        return self.log.read(batch, extra=True)
+        """``(input, driver's extra)`` of ``batch`` from the input log (or its files)."""
+        got, extra = self.log.read(batch, extra=True)
+        return self._arrived(read_again(batch, got)) if isinstance(got, LoggedFiles) \
+            else got, extra
 
     def fold_event_times(self, stream_max_ms: list) -> None:
         """Take every host's largest event times (ms, per input stream) in, before a step or
@@ -194,6 +197,7 @@ class Runtime(ABC):
         # One save() per batch; a re-run of the batch replaces what an earlier run delivered.
         # (A dict store is atomic: the step thread only pops other batches.)
         self.pending[int(batch)] = table
+        self.logging.forget(int(batch))
 
     def ingest_files(self, msg: M.IngestFiles) -> M.FilesIngested:
         """The input of a batch, read from its Parquet files here (Spark would only read them
@@ -202,17 +206,13 @@ class Runtime(ABC):
         (:func:`~spark_stretch.host.parquet.read_like_spark`). Rows the engine cannot take
         (null keys) raise, as in the batch's ingest job."""
         faults.inject("files", msg.batch)
-        got = read_like_spark(msg.files, msg.columns, M.schema_from_wire(msg.schema))
-        if isinstance(got, str):
+        got, ref = _read_files(msg)
+        if ref is None:
             return M.FilesIngested(unsupported=got)
         self.ingest(f"in:{msg.batch}", "files", got)
-        stats = []
-        for c in msg.watermarks:  # (Spark adds DateTimeUtils.microsToMillis: a floor division)
-            us = pc.cast(got.column(c).drop_null(), pa.int64()).to_numpy()
-            ms = np.floor_divide(us, 1000)
-            stats.append((int(ms.max()), int(ms.min()), float(ms.mean()), len(ms)) if len(ms)
-                         else (0, 0, 0.0, 0))
-        return M.FilesIngested(rows=got.num_rows, event_times=stats)
+        if getattr(self, "share", None) is None:  # (one host: the log keeps the files)
+            self.logging.read_from(msg.batch, ref)
+        return M.FilesIngested(rows=got.num_rows, event_times=event_time_stats(got, msg))
 
     # -- micro-batches -------------------------------------------------------------------------
     def step(self, batch: int, batch_ts_ms: Optional[int] = None,
@@ -229,6 +229,7 @@ class Runtime(ABC):
         with self.lock:
             self.store.join()  # the previous checkpoint reads the state: let it finish
             table = self.pending.pop(batch, None)
+            self.logging.forget(batch)  # (stepped without submit(): not logged)
             if batch <= self.last_batch:
                 if batch == self.last_batch and self.last_reply is not None:
                     # the same rows again (a flush may have replaced the offer meanwhile)
@@ -242,6 +243,7 @@ class Runtime(ABC):
                 table, extra = self._logged(batch)
                 stream_max_ms = stream_max_ms or extra.get("stream_max_ms")
                 watermark_ms = extra.get("watermark_ms", watermark_ms)
+            self.logging.check()
             self._check_usable()
             if stream_max_ms:
                 self.fold_event_times(stream_max_ms)
@@ -261,13 +263,15 @@ class Runtime(ABC):
             return self.last_reply
 
     def submit(self, batch: int, stream_max_ms: Optional[list] = None,
-               watermark_ms: Optional[int] = None) -> M.Submitted:
+               watermark_ms: Optional[int] = None, await_result: bool = False
+               ) -> M.Submitted:
         """Log the input of ``batch`` (after which Spark may commit it) and step it in the
-        background; :meth:`result` waits for the step's reply."""
+        background; :meth:`result` waits for the step's reply (and, ``await_result``, for
+        the log written meanwhile: :class:`~.input_log.InputLogWriter`)."""
         if self.log is not None:
             extra = {**({"stream_max_ms": stream_max_ms} if stream_max_ms else {}),
                      **({"watermark_ms": watermark_ms} if watermark_ms is not None else {})}
-            self.log.write(batch, self.pending.get(batch), extra or None)
+            self.logging.write(batch, self.pending.get(batch), extra or None, await_result)
         if self._stepper is None:
             self._stepper = ThreadPoolExecutor(1, thread_name_prefix=f"stretch-step-{self.qid}")
         self._inflight[batch] = self._stepper.submit(self.step, batch, None, stream_max_ms,
@@ -275,11 +279,14 @@ class Runtime(ABC):
         return M.Submitted(batch)
 
     def result(self, batch: int) -> M.StepResult:
-        """The reply of the submitted step of ``batch`` (its error, raised)."""
+        """The reply of the submitted step of ``batch`` (its error, raised), logged."""
         fut = self._inflight.pop(batch, None)
         if fut is None:
             raise StateError(f"batch {batch} of query {self.qid} was not submitted")
-        return fut.result()
+        try:
+            return fut.result()
+        finally:
+            self.logging.wait(batch)
 
     def _publish(self, stream: str, out: pa.Table) -> None:
         """Offer ``out`` on ``stream``, withdrawing the previous output (kept until now: a
@@ -325,6 +332,7 @@ class Runtime(ABC):
         release what the runtime holds and the checkpoint lock."""
         if self._stepper is not None:
             self._stepper.shutdown(wait=True, cancel_futures=True)
+        self.logging.close()
         with self.lock:
             try:
                 self.store.join()
@@ -339,6 +347,29 @@ class Runtime(ABC):
                 if not self.keep_checkpoint_lock:
                     self.store.release_lock()
 
-    @staticmethod
-    def _ms_since(t0: float) -> float:
-        return (time.perf_counter() - t0) * 1e3
+
+def ms_since(t0: float) -> float:
+    """Milliseconds since ``t0`` (``time.perf_counter()``)."""
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _read_files(msg: M.IngestFiles):
+    """A batch's files read here (or why not: a string) and their input log entry (None if
+    not read)."""
+    got = read_like_spark(msg.files, msg.columns, M.schema_from_wire(msg.schema))
+    if isinstance(got, str):
+        return got, None
+    return got, LoggedFiles(list(msg.files), list(msg.columns), msg.schema,
+                            file_stats(msg.files))
+
+
+def event_time_stats(table: pa.Table, msg: M.IngestFiles) -> list:
+    """Spark's event-time statistics of each watermark column of ``table`` (ms): max, min,
+    mean, count. (Spark adds ``DateTimeUtils.microsToMillis``: a floor division.)"""
+    stats = []
+    for c in msg.watermarks:
+        us = pc.cast(table.column(c).drop_null(), pa.int64()).to_numpy()
+        ms = np.floor_divide(us, 1000)
+        stats.append((int(ms.max()), int(ms.min()), float(ms.mean()), len(ms)) if len(ms)
+                     else (0, 0, 0.0, 0))
+    return stats

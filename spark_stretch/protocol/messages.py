@@ -322,6 +322,10 @@ class Submit(Request):
     # the engine then takes as W_N in place of its own (``stretch(df)``: an aggregation of
     # another's windows, or of one of several streams, has Spark's global watermark)
     watermark_ms: Optional[int] = None
+    # The driver asks for the Result before Spark may commit the batch (inside Spark's plan):
+    # the input is logged while the batch steps, and Result waits for both. Otherwise Spark may
+    # commit the batch once this returns, so the input is logged before it does.
+    await_result: bool = False
 
 
 @dataclass(frozen=True)

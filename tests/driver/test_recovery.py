@@ -99,7 +99,9 @@ def test_engine_killed_at_each_step_of_a_batch_is_restarted(spark, stream, tmp_p
     src, want = stream
     monkeypatch.setenv(ENV, f"kill@{point}:{batch}:{tmp_path / 'fired'}")
     q = _run(spark, src, tmp_path, **{"spark.stretch.delta.directWrite": str(point != "read"),
-                                      "spark.stretch.ingest.files": str(point == "files"),
+                                      # (logged: by the files, the route by default)
+                                      "spark.stretch.ingest.files": str(point in ("files",
+                                                                                  "logged")),
                                       "spark.stretch.checkpoint.interval": interval})
     assert (tmp_path / "fired").exists(), "the fault did not fire"
     restarts = q.metrics()["engine_restarts"]

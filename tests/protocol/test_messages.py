@@ -28,6 +28,7 @@ SAMPLES = [
     M.Reconfigure(query="q", parallelism=2, owner_map=[0, 1, 1, 0]), M.Metrics(query="q"),
     M.Cancel(query="q", batch=4), M.Close(query="q"), M.Shutdown(),
     M.Submit(query="q", batch=2, stream_max_ms=[5000, None]),
+    M.Submit(query="q", batch=2, watermark_ms=4000, await_result=True),
     M.PrepareDelta(query="q", stream="q:out:3", path="/t", app_id="a", version=3),
     M.CommitDelta(query="q", path="/t", app_id="a", version=3,
                   actions=[{"path": "part-0.parquet", "size": 10, "partition_values": {},
