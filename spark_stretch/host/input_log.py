@@ -239,14 +239,17 @@ class InputLogWriter:
 
     def wait(self, batch: int) -> None:
         """Wait for ``batch``'s write beside its step, if any; a StateError if it failed."""
-        fut = self._writing.pop(batch, None)
+        fut = self._writing.get(batch)
         if fut is None:
             return
         try:
             fut.result()
         except Exception as e:
+            self._writing.pop(batch, None)
             self.failed = f"the input of batch {batch} could not be logged: {e!r}"
             raise StateError(f"{self.failed}; restart the query from its checkpoint") from e
+        # (only once written: until then a checkpoint's drop_through waits for it)
+        self._writing.pop(batch, None)
 
     def check(self) -> None:
         """A StateError if a write beside a step failed: nothing more may be stepped."""
