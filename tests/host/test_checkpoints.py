@@ -157,20 +157,17 @@ def test_a_batch_read_from_files_is_logged_by_reference_and_replayed_from_them(t
     assert sum(map(len, first.rows.values())) > 0
     again.close()
     # A file changed or gone since: refused, naming the batch and the file.
-    (tmp_path / "src" / "part-2.parquet").write_bytes(b"not the batch's rows")
-    again = restart()
-    again.step(0), again.step(1)
-    with pytest.raises(StateError, match=r"batch 2's input file .*part-2.parquet changed since "
-                                         r"the batch read it"):
-        again.step(2)
-    again.close()
-    (tmp_path / "src" / "part-2.parquet").unlink()
-    again = restart()
-    again.step(0), again.step(1)
-    with pytest.raises(StateError, match=r"batch 2's input file is gone .*Spark's file source "
-                                         r"needs them"):
-        again.step(2)
-    again.close()
+    part = tmp_path / "src" / "part-2.parquet"
+    for spoil, error in [(lambda: part.write_bytes(b"not the batch's rows"),
+                          r"batch 2's input file .*part-2.parquet changed since the batch read it"),
+                         (part.unlink, r"batch 2's input file is gone .*Spark's file source needs "
+                                       r"them")]:
+        spoil()
+        again = restart()
+        again.step(0), again.step(1)
+        with pytest.raises(StateError, match=error):
+            again.step(2)
+        again.close()
 
 
 def test_a_checkpoint_of_an_unknown_format_is_refused_naming_the_file(tmp_path):
