@@ -6,12 +6,14 @@ Spark plans and ingests batch N+1). What makes that safe: the input of batch N i
 Spark commits it, and stays until a checkpoint at or after N is on disk; a restart loads the
 latest checkpoint at or before Spark's last committed batch and steps the logged batches after
 it again (their outputs are rewritten idempotently). Files are written to a temporary name and
-renamed, like Spark's own offset and commit logs. A batch the engine read from Parquet files
-itself, on one host, is logged by reference (``<N>.files``: the files, their sizes and
-modification times, the columns read; :class:`LoggedFiles`), as Spark's file source logs the
-files of a batch and not their rows: writing a million rows takes about 100 ms, on the path to
-Spark's commit. Its replay reads the files again, and refuses if one is gone or changed. Each carries its format version
+renamed, like Spark's own offset and commit logs. Each carries its format version
 (:data:`~spark_stretch.protocol.layout.INPUT_LOG_FORMAT`) in its Arrow schema's metadata.
+
+A batch the engine read from Parquet files itself, on one host, is logged by reference
+(``<N>.files``: the files, their sizes and modification times, the columns read;
+:class:`LoggedFiles`), as Spark's file source logs the files of a batch and not their rows:
+writing a million rows takes about 100 ms, on the path to Spark's commit. Its replay reads the
+files again, and refuses if one is gone or changed (:func:`read_again`).
 
 Examples
 --------
@@ -113,8 +115,9 @@ class InputLog:
 
     def read(self, batch: int, extra: bool = False):
         """The logged input of ``batch`` (None: it had no rows; a :class:`LoggedFiles`: by
-        reference), and with ``extra`` the dict logged with it (``(table, dict)``); a StateError naming the batch if it is not in the
-        log, or is in a format this version does not read."""
+        reference), and with ``extra`` the dict logged with it (``(table, dict)``); a
+        StateError naming the batch if it is not in the log, or is in a format this version
+        does not read."""
         arrow, empty = self.path / f"{batch}.arrow", self.path / f"{batch}.empty"
         if arrow.exists():
             table = read_arrow(arrow)
