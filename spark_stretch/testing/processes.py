@@ -82,9 +82,9 @@ def kill_driver(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 def kill_driver_once_logged(proc: subprocess.Popen, logged: Path, timeout: float = 300.0) -> None:
     """Wait until a driver started as ``proc`` (its output piped) has written ``logged`` (e.g.
-    the engine's input log of a batch, ``<checkpoint>/stretch/input/2.arrow``), then
-    :func:`kill_driver` it: a crash mid-run. Fails with the driver's output if it exits first,
-    or after ``timeout`` seconds."""
+    the engine's input log of a batch, ``<checkpoint>/stretch/input/2.arrow``, or ``2.files``
+    for a batch the engine read from its files), then :func:`kill_driver` it: a crash mid-run.
+    Fails with the driver's output if it exits first, or after ``timeout`` seconds."""
     deadline = time.time() + timeout
     while not Path(logged).exists():
         if proc.poll() is not None:

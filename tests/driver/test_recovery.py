@@ -315,7 +315,8 @@ def test_engine_state_checkpointed_every_interval_with_the_input_log_between(spa
     assert [k != "log" for k in kinds] == [True, False, False] * 2 + [True, False], kinds
     ckpt = tmp_path / "c" / "stretch"
     assert sorted(int(d.name) for d in (ckpt / "state").iterdir() if d.name.isdigit()) == [0, 3, 6]
-    assert sorted(f.name for f in (ckpt / "input").iterdir()) == ["7.arrow"]
+    # (batch 7 read from its files by the engine: logged by reference)
+    assert sorted(f.name for f in (ckpt / "input").iterdir()) == ["7.files"]
     want = run_native(spark, _agg(spark, src), tmp_path / "n")
     _equal(spark.read.format("delta").load(str(tmp_path / "o")), want)
     # Restarted with one more file: state 6, batch 7 again from the log, then batch 8.
@@ -381,8 +382,8 @@ def test_driver_killed_mid_batch_then_restart_is_exact(spark, stream, tmp_path):
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("driver_job.py")),
                              str(src), str(tmp_path / "o"), str(tmp_path / "c")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    # batch 2 logged; Spark may or may not have committed it
-    kill_driver_once_logged(proc, tmp_path / "c" / "stretch" / "input" / "2.arrow")
+    # batch 2 logged (by its files); Spark may or may not have committed it
+    kill_driver_once_logged(proc, tmp_path / "c" / "stretch" / "input" / "2.files")
     committed = sorted(int(f.name) for f in (tmp_path / "c" / "commits").iterdir()
                        if f.name.isdigit())
     assert committed and committed[-1] < FILES - 1, "the run ended before the kill"
@@ -422,7 +423,7 @@ def test_driver_killed_after_spark_committed_a_batch_the_engine_had_not_stepped(
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.time() < deadline, "batch 2 was never committed"
         time.sleep(0.05)
-    assert (ckpt / "stretch" / "input" / "2.arrow").exists()
+    assert (ckpt / "stretch" / "input" / "2.files").exists()  # (read from its files)
     assert not (ckpt / "stretch" / "state" / "2").exists()
     kill_driver(proc)
     # Its engine exits within seconds (it does not wait for the stalled step).
