@@ -40,7 +40,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import pyarrow as pa
 
@@ -65,6 +65,14 @@ class LoggedFiles:
     columns: List[str]
     schema: str
     stats: List[List[int]]
+
+    def read(self) -> Union[pa.Table, str]:
+        """The files read as Spark would read them, or why not
+        (:func:`~spark_stretch.host.parquet.read_like_spark`)."""
+        from ..protocol.messages import schema_from_wire
+        from .parquet import read_like_spark
+
+        return read_like_spark(self.files, self.columns, schema_from_wire(self.schema))
 
 
 class InputLog:
@@ -170,8 +178,7 @@ def _int(raw: bytes):
 def read_again(batch: int, ref: LoggedFiles) -> pa.Table:
     """The input of ``batch`` read again from the files of its log entry ``ref``, as the
     engine read it the first time; a StateError if a file is gone or changed since."""
-    from ..protocol.messages import schema_from_wire
-    from .parquet import file_stats, read_like_spark
+    from .parquet import file_stats
 
     how = ("Spark's file source needs them to redo the batch too: put them back, or start the "
            "query from a new checkpoint")
@@ -183,7 +190,7 @@ def read_again(batch: int, ref: LoggedFiles) -> pa.Table:
     if changed:
         raise StateError(f"batch {batch}'s input file {changed[0]} changed since the batch read "
                          f"it (size or modification time); {how}")
-    got = read_like_spark(ref.files, ref.columns, schema_from_wire(ref.schema))
+    got = ref.read()
     if isinstance(got, str):
         raise StateError(f"batch {batch}'s input files cannot be read again: {got}")
     return got
@@ -248,11 +255,10 @@ class InputLogWriter:
         try:
             fut.result()
         except Exception as e:
-            self._writing.pop(batch, None)
             self.failed = f"the input of batch {batch} could not be logged: {e!r}"
             raise StateError(f"{self.failed}; restart the query from its checkpoint") from e
-        # (only once written: until then a checkpoint's drop_through waits for it)
-        self._writing.pop(batch, None)
+        finally:  # (only once done: until then a checkpoint's drop_through waits for it)
+            self._writing.pop(batch, None)
 
     def check(self) -> None:
         """A StateError if a write beside a step failed: nothing more may be stepped."""

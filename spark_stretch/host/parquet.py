@@ -27,6 +27,7 @@ Examples
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Union
 from urllib.parse import unquote, urlparse
@@ -65,8 +66,6 @@ def read_like_spark(files: list, columns: list, schema: pa.Schema) -> Union[pa.T
 def file_stats(files: list) -> list:
     """Each local file's ``[size, mtime_ns]``: what tells a file read again from the one read
     before."""
-    import os
-
     out = []
     for uri in files:
         st = os.stat(unquote(urlparse(uri).path))

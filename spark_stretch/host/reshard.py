@@ -265,12 +265,11 @@ class Resharding:
     def _logged(self, batch: int):
         if not self.sources:
             return super()._logged(batch)
-        extra = {}
-        for log, _ in self.sources:  # (the driver's decisions are the same in every log)
-            extra = extra or log.read(batch, extra=True)[1]
-        got = [(log.read(batch), share) for log, share in self.sources]
-        if any(isinstance(t, LoggedFiles) for t, _ in got):  # (written on one host only)
+        read = [log.read(batch, extra=True) for log, _ in self.sources]
+        if any(isinstance(t, LoggedFiles) for t, _ in read):  # (written on one host only)
             raise StateError(f"batch {batch} was logged by its files on one host, not by its "
                              "rows, which key groups moving between hosts need: restart the "
                              "query on one host")
-        return got, extra
+        # (the driver's decisions are the same in every log)
+        extra = next((e for _, e in read if e), {})
+        return [(t, share) for (t, _), (_, share) in zip(read, self.sources)], extra

@@ -40,7 +40,7 @@ from ..protocol.specs import QuerySpec
 from . import faults, load
 from .checkpoints import CheckpointStore
 from .input_log import InputLog, InputLogWriter, LoggedFiles, read_again
-from .parquet import file_stats, read_like_spark
+from .parquet import file_stats
 
 __all__ = ["Runtime", "ms_since"]
 
@@ -356,11 +356,12 @@ def ms_since(t0: float) -> float:
 def _read_files(msg: M.IngestFiles):
     """A batch's files read here (or why not: a string) and their input log entry (None if
     not read)."""
-    got = read_like_spark(msg.files, msg.columns, M.schema_from_wire(msg.schema))
+    ref = LoggedFiles(list(msg.files), list(msg.columns), msg.schema, [])
+    got = ref.read()
     if isinstance(got, str):
         return got, None
-    return got, LoggedFiles(list(msg.files), list(msg.columns), msg.schema,
-                            file_stats(msg.files))
+    ref.stats = file_stats(msg.files)
+    return got, ref
 
 
 def event_time_stats(table: pa.Table, msg: M.IngestFiles) -> list:
