@@ -25,11 +25,14 @@ import time
 import traceback
 from typing import Dict, Optional
 
+from . import allocator
+
 if __name__ == "__main__":
     # Arrow's C++ default pool, which the Parquet reader and compute kernels allocate from, is
     # chosen from this variable when pyarrow loads (below); pa.set_memory_pool in
-    # return_freed_memory sets only the pool that Python calls pass. A user's choice stands.
+    # allocator.set_up sets only the pool that Python calls pass. A user's choice stands.
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    allocator.tune_malloc()  # (before numpy, pyarrow and their threads allocate)
 
 from ..protocol import messages as M
 from ..protocol.errors import UnknownQuery
@@ -240,31 +243,6 @@ def preflight(driver_version: Optional[str]) -> Optional[str]:
     return None
 
 
-def return_freed_memory() -> None:
-    """Give a batch's freed buffers back to the system, so the engine's memory follows its state.
-
-    A batch's working set (its columns, the event-time order, the output) is freed when the
-    batch ends, but allocators keep it: Arrow's default pool (mimalloc) holds its segments, and
-    glibc's malloc raises its mmap threshold after the first large free, after which large
-    arrays come from the heap and stay there. Measured on 5M live windows (BENCHMARKS.md,
-    aggstate.py): 345 MB less resident, no slower. So Arrow allocates with the system's
-    malloc here, and glibc's threshold is pinned (arrays of 128 KB and more are mapped, and
-    unmapped when freed). ``set_memory_pool`` reaches Python's calls only; Arrow's own
-    allocations (the Parquet reader's) follow ``ARROW_DEFAULT_MEMORY_POOL``, which the engine
-    process sets before pyarrow loads (a further 40 MB at 5M windows).
-    """
-    import ctypes
-
-    import pyarrow as pa
-
-    pa.set_memory_pool(pa.system_memory_pool())
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 128 << 10)  # (M_MMAP_THRESHOLD; glibc only: elsewhere nothing)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spark_stretch.host.daemon",
                                  description="spark-stretch host engine")
@@ -289,7 +267,7 @@ def main(argv=None) -> int:
     # previous batch is stepped in another thread: hand the GIL over after 0.2 ms, not 5 ms, so
     # the executors writing them do not wait on a blocked reader (the ingest job: -6%).
     sys.setswitchinterval(0.0002)
-    return_freed_memory()
+    allocator.set_up()
     try:
         daemon = HostDaemon(args.socket, tcp_host=args.tcp, secret=secret, lease_s=args.lease)
     except Exception:

@@ -37,7 +37,7 @@ from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
-from . import faults, load
+from . import allocator, faults, load
 from .checkpoints import CheckpointStore
 from .input_log import InputLog, InputLogWriter, LoggedFiles, read_again
 from .parquet import file_stats
@@ -139,8 +139,7 @@ class Runtime(ABC):
         """Raise StateError if an earlier failure left the state unusable."""
 
     def _step_figures(self, t0: float, since_ms: Optional[float]) -> dict:
-        """The figures of the step that started at ``t0`` (:mod:`.load`), for the driver's
-        elastic controller and per-batch metrics."""
+        """The figures of the step started at ``t0`` (:mod:`.load`): elastic control, metrics."""
         return load.engine_figures(self, t0, since_ms)
 
     def _close(self) -> None:
@@ -198,6 +197,7 @@ class Runtime(ABC):
         # (A dict store is atomic: the step thread only pops other batches.)
         self.pending[int(batch)] = table
         self.logging.forget(int(batch))
+        allocator.give_back()  # (what reading and preparing it freed)
 
     def ingest_files(self, msg: M.IngestFiles) -> M.FilesIngested:
         """The input of a batch, read from its Parquet files here (Spark would only read them
@@ -253,9 +253,9 @@ class Runtime(ABC):
                 self.watermark_ms, self.next_watermark_ms = (int(w) for w in watermarks)
             t0 = time.perf_counter()
             reply = self._step(batch, table, batch_ts_ms)
+            allocator.give_back()
             figures = self._step_figures(t0, self._clock.lap())
-            figures["input_rows"] = sum(t.num_rows for t, _ in table if t is not None) \
-                if isinstance(table, list) else 0 if table is None else table.num_rows
+            figures["input_rows"] = input_rows(table)
             # (the query's state operator in Spark's progress: state rows, changes, late rows)
             figures.update(getattr(self, "state_changes", None) or {},
                            late_rows=int(reply.metrics.get("late_rows", 0)))
@@ -346,6 +346,13 @@ class Runtime(ABC):
             finally:
                 if not self.keep_checkpoint_lock:
                     self.store.release_lock()
+
+
+def input_rows(table) -> int:
+    """The rows of a step's input: one table, a table per stream (``(table, stream)``), none."""
+    if isinstance(table, list):
+        return sum(t.num_rows for t, _ in table if t is not None)
+    return 0 if table is None else table.num_rows
 
 
 def ms_since(t0: float) -> float:
