@@ -9,7 +9,7 @@ first large free, an arena per thread), the heap kept 100-120 MB more of a batch
 under 4 MB from the heap (a slice of a batch: 262,144 rows of 8 bytes is 2 MB), larger ones
 mapped (a 1M-row column, the state's tables, which must leave memory when they grow or spill),
 and the heap trimmed after a batch is taken in and after it is stepped: the engine's memory
-as before (+2 B a window at 5M), its CPU 10-15% less on Nexmark's q17.
+as before (+2 B a window at 5M), its CPU 8-12% less on Nexmark's aggregations.
 """
 
 from __future__ import annotations
