@@ -52,6 +52,7 @@ bench: setup
 	$(PY) python/bench/transform.py --events 300000 --users 30000
 	$(PY) python/bench/elastic.py
 	$(PY) python/bench/nexmark.py --events 10000000 --repeat 3
+	$(PY) python/bench/nexmark_path.py --events 10000000 --repeat 3 --queries q17,q5 --busy
 	$(PY) python/bench/latency.py --plot docs/nexmark-latency.png
 
 clean:
