@@ -85,7 +85,9 @@ def _next(s, cap):
     return 0 if s == cap else s
 
 
-@njit(nogil=True, cache=True)
+# (inlined: its callers pass rows read-only (restored) or writable, which would compile it
+# once for each)
+@njit(nogil=True, cache=True, inline="always")
 def _reinsert(b, r, af, rec, acc_f):
     cap = rec.shape[1]
     s = _slot0(mix64(r[0]), r[1], cap)
