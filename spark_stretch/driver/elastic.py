@@ -89,7 +89,6 @@ class ElasticRun:
         self._tracks: Dict[Optional[str], _Track] = {None: _Track()}
         self._since_move: Optional[int] = None  # batches since key groups last moved
         self.latest: Optional[BatchMetrics] = None
-        self._stepped_input = False  # (a batch with input has been stepped)
 
     # -- asked by the pipeline ---------------------------------------------------------------
     def started(self, batch: int) -> None:
@@ -107,6 +106,8 @@ class ElasticRun:
         """A batch's output is written (at ``written_at``, ``time.time()``): its figures
         recorded, and the policy asked."""
         with self._lock:
+            # (whether a batch with input was stepped before this one, on any host)
+            stepped_before = any(t.stepped_input for t in self._tracks.values())
             for t in self._tracks.values():
                 t.since = None if t.since is None else t.since + 1
             if self._since_move is not None:
@@ -126,8 +127,7 @@ class ElasticRun:
         self._metrics.append("per_batch", m.row(), keep=_ROWS_KEPT)
         if self._table is not None:
             self._table.append(m.row())
-        first_input = m.tuples > 0 and not self._stepped_input
-        self._stepped_input = self._stepped_input or m.tuples > 0
+        first_input = m.tuples > 0 and not stepped_before
         if self.policy is not None and not first_input:  # (its time is one-time costs' too)
             try:
                 got = self.policy.decide(m)
