@@ -283,10 +283,12 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 if owner[b] != j:
                     continue
                 if keep:
-                    if (bcount[b] + 1) * 4 > cap * 3 or (pool.shape[1] > 0 and free[j, 0] == 0):
+                    # (one bucket up to 7/8: the runtime grows the tables at 3/4 on average)
+                    full = (bcount[b] + 1) * 8 > cap * 7
+                    if full or (pool.shape[1] > 0 and free[j, 0] == 0):
                         resume[1] = i
                         resume[2] = ki
-                        return 1 if (bcount[b] + 1) * 4 > cap * 3 else NEED_POOL
+                        return 1 if full else NEED_POOL
                     _keep(rec, acc_f, b, key, h, t, e, vi0, vf0, ri, vi, vf, ip, fp, init_i,
                           init_f, bcount, bminl, pool, free, j)
                     if dirty[b] == 0:
@@ -300,7 +302,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     s = _next(s, cap)
                 p = opos[0]
                 fresh = cur == EMPTY or t > rec[b, s, 3]
-                if cur == EMPTY and (bcount[b] + 1) * 4 > cap * 3:
+                if cur == EMPTY and (bcount[b] + 1) * 8 > cap * 7:
                     resume[1] = i
                     resume[2] = ki
                     return 1

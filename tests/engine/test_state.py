@@ -6,7 +6,7 @@ from spark_stretch.engine import Engine, EngineError, Interner, balanced_owner_m
 from spark_stretch.engine import kernels as K
 from spark_stretch.engine.batch import take_list
 from spark_stretch.engine.state import validate_owner_map
-from spark_stretch.ops import count
+from spark_stretch.ops import aggregate, count
 
 
 def test_interner_ids_are_exact_and_stable():
@@ -131,3 +131,39 @@ def test_take_list_matches_python():
     o, v = take_list(off, vals, np.array([2, 0, 2, 1], np.int64))
     rows = [v[o[i]:o[i + 1]].tolist() for i in range(4)]
     assert rows == [[3, 4, 5], [1, 2], [3, 4, 5], []]
+
+
+def test_session_tables_grow_when_three_quarters_full_on_average():
+    """Session windows as windows above: the session kernel lets one bucket reach 7/8 (a slot a
+    key) and the runtime grows the tables once the buckets holding sessions are 3/4 full on
+    average. Two buckets of 64 slots: 54 keys' sessions in one (past 3/4, under 7/8), 10 in
+    the other: no grow (it grew the tables when one bucket passed 3/4); 50 more keys in the
+    second, past 7/8: one grow, to 80 slots a bucket; every session emitted once, with its
+    count, when the watermark passes its end."""
+    from spark_stretch.engine.buckets import buckets_of
+
+    candidates = np.arange(2_000, dtype=np.int64) * 7919
+    at = buckets_of(candidates, 2)
+    first, second = candidates[at == 0], candidates[at == 1]
+    eng = Engine(aggregate("count", key="k", session_end="end"), m=1, n=1, n_buckets=2, cap=64,
+                 lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+
+    def add(keys, t):
+        n = len(keys)
+        eng.esg_in.add({"ts": np.full(n, t, np.int64), "k": keys,
+                        "end": np.full(n, t + 5, np.int64)}, 0)
+        eng.esg_in.advance_watermark(t)
+        eng.drain()
+
+    add(np.concatenate([first[:54], second[:10]]), 0)
+    assert eng.state.cap == 64 and eng.metrics()["grows"] == 0
+    add(second[10:60], 1)
+    assert eng.state.cap == 80 and eng.metrics()["grows"] == 1
+    eng.esg_in.advance_watermark(30)
+    eng.drain()
+    out, _ = eng.esg_out.get_batch("driver")
+    keys = np.concatenate([first[:54], second[:60]])
+    assert sorted(out["key"].tolist()) == sorted(keys.tolist())
+    assert (out["count"] == 1).all()
+    eng.close()
