@@ -15,8 +15,8 @@ durations (``triggerExecution`` and its parts: ``latestOffset``, ``walCommit``,
 engine taking its input while Spark waits, the wait for the batch before it, the engine's
 step and its Delta append after Spark's commit), and the CPU time of Spark's JVM and of the
 engine's process within the trigger (``/proc/<pid>/stat``, sampled every 10 ms), as cores
-used. A summary per run: batches 2-9 (past the first batches' warm-up, before the no-data
-batch) against the floor's. Each query's table is checked equal to native Spark's (one native
+used. A summary per run, a batch on average: from the third batch to the last with input (past
+the first batches' warm-up, before the no-data batch), against the floor's. Each query's table is checked equal to native Spark's (one native
 run, exceptAll both ways). ``--busy``: the floor also with a busy loop beside it at nice 19
 (one Python process spinning), for what any work beside Spark on the same cores costs it.
 ``--plot``: each batch's parts, of the median run of each kind, for the first query (PNG).
@@ -97,6 +97,7 @@ def _batches(q, cpu: _Cpu, figures: list) -> list:
         jvm, eng = cpu.between(start, start + d["triggerExecution"] / 1e3)
         f = next((x for x in figures if x.get("batch") == p["batchId"]), {})
         rows.append({"batch": p["batchId"], "start": start, "trigger_ms": d["triggerExecution"],
+                     "input_rows": int(p["numInputRows"]),
                      **{k: d.get(k, 0) for k in ("latestOffset", "walCommit", "queryPlanning",
                                                  "addBatch", "commitOffsets")},
                      "jvm_cpu_ms": jvm * 1e3, "engine_cpu_ms": eng * 1e3,
@@ -118,9 +119,9 @@ def _print(name: str, run: dict) -> None:
                      f"{b['engine_s']:3d}, append {b['output_s']:3d}")
         print(line)
     s = run["steady"]
-    print(f"  batches 2-9: {s['ms']:.0f} ms, Spark's bookkeeping (offsets, wal, plan, commit) "
-          f"{s['bookkeeping_ms']:.0f} ms, addBatch {s['addBatch_ms']:.0f} ms, cores "
-          f"{s['cores']:.2f}", flush=True)
+    print(f"  batches 2-{s['last']}, a batch: {s['ms']:.0f} ms, Spark's bookkeeping (offsets, "
+          f"wal, plan, commit) {s['bookkeeping_ms']:.0f} ms, addBatch {s['addBatch_ms']:.0f} ms, "
+          f"cores {s['cores']:.2f}", flush=True)
 
 
 def main() -> None:
@@ -177,17 +178,19 @@ def main() -> None:
             if q.exception():
                 raise RuntimeError(q.exception())
             batches = _batches(q, cpu, figures)
-            steady = [b for b in batches if 2 <= b["batch"] <= 9]
+            # (past the first two; not the no-data batch closing the last windows)
+            steady = [b for b in batches if b["batch"] >= 2 and b["input_rows"] > 0]
             ms = sum(b["trigger_ms"] for b in steady)
             last = batches[-1]
             return {"wall_s": t1 - t0, "start_s": batches[0]["start"] - t0,
                     "end_s": t1 - last["start"] - last["trigger_ms"] / 1e3, "batches": batches,
-                    "steady": {"ms": ms, "cores": sum(b["jvm_cpu_ms"] + b["engine_cpu_ms"]
-                                                      for b in steady) / max(ms, 1),
+                    "steady": {"last": steady[-1]["batch"], "ms": ms / len(steady),
+                               "cores": sum(b["jvm_cpu_ms"] + b["engine_cpu_ms"]
+                                            for b in steady) / max(ms, 1),
                                "bookkeeping_ms": sum(b[k] for b in steady for k in (
                                    "latestOffset", "walCommit", "queryPlanning",
-                                   "commitOffsets")),
-                               "addBatch_ms": sum(b["addBatch"] for b in steady)}}
+                                   "commitOffsets")) / len(steady),
+                               "addBatch_ms": sum(b["addBatch"] for b in steady) / len(steady)}}
 
         def same(a: Path, b: Path) -> tuple:
             x, y = (spark.read.format("delta").load(str(p)) for p in (a, b))
