@@ -71,6 +71,14 @@ def next_cap(cap: int) -> int:
 
 
 @njit(**HOT)
+def bucket_full(count, cap):
+    """Whether a bucket of ``cap`` slots holding ``count`` would pass 7/8 with one more: a
+    kernel then stops for the tables to grow (the runtime grows them earlier, once the buckets
+    holding windows are 3/4 full on average: ``Engine._grow_if_loaded``)."""
+    return (count + 1) * 8 > cap * 7
+
+
+@njit(**HOT)
 def _slot0(h, l, cap):
     """First slot of window (key, l) in its bucket of ``cap`` slots: the low 32 bits of
     mix64(key) xor a multiple of l, scaled to ``cap`` (the bucket took the high 32 bits)."""

@@ -38,8 +38,8 @@ from .aggregates import (AGG_BY_KEY, AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HL
                          AGG_MAXBY_S, AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I,
                          AGG_MINBY_L, AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply,
                          _multi_out, _multi_update, _pool_take)
-from .buckets import (EMPTY, HOT, NO_L, _bucket_h, _next, _slot0, bucket_of, buckets_of,
-                      insert_rows, mix64, rebuild_bucket, rehash_into)
+from .buckets import (EMPTY, HOT, NO_L, _bucket_h, _next, _slot0, bucket_full, bucket_of,
+                      buckets_of, insert_rows, mix64, rebuild_bucket, rehash_into)
 
 DONE, NEED_GROW, NEED_OUT, NEED_KEYBUF, NEED_POOL, NEED_TRIM = 0, 1, 2, 3, 4, 5
 # ip[3] of a built-in aggregation: tuples applied one by one in event-time order, windows fired
@@ -272,8 +272,7 @@ def _agg_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                             break
                         s = _next(s, cap)
                     p = opos[0]
-                    # (one bucket up to 7/8: the runtime grows the tables at 3/4 on average)
-                    full = cur == EMPTY and (bcount[b] + 1) * 8 > cap * 7
+                    full = cur == EMPTY and bucket_full(bcount[b], cap)
                     short = cur == EMPTY and pool.shape[1] > 0 and free[j, 0] == 0
                     if full or short or p + max_out_upd > cap_out:
                         resume[1] = i

@@ -27,7 +27,7 @@ from .aggregates import (AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_
                          AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L,
                          AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply, _fslot,
                          _hll_words, _multi_out, _multi_update, _pool_take)
-from .buckets import EMPTY, HOT, _bucket_h, _next, _slot0, mix64, rebuild_bucket
+from .buckets import EMPTY, HOT, _bucket_h, _next, _slot0, bucket_full, mix64, rebuild_bucket
 from .kernels import NEED_POOL, _mk_builtin_keys
 
 CLOSED = np.int64(1) << np.int64(62)  # l of a key's earlier session: its start | CLOSED (never 0 or EMPTY)
@@ -283,8 +283,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                 if owner[b] != j:
                     continue
                 if keep:
-                    # (one bucket up to 7/8: the runtime grows the tables at 3/4 on average)
-                    full = (bcount[b] + 1) * 8 > cap * 7
+                    full = bucket_full(bcount[b], cap)
                     if full or (pool.shape[1] > 0 and free[j, 0] == 0):
                         resume[1] = i
                         resume[2] = ki
@@ -302,7 +301,7 @@ def _session_kernel_py(j, owner, WA, WS, wkind, w_prev, w_seg,
                     s = _next(s, cap)
                 p = opos[0]
                 fresh = cur == EMPTY or t > rec[b, s, 3]
-                if cur == EMPTY and (bcount[b] + 1) * 8 > cap * 7:
+                if cur == EMPTY and bucket_full(bcount[b], cap):
                     resume[1] = i
                     resume[2] = ki
                     return 1
