@@ -61,6 +61,25 @@ NOT_EXPRESSIBLE = {
 }
 
 
+#: The session's settings, for native Spark and ``stretch(df)`` alike.
+CONF = {"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
+        "spark.sql.session.timeZone": "UTC"}
+
+
+def from_files(spark, events: Path, kind: str, schema):
+    """The Parquet files of ``kind`` under ``events`` as a stream, one file a micro-batch, with
+    the watermark."""
+    return (spark.readStream.option("maxFilesPerTrigger", 1).schema(schema)
+            .parquet(str(events / kind)).withWatermark("dateTime", WATERMARK))
+
+
+def same_tables(spark, a: Path, b: Path) -> tuple:
+    """Whether the Delta tables at ``a`` and ``b`` hold the same rows (exceptAll both ways), and
+    ``b``'s row count."""
+    x, y = spark.read.format("delta").load(str(a)), spark.read.format("delta").load(str(b))
+    return x.exceptAll(y).isEmpty() and y.exceptAll(x).isEmpty(), y.count()
+
+
 def on_engine(df):
     """``df`` through ``stretch(df)`` on this machine's 2 cores."""
     return spark_stretch.stretch(df, parallelism=2, max_parallelism=2)
@@ -184,8 +203,7 @@ def main() -> None:
 
 def _bench(args, bench, broker, counts) -> None:
     work = bench.path
-    conf = {"spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
-            "spark.sql.session.timeZone": "UTC"}
+    conf = dict(CONF)
     if broker is not None:
         conf["spark.jars.packages"] = SPARK_KAFKA_PACKAGE
     if args.rocksdb:
@@ -199,8 +217,7 @@ def _bench(args, bench, broker, counts) -> None:
             if broker is not None:
                 return from_kafka(spark, broker.bootstrap, kind, schema,
                                   -(-counts[kind] // args.files))
-            return (spark.readStream.option("maxFilesPerTrigger", 1).schema(schema)
-                    .parquet(str(work / "events" / kind)).withWatermark("dateTime", WATERMARK))
+            return from_files(spark, work / "events", kind, schema)
         return read
 
     sources = (reader("bid", gen.BID_SCHEMA), reader("auction", gen.AUCTION_SCHEMA),
@@ -226,10 +243,6 @@ def _bench(args, bench, broker, counts) -> None:
                    if issubclass(c.category, spark_stretch.FallbackWarning)]
         return took, reasons
 
-    def same(a, b):
-        x, y = spark.read.format("delta").load(str(a)), spark.read.format("delta").load(str(b))
-        return x.exceptAll(y).isEmpty() and y.exceptAll(x).isEmpty(), y.count()
-
     results = []
     ok = True
     try:
@@ -254,7 +267,7 @@ def _bench(args, bench, broker, counts) -> None:
                     took, why = run(make, work / f"{name}-{kind}-{i}")
                     times[kind].append(took)
                     reasons = reasons or why
-            equal, rows = same(work / f"{name}-stretch-0", work / f"{name}-native-0")
+            equal, rows = same_tables(spark, work / f"{name}-stretch-0", work / f"{name}-native-0")
             ok = ok and equal
             n, s = statistics.median(times["native"]), statistics.median(times["stretch"])
             row = {"query": name, "native_s": n, "stretch_s": s, "ratio": n / s,

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nexmark_gen as gen  # noqa: E402
 import spark_stretch  # noqa: E402
-from nexmark import WATERMARK, on_engine, queries  # noqa: E402
+from nexmark import CONF, from_files, on_engine, queries, same_tables  # noqa: E402
 from spark_stretch.driver.engine import HostEngine  # noqa: E402
 from workdir import bench_run  # noqa: E402
 
@@ -139,16 +139,13 @@ def main() -> None:
         bench = stack.enter_context(bench_run("stretch-bench-nexmark-path-"))
         work = bench.path
         gen.write(work / "events", args.events, args.files, seed=1)
-        spark = bench.session(spark_stretch.session(app_name="bench nexmark path", conf={
-            "spark.sql.shuffle.partitions": "2", "spark.driver.memory": "4g",
-            "spark.sql.session.timeZone": "UTC"}))
+        spark = bench.session(spark_stretch.session(app_name="bench nexmark path",
+                                                    conf=dict(CONF)))
         spark.sparkContext.setLogLevel("ERROR")
         jvm = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
 
         def reader(kind, schema):
-            return lambda: (spark.readStream.option("maxFilesPerTrigger", 1).schema(schema)
-                            .parquet(str(work / "events" / kind))
-                            .withWatermark("dateTime", WATERMARK))
+            return lambda: from_files(spark, work / "events", kind, schema)
 
         sources = (reader("bid", gen.BID_SCHEMA), reader("auction", gen.AUCTION_SCHEMA),
                    reader("person", gen.PERSON_SCHEMA))
@@ -192,10 +189,6 @@ def main() -> None:
                                    "commitOffsets")) / len(steady),
                                "addBatch_ms": sum(b["addBatch"] for b in steady) / len(steady)}}
 
-        def same(a: Path, b: Path) -> tuple:
-            x, y = (spark.read.format("delta").load(str(p)) for p in (a, b))
-            return x.exceptAll(y).isEmpty() and y.exceptAll(x).isEmpty(), y.count()
-
         results = {}
         chosen = args.queries.split(",")
         run(lambda: on_engine(stretched[chosen[0]]()), work / "warm")  # (untimed: JVM, kernels)
@@ -213,7 +206,8 @@ def main() -> None:
                            else f"{label} (beside {name}, run {i + 1})", got)
                     results.setdefault(label if label == name else f"{label}-{name}",
                                        []).append(got)
-            equal, rows = same(work / f"{name}-native", work / f"{name}-{name}-{args.repeat - 1}")
+            equal, rows = same_tables(spark, work / f"{name}-native",
+                                      work / f"{name}-{name}-{args.repeat - 1}")
             results[f"{name}-equal"] = {"equal": equal, "rows": rows}
             print(f"{name}: equal to native {equal} ({rows:,} rows)", flush=True)
             if not equal:
