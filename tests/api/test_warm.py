@@ -12,10 +12,16 @@ from spark_stretch.api.warm import warm
 
 def _signatures(cache, name: str) -> int:
     """How many compiled versions numba's cache under ``cache`` holds of the function ``name``
-    (``module.function``): its index file is a pickled version, then (stamp, overloads)."""
+    (``module.function``)."""
     index = [f for f in cache.rglob("*.nbi") if f.name.startswith(name + "-")]
     assert len(index) == 1, (name, sorted(f.name for f in cache.rglob("*.nbi")))
-    with open(index[0], "rb") as f:
+    return _versions(index[0])
+
+
+def _versions(index) -> int:
+    """The compiled versions a numba cache index file lists: a pickled version, then
+    (stamp, overloads)."""
+    with open(index, "rb") as f:
         pickle.load(f)
         return len(pickle.loads(f.read())[1])
 
@@ -33,8 +39,7 @@ def test_warm_compiles_the_kernels_once_each_into_numbas_cache(spark, tmp_path, 
         assert _signatures(cache, name) == 1, name
     # (and every other cached function: one reached with read-only and writable arrays
     # compiles twice, a first batch's seconds)
-    twice = {f.name: n for f in cache.rglob("*.nbi")
-             if (n := _signatures(cache, f.name.split("-")[0])) != 1}
+    twice = {f.name: n for f in cache.rglob("*.nbi") if (n := _versions(f)) != 1}
     assert not twice, twice
     assert not list(tmp_path.glob("stretch-warm-*")), "the warm-up left its folder"
 
