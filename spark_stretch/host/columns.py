@@ -222,6 +222,16 @@ def _double_order(arr):
                     else None)
 
 
+def _coalesce(first, *rest):
+    """Spark's ``coalesce``; a first argument without nulls is its result as it is, not a copy
+    (a sum's or max's value column of a nullable column that has no nulls, the common case,
+    then shares the scan's buffer: a batch in flight holds one copy less per aggregate)."""
+    if all(x.type == first.type for x in rest) and \
+            (first.is_valid if isinstance(first, pa.Scalar) else first.null_count == 0):
+        return first
+    return pc.coalesce(first, *rest)
+
+
 def _if(p, a, b):
     """Spark's ``if``: a null predicate takes the else branch (Arrow's ``if_else`` gives null)."""
     return pc.if_else(pc.fill_null(p, False), a, b)
@@ -268,6 +278,8 @@ def _ev(e: dict, table: pa.Table):
         return pc.add(pc.cast(_ev(e["addus"], table), pa.int64()), e["us"])
     if "row" in e:
         return unsafe_rows([_ev(x, table) for x in e["row"]], e["types"], table.num_rows)
+    if "coalesce" in e:
+        return _coalesce(*(_ev(x, table) for x in e["coalesce"]))
     for op, fn in _OPS.items():
         if op in e:
             return fn(*(_ev(x, table) for x in e[op]))

@@ -86,6 +86,26 @@ def test_prepare_size_coalesce_if_and_key(legacy, want):
                                                                tzinfo=dt.timezone.utc)]
 
 
+def test_coalesce_of_a_column_without_nulls_shares_its_buffer():
+    import pyarrow.compute as pc
+
+    t = pa.table({"x": pa.chunked_array([[1, 2], [3]], pa.int64()),
+                  "y": pa.array([1, None, 3], pa.int64())})
+    cols = [{"name": c, "expr": {"coalesce": [{"cast": {"col": c}, "type": "long"},
+                                              {"lit": 0, "type": "long"}]}} for c in "xy"]
+    got = prepare(t, cols)
+    for c in "xy":  # (Arrow's coalesce, the oracle)
+        assert got.column(c).to_pylist() == pc.coalesce(t.column(c), 0).to_pylist()
+    # the column without nulls is the scan's own (no copy); the one with nulls a new array
+    assert [ch.buffers()[1].address for ch in got.column("x").chunks] == \
+        [ch.buffers()[1].address for ch in t.column("x").chunks]
+    assert got.column("y").chunk(0).buffers()[1].address != t.column("y").chunk(0).buffers()[1].address
+    # a first argument of another type than the rest: Arrow's coalesce decides (no shortcut)
+    odd = prepare(t, [{"name": "z", "expr": {"coalesce": [{"col": "x"},
+                                                          {"lit": 0.5, "type": "double"}]}}])
+    assert odd.column("z").to_pylist() == pc.coalesce(t.column("x"), 0.5).to_pylist()
+
+
 def test_a_doubles_bits_as_longs_and_back():
     # (max_by/min_by of doubles keep the bits in the engine's int slot); Java's
     # doubleToRawLongBits as the oracle: struct's view of the same 8 bytes
