@@ -3,6 +3,7 @@
 
     python python/bench/aggstate.py [--keys 1000000] [--files 10] [--no-native]
                                     [--state-memory 128m] [--json]
+    python python/bench/aggstate.py --plot out.png RUN.json [RUN.json ...]
 
 The query, as a Spark user writes it (bigint users, a 1-hour tumbling window)::
 
@@ -24,7 +25,8 @@ not grow with the state). The peak is the closing batch's, which emits every win
 ``live_rss_bytes`` is the largest RSS sampled while the windows were live, between batches;
 ``live_peak_rss_bytes`` the peak while they were live, inside batches too (a batch's working
 set, a table's grow): the issue's measure, peak RSS over live windows, before the closing one.
-``AGGSTATE_TRACE=1`` prints the engine's RSS as the batches go.
+``AGGSTATE_TRACE=1`` prints the engine's RSS as the batches go. ``--plot`` draws runs saved with
+``--json`` (one a size): bytes per live window and events/s against the keys (PNG).
 
 Fair set-up for native Spark: the same session (local[2], spark.driver.memory=4g),
 spark.sql.shuffle.partitions=2 (one per core), the RocksDB state store provider (state larger
@@ -148,7 +150,11 @@ def main() -> None:
                    help="spark.stretch.state.memory for the engine (e.g. 128m): its tables past "
                         "it in files on local disk")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default="", help="draw the runs given (JSON files) into this PNG")
+    p.add_argument("runs", nargs="*", help="(with --plot) runs saved with --json")
     a = p.parse_args()
+    if a.plot:
+        return plot([json.loads(Path(f).read_text()) for f in a.runs], a.plot)
     with bench_run("aggstate-") as bench:
         _main(a, bench)
 
@@ -211,6 +217,47 @@ def _main(a, bench) -> None:
     print(json.dumps(res) if a.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
     if not res["equal"]:
         sys.exit("outputs differ")
+
+
+def plot(runs: list, path: str) -> None:
+    """Runs of ``--json`` (with native beside it) drawn against their keys: the engine's peak
+    bytes per live window (while live, and with the closing batch), its start's share of them,
+    and the issue's 100 B; both sides' events/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted(runs, key=lambda r: r["keys"])
+    keys = [r["keys"] / 1e6 for r in runs]
+    fig, (mem, rate) = plt.subplots(1, 2, figsize=(11, 4.2))
+    mem.plot(keys, [r["live_peak_bytes_per_window"] for r in runs], "o-",
+             label="stretch(df), peak while windows are live")
+    mem.plot(keys, [r["bytes_per_window"] for r in runs], "s--",
+             label="stretch(df), peak with the closing batch")
+    mem.plot(keys, [r["stretch_base_rss_bytes"] / r["live_windows"] for r in runs], "^:",
+             label="the engine at its start (before any state)")
+    mem.axhline(100, color="grey", lw=0.8, ls=":", label="100 B (the target)")
+    mem.set(xscale="log", xlabel="keys (millions)", ylabel="engine RSS / live windows (B)",
+            title="memory per live window", ylim=(0, None))
+    rate.plot(keys, [r["stretch_events_per_s"] / 1e3 for r in runs], "o-",
+              label="stretch(df)")
+    rate.plot(keys, [r.get("native_events_per_s", float("nan")) / 1e3 for r in runs], "s-",
+              label="native Spark, RocksDB")
+    for k, r in zip(keys, runs):
+        if "throughput_ratio" in r:
+            rate.annotate(f"{r['throughput_ratio']:.1f}x", (k, r["stretch_events_per_s"] / 1e3),
+                          textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    rate.set(xscale="log", yscale="log", xlabel="keys (millions)",
+             ylabel="thousand events/s", title="throughput (3 events a key)")
+    for ax in (mem, rate):
+        ax.set_xticks(keys, [f"{k:g}" for k in keys])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.legend(fontsize=8)
+    fig.suptitle("groupBy(window(ts, '1 hour'), user).agg(count, sum, max) into Delta, "
+                 "local[2]", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
