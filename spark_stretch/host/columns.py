@@ -241,7 +241,7 @@ def _if(p, a, b):
 # and/or are three-valued (Kleene's), its comparisons null when a side is
 _OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
         "eq": pc.equal, "lt": pc.less, "le": pc.less_equal, "gt": pc.greater,
-        "ge": pc.greater_equal, "sqrt": pc.sqrt, "if": _if, "coalesce": pc.coalesce,
+        "ge": pc.greater_equal, "sqrt": pc.sqrt, "if": _if, "coalesce": _coalesce,
         "isnull": pc.is_null, "or": pc.or_kleene, "and": pc.and_kleene, "not": pc.invert,
         "bits": lambda a: _bitcast(a, np.int64), "unbits": lambda a: _bitcast(a, np.float64),
         "dorder": _double_order}
@@ -278,8 +278,6 @@ def _ev(e: dict, table: pa.Table):
         return pc.add(pc.cast(_ev(e["addus"], table), pa.int64()), e["us"])
     if "row" in e:
         return unsafe_rows([_ev(x, table) for x in e["row"]], e["types"], table.num_rows)
-    if "coalesce" in e:
-        return _coalesce(*(_ev(x, table) for x in e["coalesce"]))
     for op, fn in _OPS.items():
         if op in e:
             return fn(*(_ev(x, table) for x in e[op]))
