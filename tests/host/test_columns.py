@@ -104,6 +104,7 @@ def test_coalesce_of_a_column_without_nulls_shares_its_buffer():
     odd = prepare(t, [{"name": "z", "expr": {"coalesce": [{"col": "x"},
                                                           {"lit": 0.5, "type": "double"}]}}])
     assert odd.column("z").to_pylist() == pc.coalesce(t.column("x"), 0.5).to_pylist()
+    assert odd.column("z").type == pa.float64()  # (ints would compare equal to the doubles)
 
 
 def test_a_doubles_bits_as_longs_and_back():
