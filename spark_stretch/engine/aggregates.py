@@ -60,7 +60,14 @@ AGG_MAXBY_L, AGG_MINBY_L, AGG_MAXBY_S, AGG_MINBY_S, AGG_BY_KEY = 17, 18, 19, 20,
 # pool (the module docstring) from word ip[MULTI + 3 * K + q] on, K the fused aggregates; code
 # AGG_HLL + p (4 <= p <= 18), reading the value's 64-bit hash (vi) and a take flag (vf, 0: a
 # null, skipped); its int slot holds the row. Spark estimates the count from the words.
-AGG_HLL = 22
+AGG_HLL = 23
+# count(*) with flags in its word: the tuples counted in bits 0-47, and bits 48-62 the or of the
+# tuples' int values (a mask of up to 15 flags: the shim's "a non-null x" of each column whose
+# sum, min or max needs only whether there was one; kept here, they cost the record no word of
+# their own). Its result is the word.
+AGG_COUNT_ANY = 22
+ANY_SHIFT = 48
+ANY_COUNT = (np.int64(1) << ANY_SHIFT) - 1  # (the count's bits)
 
 
 @njit(**HOT)
@@ -69,6 +76,8 @@ def _apply(code, ci, cf, xi, xf, t):
     values ``xi``, ``xf`` (scalars only: a helper taking arrays costs reference counts)."""
     if code == AGG_COUNT:
         ci += 1
+    elif code == AGG_COUNT_ANY:
+        ci = (ci + 1) | ((xi & 0x7FFF) << ANY_SHIFT)
     elif code == AGG_SUM_I:
         ci += xi
     elif code == AGG_SUM_F:
@@ -132,7 +141,7 @@ def uses_float(code: int) -> bool:
     """Whether the aggregate ``code`` keeps a float accumulator (its value, a timestamp, an
     ordering or a string's rank); the others keep their state in their int slot (or a pool row)."""
     return code not in (AGG_COUNT, AGG_SUM_I, AGG_MIN_I, AGG_MAX_I, AGG_MAXBY_L, AGG_MINBY_L,
-                        AGG_BY_KEY) and code < AGG_HLL
+                        AGG_BY_KEY, AGG_COUNT_ANY) and code < AGG_HLL
 
 
 @njit(**HOT)
@@ -179,7 +188,7 @@ def _multi_update(rec, acc_f, b, s, base, vi0, vf0, ri, t, ip, fp, pool):
         f = _fslot(ip, q)
         xi = vi0[ip[c + 1] * ni + ri] if ip[c + 1] >= 0 else 0
         xf = vf0[ip[c + 2] * nf + ri] if ip[c + 2] >= 0 else 0.0
-        if code < AGG_MIN_S:
+        if code < AGG_MIN_S or code == AGG_COUNT_ANY:
             ci, cf = _apply(code, rec[b, s, base + q], acc_f[b, s, f] if f >= 0 else 0.0,
                             xi, xf, t)
             rec[b, s, base + q] = ci

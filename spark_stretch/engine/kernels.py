@@ -33,11 +33,11 @@ from numba import njit
 
 # (what the kernel bodies use, and the codes and table helpers the engine's other modules read
 # as ``kernels.<name>``)
-from .aggregates import (AGG_BY_KEY, AGG_COUNT, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F,
-                         AGG_LAST_I, AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L,
-                         AGG_MAXBY_S, AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I,
-                         AGG_MINBY_L, AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, MULTI, _apply,
-                         _multi_out, _multi_update, _pool_take)
+from .aggregates import (AGG_BY_KEY, AGG_COUNT, AGG_COUNT_ANY, AGG_FIRST_F, AGG_FIRST_I,
+                         AGG_HLL, AGG_LAST_F, AGG_LAST_I, AGG_MAX_F, AGG_MAX_I, AGG_MAX_S,
+                         AGG_MAXBY_I, AGG_MAXBY_L, AGG_MAXBY_S, AGG_MEAN, AGG_MIN_F, AGG_MIN_I,
+                         AGG_MIN_S, AGG_MINBY_I, AGG_MINBY_L, AGG_MINBY_S, AGG_MULTI, AGG_SUM_F,
+                         AGG_SUM_I, MULTI, _apply, _multi_out, _multi_update, _pool_take)
 from .buckets import (EMPTY, HOT, NO_L, _bucket_h, _next, _slot0, bucket_full, bucket_of,
                       buckets_of, insert_rows, mix64, rebuild_bucket, rehash_into)
 

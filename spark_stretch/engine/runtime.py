@@ -47,7 +47,7 @@ from .state import BucketState, Interner, RWLock, balanced_owner_map
 # aggregates whose result does not depend on the order of the tuples (apply_whole_batches); a
 # double sum's (and mean's) last bits do, as Spark's own do on the order its partitions merge in
 _ORDER_FREE = frozenset({K.AGG_COUNT, K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_SUM_F,
-                         K.AGG_MEAN})
+                         K.AGG_MEAN, K.AGG_COUNT_ANY})
 
 OUT_TIES = ("key", "window_start", "_seq", "_sub")
 

@@ -28,9 +28,9 @@ _AGGS = {"count": None, "sum": (K.AGG_SUM_I, K.AGG_SUM_F), "min": (K.AGG_MIN_I, 
          "min_s": (K.AGG_MIN_S, None), "max_s": (K.AGG_MAX_S, None),
          "max_by_l": (K.AGG_MAXBY_L, None), "min_by_l": (K.AGG_MINBY_L, None),
          "max_by_s": (K.AGG_MAXBY_S, None), "min_by_s": (K.AGG_MINBY_S, None),
-         "by_key": (K.AGG_BY_KEY, None)}
+         "by_key": (K.AGG_BY_KEY, None), "count_any": (K.AGG_COUNT_ANY, None)}
 # the aggregates that run in aggregate_many only: strings ranked, exact orderings in two slots
-_FUSED = {"min_s", "max_s", "max_by_l", "min_by_l", "max_by_s", "min_by_s", "by_key"}
+_FUSED = {"min_s", "max_s", "max_by_l", "min_by_l", "max_by_s", "min_by_s", "by_key", "count_any"}
 # ... of them, those that take a take= column (a null's flag)
 _TAKES = {"first", "last", "min_s", "max_s", "max_by_l", "min_by_l", "max_by_s", "min_by_s"}
 _HLL = re.compile(r"hll(\d+)")  # approx_count_distinct's registers: "hll<p>"
@@ -233,7 +233,7 @@ def aggregate(agg="count", *, key=None, keys=None, pairs=False, B=None, value=No
 _BY = (K.AGG_MAXBY_L, K.AGG_MINBY_L, K.AGG_MAXBY_S, K.AGG_MINBY_S)
 _READS_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_FIRST_F,
             K.AGG_LAST_F, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S, *_BY,
-            K.AGG_BY_KEY}
+            K.AGG_BY_KEY, K.AGG_COUNT_ANY}
 _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.AGG_LAST_F,
             K.AGG_FIRST_I, K.AGG_LAST_I, K.AGG_MAXBY_I, K.AGG_MINBY_I, K.AGG_MIN_S, K.AGG_MAX_S,
             *_BY}
@@ -241,7 +241,7 @@ _READS_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN, K.AGG_FIRST_F, K.
 
 # aggregates that read their value column and nothing else (no take flags, no ordering): the
 # ones reading the same column share its copy
-_PLAIN_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I}
+_PLAIN_I = {K.AGG_SUM_I, K.AGG_MIN_I, K.AGG_MAX_I, K.AGG_COUNT_ANY}
 _PLAIN_F = {K.AGG_SUM_F, K.AGG_MIN_F, K.AGG_MAX_F, K.AGG_MEAN}
 
 
@@ -299,7 +299,10 @@ def aggregate_many(aggs, *, key=None, keys=None, pairs=False, B=None, WS=None, W
         ``max_by_l``/``min_by_l`` (``_s``): ``max_by``/``min_by`` of the int ``value`` by an
         exact ordering, ``take`` its flags (0: a null ordering, skipped), followed by a
         ``by_key`` of the ordering column: int64 keys (``_l``, compared as ints) or interned
-        strings (``_s``, by their ranks, as ``min_s``); ties: the last.
+        strings (``_s``, by their ranks, as ``min_s``); ties: the last. And ``count_any``: the
+        tuples counted in bits 0-47 of a word whose bits 48-62 are the or of the tuples' int
+        ``value`` (a mask of up to 15 flags: the shim's "a non-null ``x``" of each column whose
+        ``sum``, ``min`` or ``max`` needs only that, beside ``count(*)``); the output is the word.
     key, keys, pairs, B, WS, WA, stamped, session_end
         As for :func:`aggregate`, shared by all.
 

@@ -75,6 +75,43 @@ def test_composite_keys_nulls_and_functions_equal_native(spark, events, tmp_path
     assert figures["batches"] >= 4 and figures["engine"]["late_rows"] == 1
 
 
+@pytest.mark.parametrize("window", [lambda: F.window("ts", "20 seconds", "10 seconds"),
+                                    lambda: F.session_window("ts", "5 seconds")],
+                         ids=["sliding", "session"])
+def test_count_star_keeps_whether_columns_had_a_value_in_its_word(spark, events, tmp_path,
+                                                                  window):
+    """count(*) beside sum, max and min of nullable columns: whether a window had a non-null
+    value of each (null results where it had none) rides in count(*)'s word (the engine's
+    count_any of a mask of the columns' flags), a word less per column and window; a column
+    that count(x) counts anyway is read from that count. Equal to native, with windows whose
+    values are all null (sessions: merged as rows join them), in memory and straight to Delta."""
+    def agg(df, *more):
+        return (df.groupBy(window(), "k")
+                .agg(F.count("*").alias("n"), F.sum("v").alias("s"), F.max("v").alias("mx"),
+                     F.min("d").alias("mnd"), F.max("d").alias("mxd"), *more))
+
+    def fns(df):
+        spec = ShimPlans(spark).analyze(df, "probe")["spec"]
+        return sorted(a[0] for a in spec["aggs"]), spec.get("prepare") is not None
+
+    # v's and d's flags in count(*)'s word (the engine evaluates their mask itself); with
+    # count(d), d's from the sum that counts it
+    assert fns(agg(events())) == (["count_any", "max", "max_if", "min_if", "sum"], True)
+    assert fns(agg(events(), F.count("d"))) == (
+        ["count_any", "max", "max_if", "min_if", "sum", "sum"], True)
+    native = agg(events())
+    _run(native, tmp_path, "nat_any")
+    _run(spark_stretch.stretch(agg(events())), tmp_path, "st_any")
+    want = _rows(spark, "nat_any")
+    assert _rows(spark, "st_any") == want
+    assert any(r["s"] is None and r["n"] > 0 for r in want) and any(r["s"] for r in want)
+    # straight to Delta: the engine reads the word itself (its bits 0-61, and bit 62)
+    _to_delta(agg(events()), tmp_path, "native")
+    q = _to_delta(spark_stretch.stretch(agg(events())), tmp_path, "stretch")
+    assert spark_stretch.control(q).metrics()["direct_writes"] >= 1
+    assert _delta(spark, tmp_path / "stretch") == _delta(spark, tmp_path / "native")
+
+
 @pytest.mark.parametrize("key", ["k", "v"])
 def test_one_nullable_key_column_is_the_engines_key_nulls_and_all(spark, events, tmp_path, key):
     """A nullable string (k) or int (v) key column, as every file and Kafka source has: its

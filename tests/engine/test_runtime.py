@@ -583,6 +583,77 @@ def test_kept_sessions_merge_out_of_order_rows_as_spark_in_complete_mode(engine_
 
 
 @pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
+@pytest.mark.parametrize("sessions", [False, True])
+def test_count_any_keeps_the_count_and_the_flags_set_in_one_word(engine_cls, sessions):
+    """count_any: a window's tuples counted in bits 0-47 of its word, bits 48-62 the or of the
+    tuples' flag masks (two flags here), in a record a word narrower than a count beside a sum
+    of flags; against the windows kept by hand (sliding windows, or sessions merging in
+    complete mode), with windows whose flags are all 0, a rescale and a restore."""
+    rng = np.random.default_rng(3)
+    delay, batches, top, seen = 60, [], 0, set()
+    for _ in range(10):
+        ts = rng.integers(top - 80, top + 120, 200)
+        ts = np.array([t for t in dict.fromkeys(ts.tolist()) if t not in seen][:60])
+        seen.update(ts.tolist())
+        top = max(top, int(ts.max()))
+        masks = (rng.random(60) < 0.3) + 2 * (rng.random(60) < 0.2)
+        batches.append((ts.tolist(), rng.integers(0, 8, 60).tolist(), masks.tolist(), [0] * 60,
+                        rng.integers(1, 15, 60).tolist()))
+    aggs = [("count_any", "f", "i", None), ("sum", "f", "i", None)]
+    WS, WA = 20, 10
+    if sessions:
+        op = aggregate_many(aggs, key="k", session_end="end", stamped=True)
+        want = _kept_sessions(batches, delay)
+    else:
+        op = aggregate_many(aggs, key="k", WS=WS, WA=WA)
+    assert op.n_int == (2 if sessions else 0) + 2  # (a session's start and end, the aggregates)
+    eng = engine_cls(op, m=2, n=3, n_buckets=4, lateness="window")
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    assert sessions or eng.apply_whole_batches()
+
+    def word(rows):  # (rows' flag masks: the count, and their or above it)
+        return len(rows) | (np.bitwise_or.reduce(rows) << 48)
+
+    wm, nxt, top, kept, masks_seen = 0, 0, 0, {}, set()
+    for n, (ts, k, f, _, gap) in enumerate(batches):
+        ts = np.array(ts)
+        eng.esg_in.add({"ts": ts, "k": np.array(k), "f": np.array(f), "end": ts + np.array(gap)}, 0)
+        eng.release_all(n + 1 if sessions else 0)
+        if sessions:
+            want_n = {(key, s): [r[1] for r in rows] for (key, s, _), rows in want[n].items()}
+        else:  # (every window a row falls in that the watermark has not closed)
+            for t, key, fl in zip(ts.tolist(), k, f):
+                for l in range((t // WA) * WA, t - WS, -WA):
+                    if l + WS > wm:
+                        kept.setdefault((key, l), []).append(fl)
+            want_n = {w: list(rows) for w, rows in kept.items()}
+        rec, _ = eng.state_rows()
+        at = 2 if sessions else 1  # (the window's start: a session's after its l)
+        got = {(int(r[0]), int(r[at])): (int(r[at + 1 + sessions]), int(r[at + 2 + sessions]))
+               for r in rec}
+        assert sorted(got) == sorted(want_n), n
+        for w, rows in want_n.items():
+            assert got[w] == (word(rows), sum(rows)), w
+            masks_seen.add(got[w][0] >> 48)
+        top = max(top, int(ts.max()))
+        wm, nxt = nxt, max(nxt, top - delay)
+        eng.esg_in.advance_watermark(wm)
+        eng.drain()
+        out = eng.esg_out.get_batch("driver")[0]
+        if not sessions:  # (the windows the watermark closed, emitted with their word)
+            closed = {w: kept.pop(w) for w in [w for w in kept if w[1] + WS <= wm]}
+            emitted = dict(zip(zip(out["key"].tolist(), out["window_start"].tolist()),
+                               zip(out["_0"].tolist(), out["_1"].tolist())))
+            assert emitted == {w: (word(rows), sum(rows)) for w, rows in closed.items()}
+        if n == 4:
+            eng.reconfigure(m=3)
+        if n == 7:
+            eng = engine_cls.restore(op, eng.snapshot())
+            assert sessions or eng.apply_whole_batches()
+    assert masks_seen == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("engine_cls", [Engine, SNEngine])
 @pytest.mark.parametrize("fn", ["first", "last"])
 @pytest.mark.parametrize("kind", ["i", "f"])
 def test_first_and_last_take_the_earliest_and_latest_event_time(engine_cls, fn, kind):

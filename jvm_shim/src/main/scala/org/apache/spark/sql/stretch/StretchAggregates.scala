@@ -61,10 +61,24 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
   }
   def nonNull(cs: Seq[Expression]): PrimRef =
     if (cs.forall(!_.nullable)) PrimRef(prim("count", None))
-    else PrimRef(prim("sum", Some(value(If(cs.map(IsNull(_): Expression).reduce(Or(_, _)),
-      Literal(0L), Literal(1L)), "long"))))
-  def orNull(nn: Expression, v: Expression, t: DataType): Expression =
-    If(EqualTo(nn, Literal(0L)), Literal(null, t), v)
+    else PrimRef(prim("sum", Some(value(flag(cs.map(IsNull(_): Expression).reduce(Or(_, _))),
+      "long"))))
+  // a row's 0 where `isNull`, else `bit`
+  def flag(isNull: Expression, bit: Long = 1L): Expression =
+    If(isNull, Literal(0L), Literal(bit))
+  // "No row of the window has a non-null value of the columns" (`isNull`: a row's "any of them
+  // null"): what sum, min, max (and first/last ignoring nulls, max_by/min_by) need to be null.
+  // Read once every aggregate is ([[resolved]]), from the engine's primitives.
+  case class NoNonNull(isNull: Expression) extends LeafExpression with Unevaluable {
+    override def dataType: DataType = BooleanType
+    override def nullable: Boolean = false
+  }
+  def noNonNull(cs: Seq[Expression]): Expression =
+    if (cs.forall(!_.nullable)) EqualTo(PrimRef(prim("count", None)), Literal(0L))
+    else NoNonNull(cs.map(IsNull(_): Expression).reduce(Or(_, _)))
+  // null where `none` (a NoNonNull), else `v`; given a count of non-null rows, null where it is 0
+  def orNull(none: Expression, v: Expression, t: DataType): Expression =
+    If(if (none.dataType == BooleanType) none else EqualTo(none, Literal(0L)), Literal(null, t), v)
   def numeric(c: Expression, what: String): String =
     if (isIntegral(c.dataType)) "long" else if (isFloating(c.dataType)) "double"
     else unsupported(s"$what over ${c.dataType.simpleString} (the engine takes integral and " +
@@ -132,14 +146,13 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
     ae.aggregateFunction match {
       case Count(cs) => nonNull(cs)
       case s @ Sum(c, _) if c.dataType.isInstanceOf[DecimalType] =>
-        val nn = nonNull(Seq(c))
         evaluated(s, Seq(decimalSum(c, c.dataType.asInstanceOf[DecimalType]),
-          EqualTo(nn, Literal(0L))).take(s.aggBufferAttributes.size))
+          noNonNull(Seq(c))).take(s.aggBufferAttributes.size))
       case s @ Sum(c, _) =>
         val k = numeric(c, "sum")
         val t = if (k == "long") LongType else DoubleType
         val sum = PrimRef(prim("sum", Some(value(Coalesce(Seq(Cast(c, t), zero(k))), k))))
-        orNull(nonNull(Seq(c)), Cast(sum, s.dataType), s.dataType)
+        orNull(noNonNull(Seq(c)), Cast(sum, s.dataType), s.dataType)
       case av @ Average(c, _) if c.dataType.isInstanceOf[DecimalType] =>
         evaluated(av, Seq(decimalSum(c, c.dataType.asInstanceOf[DecimalType]),
           nonNull(Seq(c))))
@@ -160,7 +173,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
         val fn = if (m.isInstanceOf[Min]) "min_if" else "max_if"
         val v = Some(value(Coalesce(Seq(cd.engine, zero("string"))), "string"))
         val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
-        orNull(nonNull(Seq(c)), cd.back(PrimRef(prim(fn, v, Some(nn)))), c.dataType)
+        orNull(noNonNull(Seq(c)), cd.back(PrimRef(prim(fn, v, Some(nn)))), c.dataType)
       case m @ (_: Min | _: Max) =>
         val c = m.children.head
         val isMin = m.isInstanceOf[Min]
@@ -173,7 +186,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
         }
         val v = PrimRef(prim(if (isMin) "min" else "max",
           Some(value(Coalesce(Seq(cd.engine, sentinel)), cd.kind))))
-        orNull(nonNull(Seq(c)), cd.back(v), c.dataType)
+        orNull(noNonNull(Seq(c)), cd.back(v), c.dataType)
       case f @ (_: First | _: Last) =>
         // the first (last) row of the window in event-time order (Spark's: in the order rows
         // reach it, which a shuffle leaves undefined); with ignoreNulls, of its non-null rows
@@ -186,7 +199,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
         if (!c.nullable) cd.back(PrimRef(prim(fn, v)))
         else {
           val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
-          if (ignore) orNull(nonNull(Seq(c)), cd.back(PrimRef(prim(s"${fn}_if", v, Some(nn)))),
+          if (ignore) orNull(noNonNull(Seq(c)), cd.back(PrimRef(prim(s"${fn}_if", v, Some(nn)))),
             c.dataType)
           else orNull(PrimRef(prim(fn, Some(nn))), cd.back(PrimRef(prim(fn, v))), c.dataType)
         }
@@ -232,7 +245,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
         val v = cd.back(by(value(Coalesce(Seq(cd.engine, zero(cd.kind))), cd.kind)))
         val picked = if (!x.nullable) v else orNull(by(value(
           If(IsNull(x), Literal(0L), Literal(1L)), "long")), v, x.dataType)
-        orNull(nonNull(Seq(y)), picked, x.dataType)
+        orNull(noNonNull(Seq(y)), picked, x.dataType)
       case h: HyperLogLogPlusPlus =>
         // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words, in a row of
         // its register pool) from each non-null row's xxhash64 with seed 42 (floats
@@ -285,7 +298,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
 
   /** Each result column of the aggregation: its window, a key, or an expression over the
    * engine's primitives ([[PrimRef]]) and distinct aggregates ([[DistinctRef]]). */
-  def outs(): Seq[Out] = a.aggregateExpressions.map { ne =>
+  def outs(): Seq[Out] = resolved(a.aggregateExpressions.map { ne =>
     val e = strip(ne)
     if (e.semanticEquals(windowAttr)) WindowOut
     else keys.indexWhere(_.semanticEquals(e)) match {
@@ -301,10 +314,51 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
           AggOut(r)
       }
     }
+  })
+
+  /** `outs` with each [[NoNonNull]] read from the engine's primitives: from a sum of the
+   * columns' non-null flags if there is one (count(x), avg(x)); else, for up to 15 of them, from
+   * count(*)'s word if the aggregation has count(*) and no distinct aggregate (whose sub-rows'
+   * words Spark adds up): count(*) becomes the engine's count_any of a mask of their flags, the
+   * count in bits 0-47 and the or of the masks in bits 48-62, one word for all; else from a sum
+   * of their flags of its own. */
+  def resolved(outs: Seq[Out]): Seq[Out] = {
+    val found = outs.flatMap {
+      case AggOut(e) => e.collect { case NoNonNull(c) => c }
+      case _ => Nil
+    }
+    val conds = found.foldLeft(Seq.empty[Expression]) { (seen, c) =>
+      if (seen.exists(_.semanticEquals(c))) seen else seen :+ c }
+    def summed(c: Expression): Int = {
+      val v = values.indexWhere { case (e, k) => k == "long" && e.semanticEquals(flag(c)) }
+      if (v < 0) -1 else prims.indexOf(("sum", Some(v), None))
+    }
+    val count = prims.indexOf(("count", None, None))
+    val riding = if (count < 0 || distinctCols.nonEmpty) Seq.empty[Expression]
+      else conds.filter(summed(_) < 0).take(15)
+    if (riding.nonEmpty) {
+      val mask = riding.zipWithIndex.map { case (c, j) => flag(c, 1L << j) }.reduce(Add(_, _))
+      prims(count) = ("count_any", Some(value(mask, "long")), None)
+    }
+    def bit(c: Expression): Int = riding.indexWhere(_.semanticEquals(c))
+    def read(e: Expression): Expression = e.transformUp {
+      case PrimRef(i) if riding.nonEmpty && i == count =>
+        BitwiseAnd(PrimRef(i), Literal((1L << AnyShift) - 1))
+      case NoNonNull(c) if bit(c) >= 0 => EqualTo(BitwiseAnd(PrimRef(count),
+        Literal(1L << (AnyShift + bit(c)))), Literal(0L))
+      case NoNonNull(c) => EqualTo(PrimRef(if (summed(c) >= 0) summed(c)
+        else prim("sum", Some(value(flag(c), "long")))), Literal(0L))
+    }
+    outs.map {
+      case AggOut(e) => AggOut(read(e))
+      case o => o
+    }
   }
 }
 
 private[stretch] object StretchAggregates {
+  // the engine's count_any: the count in bits 0-47, the or of the rows' flag masks above
+  val AnyShift: Int = 48
   sealed trait Out
   case object WindowOut extends Out
   case class KeyOut(j: Int) extends Out

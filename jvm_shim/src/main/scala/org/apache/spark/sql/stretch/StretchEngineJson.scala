@@ -70,6 +70,9 @@ private[stretch] object StretchEngineJson {
       case Or(x, y) => op("or", Seq(x, y))  // (three-valued, as Spark's: Arrow's Kleene and/or)
       case And(x, y) => op("and", Seq(x, y))
       case Not(x) => op("not", Seq(x))
+      // (a mask of non-null flags, StretchAggregates.resolved: a sum of small literals that
+      // cannot overflow; a user's + may, which Spark's ANSI mode raises on)
+      case a: Add if flagMask(a) => op("add", Seq(a.left, a.right))
       // Comparisons of integers and booleans only: Arrow orders floats by IEEE (Spark: NaN
       // above all, equal to itself), and time types may differ in their time zone
       case b: BinaryComparison if comparable(b) => b match {
@@ -92,6 +95,12 @@ private[stretch] object StretchEngineJson {
         }
       case _ => None
     }
+  }
+
+  private def flagMask(e: Expression): Boolean = e match {
+    case If(_, Literal(0L, LongType), Literal(b: Long, LongType)) => b > 0 && b <= (1L << 14)
+    case Add(x, y, _) => flagMask(x) && flagMask(y)
+    case _ => false
   }
 
   private def comparable(b: BinaryComparison): Boolean =
@@ -138,6 +147,7 @@ private[stretch] object StretchEngineJson {
       case Multiply(x, y, _) => node("mul", js(x), js(y))
       case LessThan(x, y) => node("lt", js(x), js(y))
       case GreaterThan(x, y) => node("gt", js(x), js(y))
+      case BitwiseAnd(x, y) => node("bitand", js(x), js(y))
       case Sqrt(x) => node("sqrt", js(x))
       case StretchBitsDouble(x) => node("unbits", js(x))
       case Literal(v: Boolean, t) => typed("lit", t, Some(mapper.getNodeFactory.booleanNode(v)))
