@@ -25,8 +25,9 @@ from numba import njit
 from .aggregates import (AGG_COUNT, AGG_COUNT_ANY, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F,
                          AGG_LAST_I, AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L,
                          AGG_MAXBY_S, AGG_MEAN, AGG_MIN_F, AGG_MIN_I, AGG_MIN_S, AGG_MINBY_I,
-                         AGG_MINBY_L, AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, ANY_COUNT, MULTI,
-                         _apply, _fslot, _hll_words, _multi_out, _multi_update, _pool_take)
+                         AGG_MINBY_L, AGG_MINBY_S, AGG_MULTI, AGG_SUM_F, AGG_SUM_I, ANY_COUNT,
+                         MULTI, _apply, _fslot, _hll_words, _multi_out, _multi_update,
+                         _pool_take)
 from .buckets import EMPTY, HOT, _bucket_h, _next, _slot0, bucket_full, mix64, rebuild_bucket
 from .kernels import NEED_POOL, _mk_builtin_keys
 

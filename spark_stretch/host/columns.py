@@ -241,8 +241,9 @@ def _if(p, a, b):
 # and/or are three-valued (Kleene's), its comparisons null when a side is
 _OPS = {"add": pc.add, "sub": pc.subtract, "mul": pc.multiply, "div": _divide,
         "eq": pc.equal, "lt": pc.less, "le": pc.less_equal, "gt": pc.greater,
-        "ge": pc.greater_equal, "bitand": pc.bit_wise_and, "sqrt": pc.sqrt, "if": _if, "coalesce": _coalesce,
-        "isnull": pc.is_null, "or": pc.or_kleene, "and": pc.and_kleene, "not": pc.invert,
+        "ge": pc.greater_equal, "bitand": pc.bit_wise_and, "sqrt": pc.sqrt, "if": _if,
+        "coalesce": _coalesce, "isnull": pc.is_null, "or": pc.or_kleene, "and": pc.and_kleene,
+        "not": pc.invert,
         "bits": lambda a: _bitcast(a, np.int64), "unbits": lambda a: _bitcast(a, np.float64),
         "dorder": _double_order}
 
