@@ -105,7 +105,7 @@ def test_count_star_keeps_whether_columns_had_a_value_in_its_word(spark, events,
     want = _rows(spark, "nat_any")
     assert _rows(spark, "st_any") == want
     assert any(r["s"] is None and r["n"] > 0 for r in want) and any(r["s"] for r in want)
-    # straight to Delta: the engine reads the word itself (its bits 0-61, and bit 62)
+    # straight to Delta: the engine reads the word itself (its bits 0-47, and the flags above)
     _to_delta(agg(events()), tmp_path, "native")
     q = _to_delta(spark_stretch.stretch(agg(events())), tmp_path, "stretch")
     assert spark_stretch.control(q).metrics()["direct_writes"] >= 1

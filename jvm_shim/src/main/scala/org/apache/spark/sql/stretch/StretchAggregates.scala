@@ -61,8 +61,9 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
   }
   def nonNull(cs: Seq[Expression]): PrimRef =
     if (cs.forall(!_.nullable)) PrimRef(prim("count", None))
-    else PrimRef(prim("sum", Some(value(flag(cs.map(IsNull(_): Expression).reduce(Or(_, _))),
-      "long"))))
+    else PrimRef(prim("sum", Some(value(flag(anyNull(cs)), "long"))))
+  // a row's "any of `cs` null"
+  def anyNull(cs: Seq[Expression]): Expression = cs.map(IsNull(_): Expression).reduce(Or(_, _))
   // a row's 0 where `isNull`, else `bit`
   def flag(isNull: Expression, bit: Long = 1L): Expression =
     If(isNull, Literal(0L), Literal(bit))
@@ -75,7 +76,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
   }
   def noNonNull(cs: Seq[Expression]): Expression =
     if (cs.forall(!_.nullable)) EqualTo(PrimRef(prim("count", None)), Literal(0L))
-    else NoNonNull(cs.map(IsNull(_): Expression).reduce(Or(_, _)))
+    else NoNonNull(anyNull(cs))
   // null where `none` (a NoNonNull), else `v`; given a count of non-null rows, null where it is 0
   def orNull(none: Expression, v: Expression, t: DataType): Expression =
     If(if (none.dataType == BooleanType) none else EqualTo(none, Literal(0L)), Literal(null, t), v)
@@ -172,7 +173,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
         val cd = coded(c, m.prettyName, strings = true)
         val fn = if (m.isInstanceOf[Min]) "min_if" else "max_if"
         val v = Some(value(Coalesce(Seq(cd.engine, zero("string"))), "string"))
-        val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
+        val nn = value(flag(IsNull(c)), "long")
         orNull(noNonNull(Seq(c)), cd.back(PrimRef(prim(fn, v, Some(nn)))), c.dataType)
       case m @ (_: Min | _: Max) =>
         val c = m.children.head
@@ -198,7 +199,7 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
         val v = Some(value(Coalesce(Seq(cd.engine, zero(cd.kind))), cd.kind))
         if (!c.nullable) cd.back(PrimRef(prim(fn, v)))
         else {
-          val nn = value(If(IsNull(c), Literal(0L), Literal(1L)), "long")
+          val nn = value(flag(IsNull(c)), "long")
           if (ignore) orNull(noNonNull(Seq(c)), cd.back(PrimRef(prim(s"${fn}_if", v, Some(nn)))),
             c.dataType)
           else orNull(PrimRef(prim(fn, Some(nn))), cd.back(PrimRef(prim(fn, v))), c.dataType)
@@ -238,13 +239,13 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
                 "numbers, booleans, dates, timestamps, decimals of up to 18 digits and strings)")
             }
             val head = if (kind == "string") s"${fn}_s" else s"${fn}_l"
-            val flag = value(If(IsNull(y), Literal(0L), Literal(1L)), "long")
+            val taken = value(flag(IsNull(y)), "long")
             val k = value(Coalesce(Seq(key, zero(kind))), kind)
-            v => PrimRef(byPrim(head, v, flag, k))
+            v => PrimRef(byPrim(head, v, taken, k))
         }
         val v = cd.back(by(value(Coalesce(Seq(cd.engine, zero(cd.kind))), cd.kind)))
-        val picked = if (!x.nullable) v else orNull(by(value(
-          If(IsNull(x), Literal(0L), Literal(1L)), "long")), v, x.dataType)
+        val picked = if (!x.nullable) v else orNull(by(value(flag(IsNull(x)), "long")), v,
+          x.dataType)
         orNull(noNonNull(Seq(y)), picked, x.dataType)
       case h: HyperLogLogPlusPlus =>
         // HLL++ as Spark's: the engine keeps the registers (Spark's buffer words, in a row of
@@ -262,8 +263,8 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
           "rsd >= 0.0022)")
         val x = if (isFloating(c.dataType)) NormalizeNaNAndZero(c) else c
         val hash = Some(value(XxHash64(Seq(x), 42L), "long"))
-        val flag = Some(value(If(IsNull(c), Literal(0L), Literal(1L)), "long"))
-        StretchHll(PrimRef(prim(s"hll$p", hash, flag)), h.relativeSD)
+        val taken = Some(value(flag(IsNull(c)), "long"))
+        StretchHll(PrimRef(prim(s"hll$p", hash, taken)), h.relativeSD)
       case CountIf(p) =>  // rows where p is true (null counts as false)
         PrimRef(prim("sum", Some(value(If(Coalesce(Seq(p, Literal(false))), Literal(1L),
           Literal(0L)), "long"))))
@@ -340,14 +341,15 @@ private[stretch] class StretchAggregates(a: Aggregate, windowAttr: Expression,
       val mask = riding.zipWithIndex.map { case (c, j) => flag(c, 1L << j) }.reduce(Add(_, _))
       prims(count) = ("count_any", Some(value(mask, "long")), None)
     }
-    def bit(c: Expression): Int = riding.indexWhere(_.semanticEquals(c))
     def read(e: Expression): Expression = e.transformUp {
       case PrimRef(i) if riding.nonEmpty && i == count =>
         BitwiseAnd(PrimRef(i), Literal((1L << AnyShift) - 1))
-      case NoNonNull(c) if bit(c) >= 0 => EqualTo(BitwiseAnd(PrimRef(count),
-        Literal(1L << (AnyShift + bit(c)))), Literal(0L))
-      case NoNonNull(c) => EqualTo(PrimRef(if (summed(c) >= 0) summed(c)
-        else prim("sum", Some(value(flag(c), "long")))), Literal(0L))
+      case NoNonNull(c) =>
+        val bit = riding.indexWhere(_.semanticEquals(c))
+        lazy val sum = summed(c)
+        EqualTo(if (bit >= 0) BitwiseAnd(PrimRef(count), Literal(1L << (AnyShift + bit)))
+          else PrimRef(if (sum >= 0) sum else prim("sum", Some(value(flag(c), "long")))),
+          Literal(0L))
     }
     outs.map {
       case AggOut(e) => AggOut(read(e))
