@@ -49,6 +49,7 @@ __all__ = ["ESG", "Segment", "Control", "MIN_TS", "MAX_TS",
 
 MIN_TS = -(2 ** 62)
 MAX_TS = 2 ** 62
+_NO_TUPLES = np.empty(0, np.int64)  # (a rows_only segment's tuple positions)
 
 
 @dataclass
@@ -141,6 +142,10 @@ class ESG:
         # reader that applies whole batches and fires at the watermark only: the engine's
         # ``apply_whole_batches``); a segment's tuples are then in no particular order.
         self.in_order = True
+        # True: only get_batch reads it (no engine's instances): a segment's chunks are its
+        # rows, with no tuple positions (stream, row, seq: empty). The engine's output ESG
+        # under ``apply_whole_batches``: a close of millions of windows without 16 B a row more.
+        self.rows_only = False
 
     # ---- sources ------------------------------------------------------------------------------
     def add_sources(self, sources, stream=0, ordered=True, watermark=None) -> bool:
@@ -190,6 +195,9 @@ class ESG:
     def add_readers(self, readers, j=None) -> bool:
         """Add readers; they get next what reader ``j`` gets next (the log end if ``j`` is None)."""
         with self._lock:
+            if self.rows_only and any(isinstance(r, (int, np.integer)) for r in readers):
+                raise EngineError(f"ESG '{self.name}' gives its rows only (an engine applying "
+                                  "whole batches): an engine's instances cannot read it")
             pos = self._log_base + len(self._log) if j is None else self._readers[j]
             ok = True
             for r in readers:
@@ -358,6 +366,11 @@ class ESG:
         if len(per_stream[0]) == n_single(per_stream) == 1 or (self.n_streams == 1
                                                                  and not self.in_order):
             b = batches[0]
+            if self.rows_only:
+                self._rank += n
+                self.released += n
+                return Segment(b["ts"], _NO_TUPLES, _NO_TUPLES, _NO_TUPLES, batches, W,
+                               self.watermark)
             ts, stream, row = b["ts"], np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
             parts = batches
         elif self.n_streams == 1:  # one stream (an operator's output): merge its sorted chunks

@@ -60,7 +60,9 @@ def _fused_codes(ip) -> list:
 INLINE_ROWS = 4096  # segments smaller than this run the instances one after another on the caller thread
 # output rows an instance gathers before it hands them out as a block, when their order does not
 # matter (whole batches): a window close of millions of windows never builds them in one piece
-OUT_CHUNK_ROWS = 1 << 20
+OUT_CHUNK_ROWS = 1 << 18
+# tables smaller than this are not worth shrinking after a close (Engine.shrink_sparse_tables)
+SHRINK_BYTES = 32 << 20
 
 
 class Instance:
@@ -176,6 +178,7 @@ class Engine(Epochs, Snapshots):
         self.epoch = 0
         self.owner_map = balanced_owner_map(n_buckets, self.active)
         self.spill = spill  # (the state's memory budget: engine.spill; None: no budget)
+        self._cap0 = cap  # (tables never shrink below it: shrink_sparse_tables)
         self._make_state(cap)
         self._rw = RWLock()
         self._drain_lock = threading.RLock()
@@ -190,7 +193,7 @@ class Engine(Epochs, Snapshots):
         self._ip, self._fp = op.params()
         self.strings_ranked = 0  # (order_strings)
         self._m = {"tuples": 0, "segments": 0, "epoch_switches": 0, "last_switch_ms": 0.0, "grows": 0,
-                   "out_rows": 0, "state_bytes_copied": 0, "pool_refills": 0}
+                   "shrinks": 0, "out_rows": 0, "state_bytes_copied": 0, "pool_refills": 0}
         self.meter = Meter(n, n_buckets)  # busy time per instance, keys per bucket
         self.esg_in.add_readers(self.active)
         self.esg_out.add_sources(self.active, ordered=False)
@@ -333,6 +336,8 @@ class Engine(Epochs, Snapshots):
         batches), as new arrays (gathered once from its buffers)."""
         p = int(inst.opos[0])
         op = self.op
+        if not self.esg_out.in_order and not getattr(op, "pool", ()):
+            return self._unordered_block(inst, p)
         perm = sort_rows({"ts": inst.o_ts[:p], "key": inst.o_key[:p], "window_start": inst.o_l[:p],
                           "_seq": inst.o_seq[:p], "_sub": inst.o_sub[:p]}, OUT_TIES) \
             if self.esg_out.in_order else np.arange(p)
@@ -357,6 +362,18 @@ class Engine(Epochs, Snapshots):
                 out[f"_{q}"] = words[:, at:at + w]
         out["_seq"] = inst.o_seq[:p][perm]
         out["_sub"] = inst.o_sub[:p][perm]
+        return out
+
+    def _unordered_block(self, inst, p):
+        """Whole batches' output rows as they came: copies of the buffers' first ``p`` rows,
+        only the columns ESG_out keeps for them (:meth:`apply_whole_batches`): no window end
+        (the start and the operator's size give it), no tie columns, nothing to sort."""
+        out = {"ts": inst.o_ts[:p].copy(), "key": inst.o_key[:p].copy(),
+               "window_start": inst.o_l[:p].copy()}
+        ii = ff = 0
+        for name, kind in self.op.S:
+            out[name] = (inst.o_i[:p, ii] if kind == "i" else inst.o_f[:p, ff]).copy()
+            ii, ff = ii + (kind == "i"), ff + (kind != "i")
         return out
 
     def _process_segment(self, seg):
@@ -560,12 +577,57 @@ class Engine(Epochs, Snapshots):
         self._ip[3] = K.WHOLE
         self.esg_in.in_order = False
         self.esg_out.in_order = ordered_output
+        if not ordered_output and not getattr(self.op, "pool", ()):  # (_unordered_block's)
+            self.esg_out.set_schema(0, ("ts", "key", "window_start",
+                                        *[c for c, _ in getattr(self.op, "S", ())]))
+            # (no engine's instances read it: its segments carry no tuple positions)
+            self.esg_out.rows_only = not any(isinstance(r, (int, np.integer))
+                                             for r in self.esg_out.readers())
         return True
 
     @property
     def applies_whole_batches(self) -> bool:
         """Whether :meth:`apply_whole_batches` applies."""
         return getattr(self.op, "engine_kind", "vsn") == "vsn" and int(self._ip[3]) == K.WHOLE
+
+    def shrink_sparse_tables(self, min_bytes: int = SHRINK_BYTES) -> int:
+        """Give back the memory of tables the windows left fill little of: when the fullest
+        bucket of a state is at most an eighth full and its tables hold ``min_bytes`` or more,
+        rehash them into tables of twice what is left (``BucketState.shrink``, never below the
+        engine's first ``cap``). For a close of millions of windows whose rows are made next
+        (the aggregation runtime's append-mode close): the tables go before the rows come,
+        not both at once. Not after every drain: windows a drain opens and closes again would
+        grow the tables back each time. Call when idle. Returns how many states shrank.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from spark_stretch.ops import wordcount
+        >>> from spark_stretch.engine.batch import ListColumn
+        >>> eng = Engine(wordcount(WS=10), m=1, n=1, n_buckets=4, cap=8)
+        >>> eng.esg_in.add_sources([0], ordered=False)
+        True
+        >>> words = ListColumn(np.arange(2001), np.arange(2000).astype(str).astype(object))
+        >>> eng.esg_in.add({"ts": np.arange(2000) % 5, "words": words}, 0)
+        >>> eng.esg_in.advance_watermark(10); eng.drain()
+        >>> eng.state.cap > 500, eng.state.live_windows()
+        (True, 0)
+        >>> eng.shrink_sparse_tables(min_bytes=0), eng.state.cap
+        (1, 8)
+        >>> eng.close()
+        """
+        shrunk = 0
+        for st in filter(lambda st: isinstance(st, BucketState), self._states()):
+            if st.nbytes() < min_bytes or int(st.bcount.max(initial=0)) * 8 > st.cap:
+                continue
+            self._rw.acquire_write()
+            try:
+                if st.shrink(self._cap0):
+                    shrunk += 1
+                    self._m["shrinks"] += 1
+            finally:
+                self._rw.release_write()
+        return shrunk
 
     def release_all(self, stamp: int) -> None:
         """Apply every tuple added so far now, closing no window the watermark does not close,

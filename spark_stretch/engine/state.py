@@ -366,6 +366,17 @@ class BucketState:
         self.rec, self.acc_f = nrec, naf
         self.version += 1
 
+    def shrink(self, cap0: int) -> bool:
+        """Rehash into tables of half the slots or fewer when the fullest bucket fills at most
+        a quarter of its slots (after a window close emptied them), never below ``cap0``
+        slots: a close's memory goes back to the system before its rows are made, not at the
+        end of the query. Returns whether it did. Caller must hold the exclusive lock."""
+        cap = max(int(cap0), 2 * int(self.bcount.max(initial=0)))
+        if cap * 2 > self.cap:
+            return False
+        self.grow(cap)
+        return True
+
     def arrays(self) -> dict:
         return {"rec": self.rec, "acc_f": self.acc_f, "bcount": self.bcount, "bminl": self.bminl,
                 "dirty": self.dirty, "init_i": self.init_i, "init_f": self.init_f}

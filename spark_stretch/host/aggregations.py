@@ -103,9 +103,12 @@ def engine_columns(s: AggregateSpec, codec: KeyCodec, share, table: pa.Table) ->
 
 def output_in_blocks(spec, codec, engines) -> Optional[pa.Table]:
     """The query's rows from one engine's output blocks (whole batches), each let go once made
-    rows: a close of millions of windows is never whole twice. None: ordered rows."""
+    rows: a close of millions of windows is never whole twice; and the tables it left nearly
+    empty shrink first (``Engine.shrink_sparse_tables``): never the tables, the blocks and the
+    rows at once. None: ordered rows."""
     if len(engines) > 1 or engines[0].esg_out.in_order:
         return None
+    engines[0].shrink_sparse_tables()
     blocks = engines[0].esg_out.get_batch("driver", chunks=True)[0]
     blocks.reverse()  # (taken from the end: each block is let go as it is made rows)
     tables = []

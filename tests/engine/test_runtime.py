@@ -387,8 +387,9 @@ def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls, monkeypa
     windows fired by the watermark only; the windows emitted, with their count, sum, min and
     max, equal to a dict kept by Spark's rules (late rows, stragglers into windows still open),
     with a rescale and a checkpoint restored between batches, and a last close of more windows
-    than an instance's output block holds (handed out in blocks). Order-dependent aggregates
-    (first, a double's max: NaN and -0.0) keep the event-time order."""
+    than an instance's output block holds (handed out in blocks of its rows only).
+    Order-dependent aggregates (first, a double's max: NaN and -0.0) keep the event-time
+    order."""
     WS, WA, delay = 20, 10, 15
     aggs = [("count", None, "i", None), ("sum", "v", "i", None), ("min", "v", "i", None),
             ("max", "v", "i", None)]
@@ -438,6 +439,10 @@ def test_whole_batches_in_append_mode_emit_what_spark_emits(engine_cls, monkeypa
     eng.drain()
     blocks = eng.esg_out.get_batch("driver", chunks=True)[0]
     assert len(blocks) > 6 and max(len(b["ts"]) for b in blocks) <= 1024
+    # (rows only: no window end, no tie columns; no engine's instances may read them)
+    assert set(blocks[0]) == {"ts", "key", "window_start", "_0", "_1", "_2", "_3"}
+    with pytest.raises(EngineError, match="rows only"):
+        eng.esg_out.add_readers([7])
     for out in blocks:
         for key, l, *vals in zip(*(out[c].tolist() for c in ("key", "window_start", "_0", "_1",
                                                             "_2", "_3"))):

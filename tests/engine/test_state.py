@@ -125,6 +125,61 @@ def test_a_grow_gives_the_old_tables_pages_back_as_it_goes():
     eng.close()
 
 
+@pytest.mark.parametrize("engine_cls", ["Engine", "SNEngine"])
+def test_tables_shrink_after_a_close_leaves_them_almost_empty(engine_cls):
+    """Whole batches, as the aggregation runtime applies them: 40,000 windows of the first
+    hour and 300 of the second; the watermark closes the first hour. The tables, sized for
+    40,000, shrink to twice what is left (``shrink_sparse_tables``), smaller than an eighth;
+    every row, out then and after the second hour closes, is the count and sum a sequential
+    reference gives, windows the second hour's later tuples add grown again into the shrunk
+    tables. Tables still a quarter full after a close keep their size."""
+    from spark_stretch.engine import SNEngine
+    from spark_stretch.ops import aggregate_many
+
+    cls = {"Engine": Engine, "SNEngine": SNEngine}[engine_cls]
+    eng = cls(aggregate_many([("count", None, "i", None), ("sum", "v", "i", None)], key="k",
+                             WS=100, WA=100), m=2, n=2, n_buckets=64, threads=False)
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    assert eng.apply_whole_batches()
+    rng = np.random.default_rng(5)
+    first, second = rng.permutation(10 ** 6)[:40_000], rng.permutation(10 ** 6)[:300]
+    k = np.concatenate([first, first[:5_000], second]).astype(np.int64)
+    ts = np.concatenate([np.full(45_000, 10, np.int64), np.full(300, 150, np.int64)])
+    v = rng.integers(-9, 9, len(k))
+    rows = []
+
+    def step(cols, watermark):
+        eng.esg_in.add(cols, 0)
+        eng.release_all(0)
+        eng.esg_in.advance_watermark(watermark)
+        eng.drain()
+        before = [st.cap for st in eng._states()]
+        shrunk = eng.shrink_sparse_tables(min_bytes=0)
+        out = eng.esg_out.get_batch("driver")[0]
+        rows.extend(zip(out["key"].tolist(), out["window_start"].tolist(), out["_0"].tolist(),
+                        out["_1"].tolist()))
+        return before, shrunk
+
+    before, shrunk = step({"ts": ts, "k": k, "v": v}, 100)
+    assert shrunk == len(eng._states()) and eng.metrics()["shrinks"] == shrunk
+    assert all(st.cap * 8 <= cap for st, cap in zip(eng._states(), before))
+    assert sum(st.live_windows() for st in eng._states()) == 300
+    more = rng.permutation(10 ** 6)[:20_000].astype(np.int64)  # (the shrunk tables grow again)
+    step({"ts": np.full(len(more), 160, np.int64), "k": more, "v": np.ones(len(more), np.int64)},
+         100)
+    assert eng.metrics()["shrinks"] == shrunk and eng.metrics()["grows"] > 0
+    step({"ts": np.empty(0, np.int64), "k": np.empty(0, np.int64), "v": np.empty(0, np.int64)},
+         300)
+    k, ts, v = (np.concatenate([a, b]) for a, b in
+                [(k, more), (ts, np.full(len(more), 160)), (v, np.ones(len(more), np.int64))])
+    want = {}
+    for key, t, x in zip(k.tolist(), ts.tolist(), v.tolist()):
+        n, s = want.get((key, t // 100 * 100), (0, 0))
+        want[(key, t // 100 * 100)] = (n + 1, s + x)
+    assert sorted(rows) == sorted((key, w, n, s) for (key, w), (n, s) in want.items())
+    eng.close()
+
+
 def test_take_list_matches_python():
     off = np.array([0, 2, 2, 5], np.int64)
     vals = np.array([1, 2, 3, 4, 5], np.int64)
