@@ -136,7 +136,8 @@ def rebuild_bucket(b, rec, acc_f, bcount, bminl):
 
 @njit(nogil=True, cache=True)
 def rehash_into(rec, acc_f, nrec, nacc_f):
-    """Copy every live slot of the old tables into the (larger, empty) new ones. Used by ``grow``."""
+    """Copy every live slot of the old tables into the empty new ones (larger; smaller for
+    ``BucketState.shrink``, still room for every window). Used by ``grow``."""
     for b in range(rec.shape[0]):
         for s in range(rec.shape[1]):
             if rec[b, s, 1] != EMPTY:

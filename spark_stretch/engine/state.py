@@ -349,8 +349,8 @@ class BucketState:
         return rec
 
     def grow(self, cap=None):
-        """Grow every bucket's table to ``cap`` slots (default: :func:`~.buckets.next_cap`),
-        rehashing. Caller must hold the exclusive lock."""
+        """Grow every bucket's table to ``cap`` slots (default: :func:`~.buckets.next_cap`; fewer
+        for :meth:`shrink`), rehashing. Caller must hold the exclusive lock."""
         cap = next_cap(self.cap) if cap is None else int(cap)
         nrec = self._new_rec(cap, empty=False)  # (zeroed pages, not yet touched)
         naf = self._table((self.n_buckets, cap, self.acc_f.shape[2]), np.float64, cap)
