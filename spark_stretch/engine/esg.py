@@ -52,6 +52,11 @@ MAX_TS = 2 ** 62
 _NO_TUPLES = np.empty(0, np.int64)  # (a rows_only segment's tuple positions)
 
 
+def _instance(reader) -> bool:
+    """Whether ``reader`` is an engine's instance (an int id), not a name such as "driver"."""
+    return isinstance(reader, (int, np.integer))
+
+
 @dataclass
 class Segment:
     """Ready tuples released together, in timestamp order (in the order they came when the ESG
@@ -195,7 +200,7 @@ class ESG:
     def add_readers(self, readers, j=None) -> bool:
         """Add readers; they get next what reader ``j`` gets next (the log end if ``j`` is None)."""
         with self._lock:
-            if self.rows_only and any(isinstance(r, (int, np.integer)) for r in readers):
+            if self.rows_only and any(map(_instance, readers)):
                 raise EngineError(f"ESG '{self.name}' gives its rows only (an engine applying "
                                   "whole batches): an engine's instances cannot read it")
             pos = self._log_base + len(self._log) if j is None else self._readers[j]
@@ -206,6 +211,13 @@ class ESG:
                     continue
                 self._readers[r] = pos
             return ok
+
+    def give_rows_only(self) -> bool:
+        """Make the ESG :attr:`rows_only` unless an engine's instances read it (then its
+        segments keep their tuple positions). Returns whether it is."""
+        with self._lock:
+            self.rows_only = not any(map(_instance, self._readers))
+            return self.rows_only
 
     def remove_readers(self, readers) -> bool:
         with self._lock:

@@ -336,7 +336,7 @@ class Engine(Epochs, Snapshots):
         batches), as new arrays (gathered once from its buffers)."""
         p = int(inst.opos[0])
         op = self.op
-        if not self.esg_out.in_order and not getattr(op, "pool", ()):
+        if self._rows_as_they_come:
             return self._unordered_block(inst, p)
         perm = sort_rows({"ts": inst.o_ts[:p], "key": inst.o_key[:p], "window_start": inst.o_l[:p],
                           "_seq": inst.o_seq[:p], "_sub": inst.o_sub[:p]}, OUT_TIES) \
@@ -363,6 +363,12 @@ class Engine(Epochs, Snapshots):
         out["_seq"] = inst.o_seq[:p][perm]
         out["_sub"] = inst.o_sub[:p][perm]
         return out
+
+    @property
+    def _rows_as_they_come(self) -> bool:
+        """Whether output blocks are :meth:`_unordered_block`'s: whole batches' rows in no
+        order, unless an HLL++'s words come with them (from the register pool)."""
+        return not self.esg_out.in_order and not getattr(self.op, "pool", ())
 
     def _unordered_block(self, inst, p):
         """Whole batches' output rows as they came: copies of the buffers' first ``p`` rows,
@@ -577,12 +583,10 @@ class Engine(Epochs, Snapshots):
         self._ip[3] = K.WHOLE
         self.esg_in.in_order = False
         self.esg_out.in_order = ordered_output
-        if not ordered_output and not getattr(self.op, "pool", ()):  # (_unordered_block's)
+        if self._rows_as_they_come:
             self.esg_out.set_schema(0, ("ts", "key", "window_start",
                                         *[c for c, _ in getattr(self.op, "S", ())]))
-            # (no engine's instances read it: its segments carry no tuple positions)
-            self.esg_out.rows_only = not any(isinstance(r, (int, np.integer))
-                                             for r in self.esg_out.readers())
+            self.esg_out.give_rows_only()
         return True
 
     @property
@@ -591,9 +595,9 @@ class Engine(Epochs, Snapshots):
         return getattr(self.op, "engine_kind", "vsn") == "vsn" and int(self._ip[3]) == K.WHOLE
 
     def shrink_sparse_tables(self, min_bytes: int = SHRINK_BYTES) -> int:
-        """Give back the memory of tables the windows left fill little of: when the fullest
-        bucket of a state is at most an eighth full and its tables hold ``min_bytes`` or more,
-        rehash them into tables of twice what is left (``BucketState.shrink``, never below the
+        """Give back the memory of tables the windows left fill little of: a state whose
+        tables hold ``min_bytes`` or more and whose fullest bucket is at most an eighth full is
+        rehashed into tables of twice what is left (``BucketState.shrink``, never below the
         engine's first ``cap``). For a close of millions of windows whose rows are made next
         (the aggregation runtime's append-mode close): the tables go before the rows come,
         not both at once. Not after every drain: windows a drain opens and closes again would
@@ -618,7 +622,7 @@ class Engine(Epochs, Snapshots):
         """
         shrunk = 0
         for st in filter(lambda st: isinstance(st, BucketState), self._states()):
-            if st.nbytes() < min_bytes or int(st.bcount.max(initial=0)) * 8 > st.cap:
+            if st.nbytes() < min_bytes:
                 continue
             self._rw.acquire_write()
             try:

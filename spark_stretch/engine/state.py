@@ -367,12 +367,14 @@ class BucketState:
         self.version += 1
 
     def shrink(self, cap0: int) -> bool:
-        """Rehash into tables of half the slots or fewer when the fullest bucket fills at most
-        a quarter of its slots (after a window close emptied them), never below ``cap0``
-        slots: a close's memory goes back to the system before its rows are made, not at the
-        end of the query. Returns whether it did. Caller must hold the exclusive lock."""
-        cap = max(int(cap0), 2 * int(self.bcount.max(initial=0)))
-        if cap * 2 > self.cap:
+        """Rehash into tables of twice the fullest bucket's windows, never below ``cap0``
+        slots, when that fullest bucket fills at most an eighth of its slots (after a window
+        close emptied them) and the tables at least halve: a close's memory goes back to the
+        system before its rows are made, not at the end of the query. Returns whether it
+        did. Caller must hold the exclusive lock."""
+        most = int(self.bcount.max(initial=0))
+        cap = max(int(cap0), 2 * most)
+        if most * 8 > self.cap or cap * 2 > self.cap:
             return False
         self.grow(cap)
         return True

@@ -132,7 +132,7 @@ def test_tables_shrink_after_a_close_leaves_them_almost_empty(engine_cls):
     40,000, shrink to twice what is left (``shrink_sparse_tables``), smaller than an eighth;
     every row, out then and after the second hour closes, is the count and sum a sequential
     reference gives, windows the second hour's later tuples add grown again into the shrunk
-    tables. Tables still a quarter full after a close keep their size."""
+    tables. Tables those windows fill are not shrunk by the next call."""
     from spark_stretch.engine import SNEngine
     from spark_stretch.ops import aggregate_many
 
