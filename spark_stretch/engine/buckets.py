@@ -135,10 +135,14 @@ def rebuild_bucket(b, rec, acc_f, bcount, bminl):
 
 
 @njit(nogil=True, cache=True)
-def rehash_into(rec, acc_f, nrec, nacc_f):
+def rehash_into(rec, acc_f, bcount, nrec, nacc_f):
     """Copy every live slot of the old tables into the empty new ones (larger; smaller for
-    ``BucketState.shrink``, still room for every window). Used by ``grow``."""
+    ``BucketState.shrink``, still room for every window). Used by ``grow``. A bucket holding
+    no window (``bcount``) is not read: its pages may have been given back
+    (``BucketState.give_back_empty``) and read as zeros."""
     for b in range(rec.shape[0]):
+        if bcount[b] == 0:
+            continue
         for s in range(rec.shape[1]):
             if rec[b, s, 1] != EMPTY:
                 _reinsert(b, rec[b, s], acc_f[b, s], nrec, nacc_f)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -193,7 +193,8 @@ class Engine(Epochs, Snapshots):
         self._ip, self._fp = op.params()
         self.strings_ranked = 0  # (order_strings)
         self._m = {"tuples": 0, "segments": 0, "epoch_switches": 0, "last_switch_ms": 0.0, "grows": 0,
-                   "shrinks": 0, "out_rows": 0, "state_bytes_copied": 0, "pool_refills": 0}
+                   "shrinks": 0, "buckets_given_back": 0, "out_rows": 0, "state_bytes_copied": 0,
+                   "pool_refills": 0}
         self.meter = Meter(n, n_buckets)  # busy time per instance, keys per bucket
         self.esg_in.add_readers(self.active)
         self.esg_out.add_sources(self.active, ordered=False)
@@ -255,6 +256,7 @@ class Engine(Epochs, Snapshots):
         inst.opos[0] = 0
         inst.resume[:] = 0
         inst.gathered, inst.gathered_to = [], 0
+        inst.fired_to = 0  # (buckets before it fired, and the empty ones given back)
         parts = []
         WA = op.WA or 1
         WS = op.WS or 1
@@ -279,6 +281,8 @@ class Engine(Epochs, Snapshots):
                 if not self.esg_out.in_order and inst.o_ts.shape[0] >= OUT_CHUNK_ROWS:
                     parts.append(self._block(inst))  # (then the kernel goes on from row 0)
                     inst.opos[0] = 0
+                    if inst.resume[0] == 1:  # (firing at the watermark: buckets resume[1:] left)
+                        self._give_back_fired(j, inst, owner_map)
                 else:
                     inst.grow_out()
             elif status == K.NEED_GROW:
@@ -293,6 +297,37 @@ class Engine(Epochs, Snapshots):
             else:  # pragma: no cover
                 raise EngineError(f"kernel returned unknown status {status}")
         return parts + [self._block(inst)] if parts else self._block(inst)
+
+    def _give_back_fired(self, j, inst, owner_map):
+        """A close firing millions of windows into output blocks: the pages of instance
+        ``j``'s buckets it has fired and emptied since the last block go back to the system
+        (``BucketState.give_back_empty``), so the tables and the blocks are never both whole.
+        Tables of ``SHRINK_BYTES`` or more only; :meth:`_settle_given_back` ends it with the
+        segment. (Not in free-running mode, which has no segment end to settle at.)"""
+        hi = int(inst.resume[1])
+        self._rw.acquire_read()
+        try:
+            st = self._state_for(j)
+            if not self._running and isinstance(st, BucketState) and st.nbytes() >= SHRINK_BYTES:
+                mine = np.asarray(owner_map[inst.fired_to:hi]) == j
+                self._m["buckets_given_back"] += st.give_back_empty(inst.fired_to, hi, mine)
+        finally:
+            self._rw.release_read()
+        inst.fired_to = hi
+
+    def _settle_given_back(self):
+        """At a segment's end, the tables whose buckets a close gave back: shrunk if the close
+        left them nearly empty, else those buckets made empty slots again
+        (``BucketState.settle_given_back``). Nothing reads a given-back page before."""
+        for st in filter(lambda st: isinstance(st, BucketState), self._states()):
+            if not st.given_back.any():
+                continue
+            self._rw.acquire_write()
+            try:
+                if st.settle_given_back(self._cap0):
+                    self._m["shrinks"] += 1
+            finally:
+                self._rw.release_write()
 
     def _grow_state(self, st, ver):
         """Grow the shared state under the write lock, unless another instance already did
@@ -388,13 +423,17 @@ class Engine(Epochs, Snapshots):
         act = list(self.active)
         self.meter.segment(self.op, seg, cols, self._ip)
         timed, run = self.meter.timed, self._run_instance
-        if len(act) == 1 or not self._threads_on or len(seg) < self.inline_rows:
-            blocks = [timed(j, run, j, seg, cols, om) for j in act]
-        else:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.n, thread_name_prefix="stretch-instance")
-            futs = [self._executor.submit(timed, j, run, j, seg, cols, om) for j in act]
-            blocks = [f.result() for f in futs]
+        try:
+            if len(act) == 1 or not self._threads_on or len(seg) < self.inline_rows:
+                blocks = [timed(j, run, j, seg, cols, om) for j in act]
+            else:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.n, thread_name_prefix="stretch-instance")
+                futs = [self._executor.submit(timed, j, run, j, seg, cols, om) for j in act]
+                wait(futs)  # (all of them, even if one failed: then settle)
+                blocks = [f.result() for f in futs]
+        finally:
+            self._settle_given_back()
         for j, blk in zip(act, blocks):
             self._emit(j, blk, seg.watermark)
         self._grow_if_loaded()

@@ -222,6 +222,7 @@ class BucketState:
         self.bcount = np.zeros(n_buckets, np.int64)
         self.bminl = np.full(n_buckets, K.NO_L, np.int64)
         self.dirty = np.zeros(n_buckets, np.uint8)
+        self.given_back = np.zeros(n_buckets, np.uint8)  # (give_back_empty: pages read as 0)
         self.version = 0  # bumped by grow(): kernels started before must retry
         self._no_pool(*(pool or ((), 0, 1)))
 
@@ -358,12 +359,14 @@ class BucketState:
         spilled = self.spill is not None and self.spill.spilled(nrec)
         for lo, hi in self._chunks(nrec) if spilled else chunk_ranges(self.rec):
             nrec[lo:hi, :, 1] = K.EMPTY
-            K.rehash_into(self.rec[lo:hi], self.acc_f[lo:hi], nrec[lo:hi], naf[lo:hi])
+            K.rehash_into(self.rec[lo:hi], self.acc_f[lo:hi], self.bcount[lo:hi], nrec[lo:hi],
+                          naf[lo:hi])
             if self.spill is not None:
                 self.spill.trim(self.rec, self.acc_f, nrec, naf)
             release_done(self.rec, lo, hi)  # (in memory: the old chunk's pages go as the new fill)
             release_done(self.acc_f, lo, hi)
         self.rec, self.acc_f = nrec, naf
+        self.given_back[:] = 0  # (the new tables are whole)
         self.version += 1
 
     def shrink(self, cap0: int) -> bool:
@@ -378,6 +381,43 @@ class BucketState:
             return False
         self.grow(cap)
         return True
+
+    def give_back_empty(self, lo: int, hi: int, mine=None) -> int:
+        """Give the pages of the buckets ``lo:hi`` (those ``mine`` marks) that hold no window
+        back to the system, while a close fires the others: the windows go out of the tables
+        as their rows go into output blocks, instead of both being whole at once. Only tables
+        in memory, with no register pool. Their pages then read as zeros, not as empty slots:
+        until :meth:`settle_given_back`, only a rehash (which skips buckets with no window)
+        may read them. Returns the buckets given back. Caller holds the shared lock and owns
+        the buckets (no kernel writes them meanwhile)."""
+        if hi <= lo or self.spilled() or self.pool_slots:
+            return 0
+        empty = (self.bcount[lo:hi] == 0) & (self.given_back[lo:hi] == 0)
+        if mine is not None:
+            empty &= mine
+        idx = np.flatnonzero(empty)
+        if not idx.size:
+            return 0
+        self.given_back[lo + idx] = 1
+        for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):  # (one madvise a run)
+            for arr in (self.rec, self.acc_f):
+                release_done(arr, lo + int(run[0]), lo + int(run[-1]) + 1)
+        return int(idx.size)
+
+    def settle_given_back(self, cap0: int) -> bool:
+        """After the close that gave buckets back (:meth:`give_back_empty`): shrink the tables
+        if the windows left fill little of them (:meth:`shrink`), else make the buckets given
+        back empty slots again. Returns whether the tables shrank. Caller holds the exclusive
+        lock."""
+        if not self.given_back.any():
+            return False
+        if self.shrink(cap0):
+            return True
+        idx = np.flatnonzero(self.given_back)
+        for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
+            self.rec[int(run[0]):int(run[-1]) + 1, :, 1] = K.EMPTY
+        self.given_back[:] = 0
+        return False
 
     def arrays(self) -> dict:
         return {"rec": self.rec, "acc_f": self.acc_f, "bcount": self.bcount, "bminl": self.bminl,
@@ -450,6 +490,7 @@ class BucketState:
                              int(a["cap"]))
         st.version = 0
         st.dirty = np.zeros(st.n_buckets, np.uint8)  # equal to the snapshot: nothing changed since
+        st.given_back = np.zeros(st.n_buckets, np.uint8)
         slots, words, n = a.get("pool", ((), np.zeros((0, 0), np.int64), 1))
         st._no_pool(slots, words.shape[1], n)
         st.apply_compact(a)

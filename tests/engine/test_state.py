@@ -180,6 +180,95 @@ def test_tables_shrink_after_a_close_leaves_them_almost_empty(engine_cls):
     eng.close()
 
 
+@pytest.mark.parametrize("engine_cls,threads", [("Engine", True), ("Engine", False),
+                                                 ("SNEngine", True)])
+@pytest.mark.parametrize("later", ["few", "in_few_buckets"])
+def test_a_close_gives_back_the_buckets_it_empties_as_it_fires(monkeypatch, engine_cls,
+                                                               threads, later):
+    """A close firing more rows than an output block holds (blocks of 1,000 rows here, of
+    262,144 in the engine; tables of any size here, of 32 MB or more in the engine): the pages of
+    the buckets each block emptied are given back as it goes (``buckets_given_back``), and at the
+    segment's end the tables shrink (few windows left: ``few``) or, when the windows left fill a
+    few buckets well (``in_few_buckets``: no shrink), those buckets are made empty slots again.
+    Every row, out then and after more windows in every bucket close, is the count and sum a
+    sequential reference gives: a bucket read as zeros after its pages went would be a window
+    of key 0 there."""
+    from spark_stretch.engine import SNEngine, runtime, spill
+    from spark_stretch.engine.buckets import buckets_of
+    from spark_stretch.ops import aggregate_many
+
+    monkeypatch.setattr(runtime, "OUT_CHUNK_ROWS", 1_000)
+    monkeypatch.setattr(runtime, "SHRINK_BYTES", 0)
+    monkeypatch.setattr(spill, "CHUNK_BYTES", 0)
+    cls = {"Engine": Engine, "SNEngine": SNEngine}[engine_cls]
+    nb = 256
+    eng = cls(aggregate_many([("count", None, "i", None), ("sum", "v", "i", None)], key="k",
+                             WS=100, WA=100), m=2, n=2, n_buckets=nb, threads=threads,
+              inline_rows=1)
+    eng.esg_in.add_sources([0], ordered=False, watermark=0)
+    assert eng.apply_whole_batches()
+    rng = np.random.default_rng(11)
+    pool = rng.permutation(10 ** 7)[:400_000].astype(np.int64) + 1
+    first = pool[:60_000]
+    if later == "few":
+        second = pool[60_000:60_030]
+    else:  # (2,000 windows in buckets 0-3: a fullest bucket far past an eighth of its slots)
+        rest = pool[60_000:]
+        second = rest[buckets_of(rest, nb) < 4][:2_000]
+    more = pool[-20_000:]  # (then windows in every bucket, a given-back one included)
+    rows, want = [], {}
+
+    def step(k, ts, watermark):
+        v = rng.integers(-9, 9, len(k))
+        for key, t, x in zip(k.tolist(), ts.tolist(), v.tolist()):
+            n, s = want.get((key, t // 100 * 100), (0, 0))
+            want[(key, t // 100 * 100)] = (n + 1, s + x)
+        eng.esg_in.add({"ts": ts, "k": k, "v": v}, 0)
+        eng.release_all(0)
+        eng.esg_in.advance_watermark(watermark)
+        eng.drain()
+        out = eng.esg_out.get_batch("driver")[0]
+        rows.extend(zip(out["key"].tolist(), out["window_start"].tolist(), out["_0"].tolist(),
+                        out["_1"].tolist()))
+
+    caps = [st.cap for st in eng._states()]
+    step(np.concatenate([first, second]), np.concatenate([np.full(len(first), 10),
+                                                          np.full(len(second), 150)]), 100)
+    m = eng.metrics()
+    assert m["buckets_given_back"] > nb // 2
+    assert all(not st.given_back.any() for st in eng._states())
+    grown = [st.cap for st in eng._states()]
+    if later == "few":
+        assert m["shrinks"] == len(eng._states()) and all(c < 64 for c in grown), (caps, grown)
+    else:  # (the state holding buckets 0-3 keeps its tables; an SN instance's other one not)
+        assert m["shrinks"] == len(grown) - 1 and grown[0] >= 64, (caps, grown)
+    step(more, np.full(len(more), 160), 100)
+    step(np.empty(0, np.int64), np.empty(0, np.int64), 300)
+    assert sorted(rows) == sorted((key, w, n, s) for (key, w), (n, s) in want.items())
+    eng.close()
+
+
+def test_given_back_buckets_read_as_zeros_until_settled(monkeypatch):
+    """``give_back_empty`` drops the pages wholly inside the empty buckets it is given (they
+    read as zeros, not as empty slots: the kernels must not see them), keeps a bucket holding
+    a window, and ``settle_given_back`` makes them empty slots again when the tables do not
+    shrink."""
+    from spark_stretch.engine import spill
+    from spark_stretch.engine.state import BucketState
+
+    monkeypatch.setattr(spill, "CHUNK_BYTES", 0)
+    st = BucketState(8, 2, 0, [0, 0], [], cap=4096)  # (4096 slots of 32 B: 32 pages a bucket)
+    st.rec[5, 7, :] = [42, 100, 1, 2]
+    st.bcount[5] = 1
+    mine = np.array([True] * 7 + [False])
+    assert st.give_back_empty(2, 8, mine[2:]) == 4  # (2, 3, 4, 6: not 5 with a window, not 7)
+    assert (st.rec[3, 1000:3000, 1] == 0).all() and (st.rec[7, :, 1] == K.EMPTY).all()
+    assert st.rec[5, 7].tolist() == [42, 100, 1, 2] and st.given_back.tolist() == [0, 0, 1, 1, 1, 0, 1, 0]
+    st.bcount[0] = 4000  # (a full bucket: no shrink)
+    assert not st.settle_given_back(4096)
+    assert (st.rec[2:5, :, 1] == K.EMPTY).all() and not st.given_back.any()
+
+
 def test_take_list_matches_python():
     off = np.array([0, 2, 2, 5], np.int64)
     vals = np.array([1, 2, 3, 4, 5], np.int64)
