@@ -125,8 +125,10 @@ class Peak(threading.Thread):
                     self.base = sum(self.hwm.values())
                 last = self.q.lastProgress
                 so = json.loads(last.json)["stateOperators"] if last is not None else []
-                if so:  # (past a memory budget: the tables' files)
-                    disk = so[0]["customMetrics"].get("stateOnCurrentVersionSizeBytes", 0)
+                if so:  # (past a memory budget: the tables' files, under the name the
+                    #      configured state store gives its own: RocksDB's here)
+                    cm = so[0]["customMetrics"]
+                    disk = cm.get("rocksdbSstFileSize") or cm.get("stateOnCurrentVersionSizeBytes", 0)
                     self.disk = max(self.disk, int(disk))
             except Exception:
                 pass
