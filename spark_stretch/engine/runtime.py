@@ -319,7 +319,7 @@ class Engine(Epochs, Snapshots):
         """At a segment's end, the tables whose buckets a close gave back: shrunk if the close
         left them nearly empty, else those buckets made empty slots again
         (``BucketState.settle_given_back``). Nothing reads a given-back page before."""
-        for st in filter(lambda st: isinstance(st, BucketState), self._states()):
+        for st in self._bucket_states():
             if not st.given_back.any():
                 continue
             self._rw.acquire_write()
@@ -445,7 +445,7 @@ class Engine(Epochs, Snapshots):
         the tables only when one bucket would pass 7/8: among thousands of buckets the fullest
         reaches 3/4 well before the average does, and growing then left the tables about half
         empty (BENCHMARKS.md, aggregation state at scale). Between segments: no kernel runs."""
-        for st in filter(lambda st: isinstance(st, BucketState), self._states()):
+        for st in self._bucket_states():
             used = st.bcount[st.bcount > 0]  # (a join's store grows by itself)
             if used.size and int(used.sum()) * 4 > used.size * st.cap * 3:
                 self._grow_state(st, st.version)
@@ -660,7 +660,7 @@ class Engine(Epochs, Snapshots):
         >>> eng.close()
         """
         shrunk = 0
-        for st in filter(lambda st: isinstance(st, BucketState), self._states()):
+        for st in self._bucket_states():
             if st.nbytes() < min_bytes:
                 continue
             self._rw.acquire_write()
@@ -752,6 +752,10 @@ class Engine(Epochs, Snapshots):
 
     def _states(self):
         return [self.state]
+
+    def _bucket_states(self):
+        """The states that are bucket tables (a join's store is not: it grows by itself)."""
+        return [st for st in self._states() if isinstance(st, BucketState)]
 
     def _dirty(self):
         return self.state.dirty

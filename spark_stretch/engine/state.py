@@ -177,6 +177,12 @@ def narrow_floats(a: dict, float_cols) -> dict:
             "acc_f": np.asarray(a["acc_f"]).reshape(len(a["rec"]), -1)[:, cols]}
 
 
+def _runs(idx: np.ndarray) -> list:
+    """The runs of consecutive buckets in the sorted ``idx``, as ``(lo, hi)`` ranges."""
+    cut = np.flatnonzero(np.diff(idx) != 1) + 1
+    return [(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, cut) if r.size]
+
+
 def _insert_rows(bs, rows, afs, rec, acc_f):
     """:func:`~.buckets.insert_rows` compiled once: its inputs C-ordered and read-only,
     whatever the snapshot's arrays were (numba types each flag apart)."""
@@ -399,9 +405,9 @@ class BucketState:
         if not idx.size:
             return 0
         self.given_back[lo + idx] = 1
-        for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):  # (one madvise a run)
+        for a, b in _runs(lo + idx):  # (one madvise a run)
             for arr in (self.rec, self.acc_f):
-                release_done(arr, lo + int(run[0]), lo + int(run[-1]) + 1)
+                release_done(arr, a, b)
         return int(idx.size)
 
     def settle_given_back(self, cap0: int) -> bool:
@@ -413,9 +419,8 @@ class BucketState:
             return False
         if self.shrink(cap0):
             return True
-        idx = np.flatnonzero(self.given_back)
-        for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
-            self.rec[int(run[0]):int(run[-1]) + 1, :, 1] = K.EMPTY
+        for a, b in _runs(np.flatnonzero(self.given_back)):
+            self.rec[a:b, :, 1] = K.EMPTY
         self.given_back[:] = 0
         return False
 
