@@ -44,37 +44,18 @@ from ..engine.spill import Spill, default_budget
 from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META, state_root
-from . import faults, load
-from .aggregations import (builtin_operators, check_checkpoint, engine_columns, output_table,
+from . import allocator, faults, load
+from .aggregations import (add_sources, builtin_operators, check_checkpoint, engine_columns, output_table,
                            output_in_blocks, per_aggregation, rank_strings, reject_nulls,
-                           slice_rows, state_output, check_keys, key_encoding)
+                           slice_rows, state_output, check_keys, key_encoding, whole_batches)
 from .checkpoints import arrow_bytes, read_arrow
+from .file_batch import pieces
 from .columns import KeyCodec, prepare, sample
 from .runtime import Runtime, ms_since
 from .reshard import Resharding
 from .share import EventTimes, KeyShare, group_loads, tops_of
 
 __all__ = ["AggregateRuntime"]
-
-
-def _add_sources(engines, spec) -> None:
-    """A new query's input sources, source s feeding stream s, at the watermark Spark's starts
-    at: 0, so that a window ending by then is late; but for time windows in complete mode Spark
-    drops no row as late (None: the ESG's minimum)."""
-    complete = getattr(spec, "output_mode", "append") == "complete"
-    start = None if complete and not getattr(spec, "session_end", None) else 0
-    for eng in engines:
-        for s in range(eng.op.I):
-            eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=start)
-
-
-def _whole_batches(engines, spec) -> None:
-    """In append mode, engines whose aggregates are order-free apply each batch whole, as Spark
-    does (no event-time sort, no row held back: ``Engine.apply_whole_batches``); their rows
-    come out in no particular order, unless several engines' rows must line up."""
-    if getattr(spec, "output_mode", "append") == "append":
-        for eng in engines:
-            eng.apply_whole_batches(ordered_output=len(engines) > 1)
 
 
 def _warm_up(runtime, qid: str, spec) -> None:
@@ -140,14 +121,14 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                                      n_buckets=spec.buckets, lateness=self._lateness(op),
                                      **self._spill())
                     for op in ops]
-                _add_sources(self.engines, spec)
+                add_sources(self.engines, spec)
                 # (a host new to the query, owning no group yet: nothing of the past is its)
                 fresh = self.share is not None and not self.share.mine.any()
                 first = resume + 1 if fresh and resume is not None else 0
         except BaseException:
             self.store.release_lock()
             raise
-        _whole_batches(self.engines, spec)
+        whole_batches(self.engines, spec)
         self._set_replay(resume, first)
 
     def describe(self) -> M.Opened:
@@ -176,10 +157,12 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
                 continue
             self.counters["input_rows"] += table.num_rows
             tops = tops_of(table)  # (every row's event time counts: one watermark)
-            for lo in range(0, table.num_rows, rows or table.num_rows):
-                self._add(table.slice(lo, rows) if rows else table, share, tops is None)
-                for eng in self.engines if rows else ():  # (applied now: its columns let go)
-                    eng.release_all(0)
+            for piece in pieces(table, rows):  # (a FileBatch: read again a slice at a time)
+                self._add(piece, share, tops is None)
+                if rows:  # (applied now: its columns let go, and the heap's pages with them)
+                    for eng in self.engines:
+                        eng.release_all(0)
+                    allocator.give_back()
             for s, top in enumerate(tops or ()):
                 self._saw(s, top)
         if not self.spec.warm_up:  # a test's fault is for the query itself
@@ -349,6 +332,10 @@ class AggregateRuntime(EventTimes, Resharding, Runtime):
 
     def _validate(self, table: pa.Table, batch: int) -> None:
         reject_nulls(self.spec, table, batch)
+
+    def _file_slices(self) -> int:
+        # (one host: a share's kept table carries its loads and tops, made whole)
+        return slice_rows(self.spec, self.engines) if self.share is None else 0
 
     def _output(self) -> pa.Table:
         out = output_in_blocks(self.spec, self.codec, self.engines)

@@ -15,8 +15,8 @@ from ..protocol.errors import InputRejected, StateError
 from ..protocol.specs import AggregateSpec
 from .columns import KeyCodec, finish, list_parts, window_array, window_struct
 
-__all__ = ["builtin_operators", "check_checkpoint", "engine_agg", "engine_columns", "output_table", "per_aggregation", "rank_strings",
-           "reject_nulls", "state_output", "key_encoding", "check_keys"]
+__all__ = ["add_sources", "builtin_operators", "check_checkpoint", "engine_agg", "engine_columns", "output_table", "per_aggregation", "rank_strings",
+           "reject_nulls", "state_output", "key_encoding", "check_keys", "whole_batches"]
 
 
 def builtin_operators(s: AggregateSpec) -> list:
@@ -67,6 +67,26 @@ def rank_strings(s: AggregateSpec, codec: KeyCodec, engines: list) -> None:
         ranks = codec.ranks()
         for eng in engines:
             eng.order_strings(ranks)
+
+
+def add_sources(engines, spec) -> None:
+    """A new query's input sources, source s feeding stream s, at the watermark Spark's starts
+    at: 0, so that a window ending by then is late; but for time windows in complete mode Spark
+    drops no row as late (None: the ESG's minimum)."""
+    complete = getattr(spec, "output_mode", "append") == "complete"
+    start = None if complete and not getattr(spec, "session_end", None) else 0
+    for eng in engines:
+        for s in range(eng.op.I):
+            eng.esg_in.add_sources([s], stream=s, ordered=False, watermark=start)
+
+
+def whole_batches(engines, spec) -> None:
+    """In append mode, engines whose aggregates are order-free apply each batch whole, as Spark
+    does (no event-time sort, no row held back: ``Engine.apply_whole_batches``); their rows
+    come out in no particular order, unless several engines' rows must line up."""
+    if getattr(spec, "output_mode", "append") == "append":
+        for eng in engines:
+            eng.apply_whole_batches(ordered_output=len(engines) > 1)
 
 
 def engine_columns(s: AggregateSpec, codec: KeyCodec, share, table: pa.Table) -> dict:

@@ -49,7 +49,7 @@ from ..protocol.layout import INPUT_LOG_FORMAT, INPUT_LOG_KEY, check_format
 from . import faults
 from .checkpoints import read_arrow
 
-__all__ = ["InputLog", "InputLogWriter", "LoggedFiles", "read_again"]
+__all__ = ["InputLog", "InputLogWriter", "LoggedFiles", "check_unchanged", "read_again"]
 
 _EXTRA_KEY = b"stretch.input_log.extra"  # (the JSON logged with a batch's rows)
 
@@ -178,6 +178,16 @@ def _int(raw: bytes):
 def read_again(batch: int, ref: LoggedFiles) -> pa.Table:
     """The input of ``batch`` read again from the files of its log entry ``ref``, as the
     engine read it the first time; a StateError if a file is gone or changed since."""
+    check_unchanged(batch, ref)
+    got = ref.read()
+    if isinstance(got, str):
+        raise StateError(f"batch {batch}'s input files cannot be read again: {got}")
+    return got
+
+
+def check_unchanged(batch: int, ref: LoggedFiles) -> None:
+    """A StateError, naming the batch and the file, if a file of ``ref`` is gone or changed
+    (size or modification time) since the batch read it."""
     from .parquet import file_stats
 
     how = ("Spark's file source needs them to redo the batch too: put them back, or start the "
@@ -190,10 +200,6 @@ def read_again(batch: int, ref: LoggedFiles) -> pa.Table:
     if changed:
         raise StateError(f"batch {batch}'s input file {changed[0]} changed since the batch read "
                          f"it (size or modification time); {how}")
-    got = ref.read()
-    if isinstance(got, str):
-        raise StateError(f"batch {batch}'s input files cannot be read again: {got}")
-    return got
 
 
 class InputLogWriter:

@@ -29,9 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..protocol import messages as M
 from ..protocol.errors import StateError
@@ -39,8 +37,8 @@ from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
 from . import allocator, faults, load
 from .checkpoints import CheckpointStore
+from .file_batch import event_time_stats, read_files, take_in_slices
 from .input_log import InputLog, InputLogWriter, LoggedFiles, read_again
-from .parquet import file_stats
 
 __all__ = ["Runtime", "ms_since"]
 
@@ -204,15 +202,32 @@ class Runtime(ABC):
         and hand the rows over: see ``StretchIngest.parquetFiles``), with Spark's event-time
         statistics of each watermark column (ms), or ``unsupported``: why Spark must read them
         (:func:`~spark_stretch.host.parquet.read_like_spark`). Rows the engine cannot take
-        (null keys) raise, as in the batch's ingest job."""
+        (null keys) raise, as in the batch's ingest job. A runtime that applies a batch a
+        slice at a time keeps it as its files until its step (:mod:`.file_batch`)."""
         faults.inject("files", msg.batch)
-        got, ref = _read_files(msg)
+        rows = self._file_slices()
+        if rows:
+            kept, stats = take_in_slices(msg, rows, self._arrived,
+                                         lambda t: self._validate(t, msg.batch))
+            if stats is None:
+                return M.FilesIngested(unsupported=kept)
+            self.pending[msg.batch] = kept
+            self.logging.read_from(msg.batch, kept.ref)
+            allocator.give_back()  # (what reading and checking it freed)
+            return M.FilesIngested(rows=kept.num_rows, event_times=stats)
+        got, ref = read_files(msg)
         if ref is None:
             return M.FilesIngested(unsupported=got)
         self.ingest(f"in:{msg.batch}", "files", got)
         if getattr(self, "share", None) is None:  # (one host: the log keeps the files)
             self.logging.read_from(msg.batch, ref)
         return M.FilesIngested(rows=got.num_rows, event_times=event_time_stats(got, msg))
+
+    def _file_slices(self) -> int:
+        """Rows at a time in which this runtime's steps take a batch read from files: then
+        the batch is kept as its files until its step (:class:`~.file_batch.FileBatch`); 0:
+        read whole when it arrives."""
+        return 0
 
     # -- micro-batches -------------------------------------------------------------------------
     def step(self, batch: int, batch_ts_ms: Optional[int] = None,
@@ -358,26 +373,3 @@ def input_rows(table) -> int:
 def ms_since(t0: float) -> float:
     """Milliseconds since ``t0`` (``time.perf_counter()``)."""
     return (time.perf_counter() - t0) * 1e3
-
-
-def _read_files(msg: M.IngestFiles):
-    """A batch's files read here (or why not: a string) and their input log entry (None if
-    not read)."""
-    ref = LoggedFiles(list(msg.files), list(msg.columns), msg.schema, [])
-    got = ref.read()
-    if isinstance(got, str):
-        return got, None
-    ref.stats = file_stats(msg.files)
-    return got, ref
-
-
-def event_time_stats(table: pa.Table, msg: M.IngestFiles) -> list:
-    """Spark's event-time statistics of each watermark column of ``table`` (ms): max, min,
-    mean, count. (Spark adds ``DateTimeUtils.microsToMillis``: a floor division.)"""
-    stats = []
-    for c in msg.watermarks:
-        us = pc.cast(table.column(c).drop_null(), pa.int64()).to_numpy()
-        ms = np.floor_divide(us, 1000)
-        stats.append((int(ms.max()), int(ms.min()), float(ms.mean()), len(ms)) if len(ms)
-                     else (0, 0, 0.0, 0))
-    return stats

@@ -48,6 +48,8 @@ LOAD_KEY = b"stretch.group_load"  # (a kept batch's keys per key group: {group: 
 
 def tops_of(table: pa.Table):
     """The largest event times a kept batch carries (:meth:`KeyShare.kept`), or None."""
+    if not isinstance(table, pa.Table):  # (a FileBatch: one host's batch, kept as its files)
+        return None
     raw = (table.schema.metadata or {}).get(TOP_KEY)
     return None if raw is None else json.loads(raw)
 
