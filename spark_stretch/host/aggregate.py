@@ -45,9 +45,10 @@ from ..protocol import messages as M
 from ..protocol.errors import StateError
 from ..protocol.layout import AGGREGATE_META, state_root
 from . import allocator, faults, load
-from .aggregations import (add_sources, builtin_operators, check_checkpoint, engine_columns, output_table,
-                           output_in_blocks, per_aggregation, rank_strings, reject_nulls,
-                           slice_rows, state_output, check_keys, key_encoding, whole_batches)
+from .aggregations import (add_sources, builtin_operators, check_checkpoint, engine_columns,
+                           output_table, output_in_blocks, per_aggregation, rank_strings,
+                           reject_nulls, slice_rows, state_output, check_keys, key_encoding,
+                           whole_batches)
 from .checkpoints import arrow_bytes, read_arrow
 from .file_batch import pieces
 from .columns import KeyCodec, prepare, sample

@@ -1,7 +1,7 @@
-"""A batch's input read here from its Parquet files (:meth:`.runtime.Runtime.ingest_files`):
+"""A batch's input read here from its Parquet files (:meth:`FileInput.ingest_files`):
 whole, or kept as its files and read a slice at a time.
 
-A runtime that applies a batch a slice at a time (:meth:`.runtime.Runtime._file_slices`: the
+A runtime that applies a batch a slice at a time (:meth:`FileInput._file_slices`: the
 aggregations that apply whole batches, on one host) does not keep the batch's rows between
 its ingest and its step: at the ingest, the files are read once a slice at a time, each slice
 checked (so bad rows still fail the batch's own Spark job) and its event times counted, then let
@@ -20,7 +20,7 @@ Examples
 >>> pq.write_table(t, f)
 >>> msg = M.IngestFiles(query="q", batch=0, files=[f], columns=["ts"],
 ...                     schema=M.schema_to_wire(t.schema), watermarks=["ts"])
->>> got, stats = take_in_slices(msg, 2, arrived=lambda t: t, validate=lambda t: None)
+>>> got, ref, stats = take_in_slices(msg, 2, arrived=lambda t: t, validate=lambda t, b: None)
 >>> got.num_rows, stats  # (ms: max, min, mean, count)
 (3, [(5, 1, 3.0, 3)])
 >>> [t.num_rows for t in got.slices(2)]
@@ -38,10 +38,16 @@ import pyarrow.compute as pc
 
 from ..protocol import messages as M
 from ..protocol.errors import InputRejected, StateError
+from . import allocator, faults
 from .input_log import LoggedFiles, check_unchanged
 from .parquet import file_stats, slices_like_spark
 
-__all__ = ["FileBatch", "event_time_stats", "pieces", "read_files", "take_in_slices"]
+__all__ = ["FileBatch", "FileInput", "event_time_stats", "pieces", "read_files", "take_in_slices"]
+
+
+CHECK_ROWS = 1 << 16
+"""Rows at a time the ingest reads and checks a batch kept as its files in (while the batch
+before it steps: measured at 5M keys, 4-5 B a live window less than at the step's 262,144)."""
 
 
 class FileBatch:
@@ -64,6 +70,36 @@ class FileBatch:
             yield self.arrived(t)
 
 
+class FileInput:
+    """What a runtime (:class:`~.runtime.Runtime`) does with a batch's Parquet files."""
+
+    def ingest_files(self, msg: M.IngestFiles) -> M.FilesIngested:
+        """The input of a batch, read from its Parquet files here (Spark would only read them
+        and hand the rows over: see ``StretchIngest.parquetFiles``), with Spark's event-time
+        statistics of each watermark column (ms), or ``unsupported``: why Spark must read them
+        (:func:`~spark_stretch.host.parquet.read_like_spark`). Rows the engine cannot take
+        (null keys) raise, as in the batch's ingest job. Kept as its files until its step when
+        the runtime takes it in slices (:meth:`_file_slices`, :mod:`.file_batch`)."""
+        faults.inject("files", msg.batch)
+        rows = min(self._file_slices(), CHECK_ROWS)
+        got, ref, times = take_in_slices(msg, rows, self._arrived, self._validate) if rows \
+            else read_files(msg)
+        if ref is None:
+            return M.FilesIngested(unsupported=got)
+        if rows:
+            self.pending[msg.batch] = got
+            allocator.give_back()  # (what reading and checking it freed)
+        else:  # (Runtime.ingest: kept as rows until its step)
+            self.ingest(f"in:{msg.batch}", "files", got)
+        if getattr(self, "share", None) is None:  # (one host: the log keeps the files)
+            self.logging.read_from(msg.batch, ref)
+        return M.FilesIngested(rows=got.num_rows, event_times=times)
+
+    def _file_slices(self) -> int:
+        """Rows at a time of a batch read from files that its step takes (0: whole)."""
+        return 0
+
+
 def pieces(table: Union[pa.Table, FileBatch], rows: int) -> Iterator[pa.Table]:
     """A step's input ``rows`` at a time (0: at once): a table's slices, or a
     :class:`FileBatch` read a slice at a time."""
@@ -74,32 +110,34 @@ def pieces(table: Union[pa.Table, FileBatch], rows: int) -> Iterator[pa.Table]:
         yield table.slice(lo, rows) if rows else table
 
 
-def read_files(msg: M.IngestFiles) -> Tuple[Union[pa.Table, str], Optional[LoggedFiles]]:
-    """A batch's files read here, whole (or why not: a string), and their input log entry
-    (None if not read)."""
+def read_files(msg: M.IngestFiles) -> Tuple[Union[pa.Table, str], Optional[LoggedFiles],
+                                            Optional[list]]:
+    """``(table, input log entry, event-time stats)`` of a batch's files read here whole, or
+    ``(why not, None, None)``: Spark reads them."""
     ref = LoggedFiles(list(msg.files), list(msg.columns), msg.schema, [])
     got = ref.read()
     if isinstance(got, str):
-        return got, None
+        return got, None, None
     ref.stats = file_stats(msg.files)
-    return got, ref
+    return got, ref, event_time_stats(got, msg)
 
 
 def take_in_slices(msg: M.IngestFiles, rows: int, arrived: Callable[[pa.Table], pa.Table],
-                   validate: Callable[[pa.Table], None]
-                   ) -> Tuple[Union[FileBatch, str], Optional[list]]:
-    """``(FileBatch, event-time stats)`` of the batch's files, read once ``rows`` at a time:
-    each slice made the runtime's input (``arrived``), checked (``validate``: its
-    InputRejected names the whole batch's count, read whole to say it), its event times
-    counted, and let go. Or ``(why not, None)``: Spark reads the files."""
+                   validate: Callable[[pa.Table, int], None]
+                   ) -> Tuple[Union[FileBatch, str], Optional[LoggedFiles], Optional[list]]:
+    """``(FileBatch, input log entry, event-time stats)`` of the batch's files, read once
+    ``rows`` at a time: each slice made the runtime's input (``arrived``), checked
+    (``validate(table, batch)``: its InputRejected names the whole batch's count, read whole
+    to say it), its event times counted, and let go. Or ``(why not, None, None)``: Spark reads
+    the files."""
     ref = LoggedFiles(list(msg.files), list(msg.columns), msg.schema, [])
     try:
         ref.stats = file_stats(ref.files)  # (before reading: a change meanwhile is seen later)
     except OSError as e:
-        return f"{type(e).__name__}: {e}", None
+        return f"{type(e).__name__}: {e}", None, None
     got = slices_like_spark(ref.files, ref.columns, _schema(ref), rows)
     if isinstance(got, str):
-        return got, None
+        return got, None, None
     n, times = 0, _EventTimes(msg.watermarks)
     while True:
         try:
@@ -107,16 +145,16 @@ def take_in_slices(msg: M.IngestFiles, rows: int, arrived: Callable[[pa.Table], 
         except StopIteration:
             break
         except Exception as e:  # (as read_like_spark: Spark reads them, and says why)
-            return f"{type(e).__name__}: {e}", None
+            return f"{type(e).__name__}: {e}", None, None
         try:
-            validate(arrived(raw))
+            validate(arrived(raw), msg.batch)
         except InputRejected:  # (its message names the batch's count, not the slice's)
             whole = ref.read()
-            validate(arrived(whole) if isinstance(whole, pa.Table) else raw)
+            validate(arrived(whole) if isinstance(whole, pa.Table) else raw, msg.batch)
             raise
         n += raw.num_rows
         times.add(raw)
-    return FileBatch(msg.batch, ref, n, arrived), times.stats()
+    return FileBatch(msg.batch, ref, n, arrived), ref, times.stats()
 
 
 def event_time_stats(table: pa.Table, msg: M.IngestFiles) -> list:

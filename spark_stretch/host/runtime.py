@@ -7,8 +7,8 @@ A runtime is one open query (:mod:`.daemon` keeps one per query id). Subclasses:
 Here, once for all of them:
 
 - **input**: a batch's committed rows (:meth:`Runtime.ingest`, from the receiver) or its Parquet
-  files (:meth:`Runtime.ingest_files`), checked (:meth:`Runtime._validate`) when they arrive so
-  that bad rows fail the batch's own Spark job;
+  files (:meth:`~.file_batch.FileInput.ingest_files`), checked (:meth:`Runtime._validate`)
+  when they arrive so that bad rows fail the batch's own Spark job;
 - **micro-batches**: :meth:`Runtime.step` with its replay guard (the last batch again gives the
   same rows; an older one is an error), and the pipelined :meth:`Runtime.submit` /
   :meth:`Runtime.result` with the input log;
@@ -37,13 +37,13 @@ from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
 from . import allocator, faults, load
 from .checkpoints import CheckpointStore
-from .file_batch import event_time_stats, read_files, take_in_slices
+from .file_batch import FileInput
 from .input_log import InputLog, InputLogWriter, LoggedFiles, read_again
 
 __all__ = ["Runtime", "ms_since"]
 
 
-class Runtime(ABC):
+class Runtime(FileInput, ABC):
     """One open query. ``receiver`` offers outputs to the executors of this host."""
 
     META: str = ""  # the checkpoint meta file (protocol.layout)
@@ -196,38 +196,6 @@ class Runtime(ABC):
         self.pending[int(batch)] = table
         self.logging.forget(int(batch))
         allocator.give_back()  # (what reading and preparing it freed)
-
-    def ingest_files(self, msg: M.IngestFiles) -> M.FilesIngested:
-        """The input of a batch, read from its Parquet files here (Spark would only read them
-        and hand the rows over: see ``StretchIngest.parquetFiles``), with Spark's event-time
-        statistics of each watermark column (ms), or ``unsupported``: why Spark must read them
-        (:func:`~spark_stretch.host.parquet.read_like_spark`). Rows the engine cannot take
-        (null keys) raise, as in the batch's ingest job. A runtime that applies a batch a
-        slice at a time keeps it as its files until its step (:mod:`.file_batch`)."""
-        faults.inject("files", msg.batch)
-        rows = self._file_slices()
-        if rows:
-            kept, stats = take_in_slices(msg, rows, self._arrived,
-                                         lambda t: self._validate(t, msg.batch))
-            if stats is None:
-                return M.FilesIngested(unsupported=kept)
-            self.pending[msg.batch] = kept
-            self.logging.read_from(msg.batch, kept.ref)
-            allocator.give_back()  # (what reading and checking it freed)
-            return M.FilesIngested(rows=kept.num_rows, event_times=stats)
-        got, ref = read_files(msg)
-        if ref is None:
-            return M.FilesIngested(unsupported=got)
-        self.ingest(f"in:{msg.batch}", "files", got)
-        if getattr(self, "share", None) is None:  # (one host: the log keeps the files)
-            self.logging.read_from(msg.batch, ref)
-        return M.FilesIngested(rows=got.num_rows, event_times=event_time_stats(got, msg))
-
-    def _file_slices(self) -> int:
-        """Rows at a time in which this runtime's steps take a batch read from files: then
-        the batch is kept as its files until its step (:class:`~.file_batch.FileBatch`); 0:
-        read whole when it arrives."""
-        return 0
 
     # -- micro-batches -------------------------------------------------------------------------
     def step(self, batch: int, batch_ts_ms: Optional[int] = None,
