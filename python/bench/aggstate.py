@@ -18,7 +18,8 @@ until one last event three hours later closes them all and both sides emit every
 (append mode, into Delta). Tables checked equal (exceptAll both ways).
 
 Reported per side: time and events/s; for the engine, its processes' peak resident memory
-(VmHWM of the host engine and its instance processes, read every 0.2 s), the live windows before
+(VmHWM of the host engine and its instance processes, read every 0.2 s and once more
+after the query ends), the live windows before
 the closing batch, and bytes per live window: the peak RSS over live windows, and the same with
 the engine's RSS at its start subtracted (the interpreter, numba's code and pyarrow, which do
 not grow with the state). The peak is the closing batch's, which emits every window at once;
@@ -91,6 +92,7 @@ class Peak(threading.Thread):
     def __init__(self, q):
         super().__init__(daemon=True)
         self.q, self.hwm, self.live, self.base, self.stop = q, {}, 0, None, False
+        self.pids: list = []
         self.live_rss = 0  # (the largest RSS sampled while windows are live, between batches)
         self.live_peak = 0  # (the peak RSS while windows are live, inside batches too)
         self.disk = 0  # (the largest state on disk reported)
@@ -103,6 +105,7 @@ class Peak(threading.Thread):
                 hwm_before = sum(self._hwm(pids).values())  # (read before the lock: see below)
                 m = self.q.metrics()["engine"]
                 pids = [p for p in m.get("instance_pids", []) + [m.get("engine_pid")] if p]
+                self.pids = pids
                 rss = 0
                 for pid in pids:
                     with open(f"/proc/{pid}/status") as f:
@@ -133,6 +136,13 @@ class Peak(threading.Thread):
             except Exception:
                 pass
             time.sleep(0.2)
+
+    def finally_read(self) -> dict:
+        """The processes' VmHWM once the query ended (those still alive)."""
+        try:
+            return self._hwm(self.pids)
+        except OSError:
+            return {}
 
     @staticmethod
     def _hwm(pids) -> dict:
@@ -188,6 +198,9 @@ def _main(a, bench) -> None:
         if peak is not None:
             peak.stop = True
             peak.join()
+            # (the peak a last reading every 0.2 s can miss: the close's Delta write ends just
+            # before the query does; the engine outlives the query, its VmHWM kept)
+            peak.hwm.update(peak.finally_read())
         return s, peak
 
     if a.native:
