@@ -18,11 +18,13 @@ until one last event three hours later closes them all and both sides emit every
 (append mode, into Delta). Tables checked equal (exceptAll both ways).
 
 Reported per side: time and events/s; for the engine, its processes' peak resident memory
-(VmHWM of the host engine and its instance processes, read every 0.2 s and once more
-after the query ends), the live windows before
-the closing batch, and bytes per live window: the peak RSS over live windows, and the same with
-the engine's RSS at its start subtracted (the interpreter, numba's code and pyarrow, which do
-not grow with the state). The peak is the closing batch's, which emits every window at once;
+(VmHWM of the host engine and its instance processes, read every 0.2 s, and after the query
+ends until it settles: the engine writes the last batch's checkpoint after it; and their RSS
+polled every 2 ms, as VmHWM misses peaks given back by ``madvise``), the live
+windows before the closing batch, and bytes per live window: the peak RSS over live windows,
+and the same with the engine's RSS at its start subtracted (the interpreter, numba's code and
+pyarrow, which do not grow with the state). The peak may be the
+closing batch's where it emits more than a batch holds (every window at once);
 ``live_rss_bytes`` is the largest RSS sampled while the windows were live, between batches;
 ``live_peak_rss_bytes`` the peak while they were live, inside batches too (a batch's working
 set, a table's grow): the issue's measure, peak RSS over live windows, before the closing one.
@@ -87,22 +89,46 @@ def query(spark, src: Path):
 
 
 class Peak(threading.Thread):
-    """The engine's processes' peak RSS (VmHWM) and live windows, read while the query runs."""
+    """The engine's processes' peak RSS (VmHWM, and their RSS polled) and live windows, read
+    while the query runs."""
 
     def __init__(self, q):
         super().__init__(daemon=True)
         self.q, self.hwm, self.live, self.base, self.stop = q, {}, 0, None, False
         self.pids: list = []
+        self.polled = self.polled_since = 0  # (see poll)
+        self.done = False  # (the query and the engine's work for it ended: polling stops)
         self.live_rss = 0  # (the largest RSS sampled while windows are live, between batches)
         self.live_peak = 0  # (the peak RSS while windows are live, inside batches too)
         self.disk = 0  # (the largest state on disk reported)
         self.trace = bool(int(os.environ.get("AGGSTATE_TRACE", "0")))
 
+    def poll(self):
+        """The processes' RSS every 2 ms: VmHWM misses a peak whose pages went back by
+        ``madvise`` (the kernel updates it on unmaps and at exit only), as the engine gives its
+        heap and tables back; ``polled`` the largest sum seen, ``polled_since`` since the last
+        reading of the metrics."""
+        while not self.done:
+            try:
+                rss = 0
+                for pid in self.pids:
+                    with open(f"/proc/{pid}/status") as f:
+                        rss += next(int(ln.split()[1]) * 1024 for ln in f
+                                    if ln.startswith("VmRSS"))
+                self.polled = max(self.polled, rss)
+                self.polled_since = max(self.polled_since, rss)
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.002)
+
     def run(self):
         pids = []
+        threading.Thread(target=self.poll, daemon=True).start()
         while not self.stop:
             try:
-                hwm_before = sum(self._hwm(pids).values())  # (read before the lock: see below)
+                # (read before the lock: see below)
+                hwm_before = max(sum(self._hwm(pids).values()), self.polled_since)
+                self.polled_since = 0
                 m = self.q.metrics()["engine"]
                 pids = [p for p in m.get("instance_pids", []) + [m.get("engine_pid")] if p]
                 self.pids = pids
@@ -137,12 +163,20 @@ class Peak(threading.Thread):
                 pass
             time.sleep(0.2)
 
-    def finally_read(self) -> dict:
-        """The processes' VmHWM once the query ended (those still alive)."""
-        try:
-            return self._hwm(self.pids)
-        except OSError:
-            return {}
+    def finally_read(self, settle_s: float = 2.0, most_s: float = 60.0) -> dict:
+        """The processes' VmHWM once the query ended (those still alive), read until it has
+        not changed for ``settle_s`` (the engine still writes the last batch's checkpoint
+        when Spark's query ends)."""
+        got, since, t0 = {}, time.monotonic(), time.monotonic()
+        while time.monotonic() - since < settle_s and time.monotonic() - t0 < most_s:
+            try:
+                now = self._hwm(self.pids)
+            except OSError:
+                return got
+            if now != got:
+                got, since = now, time.monotonic()
+            time.sleep(0.1)
+        return got
 
     @staticmethod
     def _hwm(pids) -> dict:
@@ -198,15 +232,16 @@ def _main(a, bench) -> None:
         if peak is not None:
             peak.stop = True
             peak.join()
-            # (the peak a last reading every 0.2 s can miss: the close's Delta write ends just
-            # before the query does; the engine outlives the query, its VmHWM kept)
+            # (the engine outlives the query, its VmHWM kept: read again once its last work for
+            # the query, the last batch's checkpoint written in the background, is done)
             peak.hwm.update(peak.finally_read())
+            peak.done = True
         return s, peak
 
     if a.native:
         res["native_s"], _ = run(query(spark, src), "native")
     res["stretch_s"], peak = run(spark_stretch.stretch(query(spark, src)), "stretch")
-    rss = sum(peak.hwm.values())
+    rss = max(sum(peak.hwm.values()), peak.polled)
     res.update(stretch_peak_rss_bytes=rss, live_windows=peak.live,
                stretch_base_rss_bytes=peak.base, live_rss_bytes=peak.live_rss,
                live_peak_rss_bytes=peak.live_peak, state_disk_bytes=peak.disk,
