@@ -110,11 +110,7 @@ class Peak(threading.Thread):
         reading of the metrics."""
         while not self.done:
             try:
-                rss = 0
-                for pid in self.pids:
-                    with open(f"/proc/{pid}/status") as f:
-                        rss += next(int(ln.split()[1]) * 1024 for ln in f
-                                    if ln.startswith("VmRSS"))
+                rss = sum(_status(pid, "VmRSS") for pid in self.pids)
                 self.polled = max(self.polled, rss)
                 self.polled_since = max(self.polled_since, rss)
             except (OSError, StopIteration):
@@ -180,11 +176,13 @@ class Peak(threading.Thread):
 
     @staticmethod
     def _hwm(pids) -> dict:
-        out = {}
-        for pid in pids:
-            with open(f"/proc/{pid}/status") as f:
-                out[pid] = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM"))
-        return out
+        return {pid: _status(pid, "VmHWM") for pid in pids}
+
+
+def _status(pid: int, key: str) -> int:
+    """Bytes of ``key`` (VmRSS, VmHWM) in ``/proc/<pid>/status``."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":"))
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ from ..protocol import messages as M
 from ..protocol.errors import InputRejected, StateError
 from . import allocator, faults
 from .input_log import LoggedFiles, check_unchanged
-from .parquet import file_stats, slices_like_spark
+from .parquet import file_stats
 
 __all__ = ["FileBatch", "FileInput", "event_time_stats", "pieces", "read_files", "take_in_slices"]
 
@@ -63,7 +63,7 @@ class FileBatch:
         """The batch again, ``rows`` at a time, as it was read at its ingest; a StateError,
         naming the batch and the file, if a file is gone or changed since."""
         check_unchanged(self.batch, self.ref)
-        got = slices_like_spark(self.ref.files, self.ref.columns, _schema(self.ref), rows)
+        got = self.ref.slices(rows)
         if isinstance(got, str):
             raise StateError(f"batch {self.batch}'s input files cannot be read again: {got}")
         for t in got:
@@ -135,7 +135,7 @@ def take_in_slices(msg: M.IngestFiles, rows: int, arrived: Callable[[pa.Table], 
         ref.stats = file_stats(ref.files)  # (before reading: a change meanwhile is seen later)
     except OSError as e:
         return f"{type(e).__name__}: {e}", None, None
-    got = slices_like_spark(ref.files, ref.columns, _schema(ref), rows)
+    got = ref.slices(rows)
     if isinstance(got, str):
         return got, None, None
     n, times = 0, _EventTimes(msg.watermarks)
@@ -150,7 +150,8 @@ def take_in_slices(msg: M.IngestFiles, rows: int, arrived: Callable[[pa.Table], 
             validate(arrived(raw), msg.batch)
         except InputRejected:  # (its message names the batch's count, not the slice's)
             whole = ref.read()
-            validate(arrived(whole) if isinstance(whole, pa.Table) else raw, msg.batch)
+            if isinstance(whole, pa.Table):
+                validate(arrived(whole), msg.batch)
             raise
         n += raw.num_rows
         times.add(raw)
@@ -186,7 +187,3 @@ class _EventTimes:
 
     def stats(self) -> list:
         return [(hi, lo, s / n, n) if n else (0, 0, 0.0, 0) for hi, lo, s, n in self.acc]
-
-
-def _schema(ref: LoggedFiles) -> pa.Schema:
-    return M.schema_from_wire(ref.schema)

@@ -40,7 +40,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, Iterator, List, Optional, Union
 
 import pyarrow as pa
 
@@ -73,6 +73,14 @@ class LoggedFiles:
         from .parquet import read_like_spark
 
         return read_like_spark(self.files, self.columns, schema_from_wire(self.schema))
+
+    def slices(self, rows: int) -> Union[Iterator[pa.Table], str]:
+        """The files read as :meth:`read` reads them, ``rows`` at a time, or why not
+        (:func:`~spark_stretch.host.parquet.slices_like_spark`)."""
+        from ..protocol.messages import schema_from_wire
+        from .parquet import slices_like_spark
+
+        return slices_like_spark(self.files, self.columns, schema_from_wire(self.schema), rows)
 
 
 class InputLog:

@@ -40,13 +40,13 @@ __all__ = ["file_stats", "read_like_spark", "slices_like_spark"]
 def read_like_spark(files: list, columns: list, schema: pa.Schema) -> Union[pa.Table, str]:
     """``files`` read as Spark's Parquet reader would for ``columns`` of ``schema`` (a table),
     or why not (a string)."""
-    paths = _checked(files, columns, schema)
-    if isinstance(paths, str):
-        return paths
     tables = []
-    for uri, path in zip(files, paths):
+    for uri in files:
+        f = _open_checked(uri, columns, schema)
+        if isinstance(f, str):
+            return f
         try:
-            with _open(path) as f:
+            with f:
                 tables.append(f.read(columns=columns, use_threads=True))
         except Exception as e:  # (Spark reports its own error, or ignores what it may)
             return f"{uri}: {type(e).__name__}: {e}"
@@ -92,18 +92,31 @@ def _checked(files: list, columns: list, schema: pa.Schema) -> Union[list, str]:
     """The local paths of ``files``, each checked to read as Spark reads it, or why not."""
     paths = []
     for uri in files:
-        path = urlparse(uri)
-        if path.scheme not in ("", "file"):
-            return f"{uri} is not a local file"
-        try:
-            with _open(unquote(path.path)) as f:
-                why = _unlike_spark(f, columns, schema)
-        except Exception as e:  # (Spark reports its own error, or ignores what it may)
-            return f"{uri}: {type(e).__name__}: {e}"
-        if why:
-            return f"{uri}: {why}"
-        paths.append(unquote(path.path))
+        f = _open_checked(uri, columns, schema)
+        if isinstance(f, str):
+            return f
+        f.close()
+        paths.append(unquote(urlparse(uri).path))
     return paths
+
+
+def _open_checked(uri: str, columns: list, schema: pa.Schema):
+    """The local file ``uri`` open (a ``ParquetFile``, to close), checked to read as Spark
+    reads it, or why not (a string)."""
+    path = urlparse(uri)
+    if path.scheme not in ("", "file"):
+        return f"{uri} is not a local file"
+    f = None
+    try:
+        f = _open(unquote(path.path))
+        why = _unlike_spark(f, columns, schema)
+    except Exception as e:  # (Spark reports its own error, or ignores what it may)
+        why = f"{type(e).__name__}: {e}"
+    if not why:
+        return f
+    if f is not None:
+        f.close()
+    return f"{uri}: {why}"
 
 
 def _open(path: str, **options):

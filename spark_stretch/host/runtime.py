@@ -27,7 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import pyarrow as pa
 
@@ -37,7 +37,7 @@ from ..protocol.layout import input_log_of
 from ..protocol.specs import QuerySpec
 from . import allocator, faults, load
 from .checkpoints import CheckpointStore
-from .file_batch import FileInput
+from .file_batch import FileBatch, FileInput
 from .input_log import InputLog, InputLogWriter, LoggedFiles, read_again
 
 __all__ = ["Runtime", "ms_since"]
@@ -60,7 +60,7 @@ class Runtime(FileInput, ABC):
         # the next batch); next_watermark_ms is W_{N+1}.
         self.watermark_ms = 0
         self.next_watermark_ms = 0
-        self.pending: Dict[int, pa.Table] = {}
+        self.pending: Dict[int, Union[pa.Table, FileBatch]] = {}
         self.last_batch = -1
         self.last_reply: Optional[M.StepResult] = None
         self.switches: List[dict] = []
