@@ -113,7 +113,7 @@ class Peak(threading.Thread):
                 rss = sum(_status(pid, "VmRSS") for pid in self.pids)
                 self.polled = max(self.polled, rss)
                 self.polled_since = max(self.polled_since, rss)
-            except (OSError, StopIteration):
+            except OSError:  # (the process ended)
                 pass
             time.sleep(0.002)
 
@@ -180,9 +180,10 @@ class Peak(threading.Thread):
 
 
 def _status(pid: int, key: str) -> int:
-    """Bytes of ``key`` (VmRSS, VmHWM) in ``/proc/<pid>/status``."""
+    """Bytes of ``key`` (VmRSS, VmHWM) in ``/proc/<pid>/status``; 0 for a process that has
+    exited and not yet been reaped (a zombie has neither line)."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":"))
+        return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":")), 0)
 
 
 def main() -> None:

@@ -5,10 +5,10 @@ kernels, :mod:`spark_stretch.engine.kernels` and :mod:`spark_stretch.engine.sess
 A key's bucket is ``((mix64(key) >> 32) * B) >> 32`` of ``B`` buckets
 (:func:`bucket_of`; the placement policy of :mod:`spark_stretch.protocol.placement`): all
 windows of a key share it. Per bucket ``b`` an open-addressing table of ``cap`` slots (any
-count: :func:`next_cap` grows it by a quarter), one int64 record per slot
-``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (unpadded; a bucket at most 7/8 full,
-the buckets holding windows at most 3/4 on average: the runtime grows the tables past that,
-``Engine._grow_if_loaded``) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
+count: :func:`next_cap` grows it by an eighth), one int64 record per slot
+``rec[b, s] = (key, window start l or EMPTY, acc_i...)`` (unpadded; a bucket at most 15/16
+full, the buckets holding windows at most 13/16 on average: the runtime grows the tables past
+that, ``Engine._grow_if_loaded``) and float accumulators ``acc_f[b, s, :]``; ``bcount[b]`` live
 slots, ``bminl[b]`` earliest window start (``NO_L`` when empty), ``dirty[b]`` "modified since
 last checkpoint". A window's first slot is :func:`_slot0` of its key's hash and its start,
 then linear probing; keys are compared in full (key and window start), so there are no
@@ -64,18 +64,36 @@ def buckets_of(keys, nb):
 
 
 def next_cap(cap: int) -> int:
-    """Slots per bucket after a grow: a quarter more (grown at 3/4 full on average, the tables
-    are 3/5 to 3/4 full; growing by half left them 1/2 to 3/4, less with thousands of buckets
-    grown when the fullest reached 3/4)."""
-    return cap + max(cap // 4, 8)
+    """Slots per bucket after a grow: an eighth more (grown past 13/16 full on average, the
+    tables are 13/18 to 13/16 full; grown by a quarter at 3/4 they were 3/5 to 3/4, and the
+    records of 5M windows took 16% more memory: BENCHMARKS.md, aggregation state at scale)."""
+    return cap + max(cap // 8, 8)
+
+
+def loaded(windows: int, buckets: int, cap: int) -> bool:
+    """Whether ``buckets`` tables of ``cap`` slots holding ``windows`` are past 13/16 full on
+    average: the runtime grows them (``Engine._grow_if_loaded``). Probing stays cheap at that
+    load (5M windows: the kernels' time outside grows unchanged); growing by eighths rehashes
+    more often than by quarters (+6-8% end to end at 5M and 20M keys, BENCHMARKS.md)."""
+    return windows * 16 > buckets * cap * 13
+
+
+def cap_for(windows: int, buckets: int, cap: int) -> int:
+    """The first size after ``cap`` in :func:`next_cap`'s steps at which ``buckets`` tables
+    holding ``windows`` are not :func:`loaded`: one rehash instead of one per step."""
+    cap = next_cap(cap)
+    while loaded(windows, buckets, cap):
+        cap = next_cap(cap)
+    return cap
 
 
 @njit(**HOT)
 def bucket_full(count, cap):
-    """Whether a bucket of ``cap`` slots holding ``count`` would pass 7/8 with one more: a
+    """Whether a bucket of ``cap`` slots holding ``count`` would pass 15/16 with one more: a
     kernel then stops for the tables to grow (the runtime grows them earlier, once the buckets
-    holding windows are 3/4 full on average: ``Engine._grow_if_loaded``)."""
-    return (count + 1) * 8 > cap * 7
+    holding windows are past 13/16 full on average: :func:`loaded`). Among thousands of buckets the
+    fullest is a few standard deviations above the average: 15/16 leaves it room."""
+    return (count + 1) * 16 > cap * 15
 
 
 @njit(**HOT)

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from . import kernels as K
+from .buckets import cap_for, loaded
 from .batch import _slice, frozen, sort_rows, to_arrow
 from .epochs import Epochs, _check_mn
 from .errors import EngineError
@@ -329,13 +330,14 @@ class Engine(Epochs, Snapshots):
             finally:
                 self._rw.release_write()
 
-    def _grow_state(self, st, ver):
-        """Grow the shared state under the write lock, unless another instance already did
-        (its ``version`` moved on since ``ver`` was read)."""
+    def _grow_state(self, st, ver, cap=None):
+        """Grow the shared state (to ``cap`` slots a bucket; default the next size) under the
+        write lock, unless another instance already did (its ``version`` moved on since ``ver``
+        was read)."""
         self._rw.acquire_write()
         try:
             if st.version == ver:
-                st.grow()
+                st.grow() if cap is None else st.grow(cap)  # (a join's store: no size)
                 self._m["grows"] += 1
         finally:
             self._rw.release_write()
@@ -441,14 +443,17 @@ class Engine(Epochs, Snapshots):
         self._m["segments"] += 1
 
     def _grow_if_loaded(self):
-        """Grow a state whose buckets that hold windows are 3/4 full on average. A kernel grows
-        the tables only when one bucket would pass 7/8: among thousands of buckets the fullest
-        reaches 3/4 well before the average does, and growing then left the tables about half
-        empty (BENCHMARKS.md, aggregation state at scale). Between segments: no kernel runs."""
+        """Grow a state whose buckets that hold windows are past 13/16 full on average
+        (:func:`~.buckets.loaded`), at once to the size that leaves them under it. A kernel
+        grows the tables only when one bucket would pass 15/16: among thousands of buckets the
+        fullest passes 13/16 long before the average does, and growing then left the tables
+        about half empty (BENCHMARKS.md, aggregation state at scale). Between
+        segments: no kernel runs."""
         for st in self._bucket_states():
             used = st.bcount[st.bcount > 0]  # (a join's store grows by itself)
-            if used.size and int(used.sum()) * 4 > used.size * st.cap * 3:
-                self._grow_state(st, st.version)
+            windows = int(used.sum())
+            if used.size and loaded(windows, used.size, st.cap):
+                self._grow_state(st, st.version, cap_for(windows, used.size, st.cap))
 
     def _trim_every(self, st) -> tuple:
         """Tuples, and buckets spanned emitting, between two drops of the pages a kernel touched,

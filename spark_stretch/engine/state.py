@@ -201,7 +201,7 @@ class BucketState:
     init_i, init_f : array_like
         Initial accumulator values of a new window instance.
     cap : int
-        Initial slots per bucket; all buckets grow together, by a quarter
+        Initial slots per bucket; all buckets grow together, by an eighth or more
         (:func:`~spark_stretch.engine.buckets.next_cap`).
     spill : :class:`~spark_stretch.engine.spill.Spill`, optional
         The memory budget: tables larger than it are mapped from files on local disk, and

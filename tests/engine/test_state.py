@@ -68,25 +68,26 @@ def test_full_key_compare_no_collision_mistakes_and_growth():
     eng.close()
 
 
-def test_tables_grow_when_three_quarters_full_on_average():
-    """A kernel lets one bucket reach 7/8 before it grows the tables; the runtime grows them,
-    by a quarter, once the buckets holding windows are 3/4 full on average (with thousands of
-    buckets the fullest reaches 3/4 long before the average; growing then left the tables
-    about half empty). One bucket of 64 slots: 56 windows fit (7/8), and after the segment the
-    tables grow to 80 slots (56 > 3/4 of 64); the windows are all there, counted exactly."""
+def test_tables_grow_when_thirteen_sixteenths_full_on_average():
+    """A kernel lets one bucket reach 15/16 before it grows the tables; the runtime grows them,
+    by eighths, once the buckets holding windows are past 13/16 full on average (with thousands
+    of buckets the fullest passes that long before the average; growing then left the tables
+    about half empty), at once to the first size under it. One bucket of 64 slots: 60 windows
+    fit (15/16), and after the segment the tables grow once, to 81 slots (60 is past 13/16 of
+    72 too); the windows are all there, counted exactly."""
     eng = Engine(count(key="k", WS=10, WA=10), m=1, n=1, n_buckets=1, cap=64)
     eng.esg_in.add_sources([0], ordered=False)
-    keys = np.arange(56, dtype=np.int64) * 7919
-    eng.esg_in.add({"ts": np.zeros(56, np.int64), "k": keys}, 0)
+    keys = np.arange(60, dtype=np.int64) * 7919
+    eng.esg_in.add({"ts": np.zeros(60, np.int64), "k": keys}, 0)
     eng.esg_in.advance_watermark(1)
     eng.drain()
-    assert eng.state.live_windows() == 56
-    assert eng.state.cap == 80 and eng.metrics()["grows"] == 1
-    more = np.arange(56, 60, dtype=np.int64) * 7919  # (60 of 80 slots: no grow)
-    eng.esg_in.add({"ts": np.full(4, 2, np.int64), "k": more}, 0)
+    assert eng.state.live_windows() == 60
+    assert eng.state.cap == 81 and eng.metrics()["grows"] == 1
+    more = np.arange(60, 65, dtype=np.int64) * 7919  # (65 of 81 slots, not past 13/16: no grow)
+    eng.esg_in.add({"ts": np.full(5, 2, np.int64), "k": more}, 0)
     eng.esg_in.advance_watermark(3)
     eng.drain()
-    assert eng.state.cap == 80 and eng.metrics()["grows"] == 1
+    assert eng.state.cap == 81 and eng.metrics()["grows"] == 1
     eng.esg_in.advance_watermark(30)
     eng.drain()
     out, _ = eng.esg_out.get_batch("driver")
@@ -277,13 +278,14 @@ def test_take_list_matches_python():
     assert rows == [[3, 4, 5], [1, 2], [3, 4, 5], []]
 
 
-def test_session_tables_grow_when_three_quarters_full_on_average():
-    """Session windows as windows above: the session kernel lets one bucket reach 7/8 (a slot a
-    key) and the runtime grows the tables once the buckets holding sessions are 3/4 full on
-    average. Two buckets of 64 slots: 54 keys' sessions in one (past 3/4, under 7/8), 10 in
-    the other: no grow (it grew the tables when one bucket passed 3/4); 50 more keys in the
-    second, past 7/8: one grow, to 80 slots a bucket; every session emitted once, with its
-    count, when the watermark passes its end."""
+def test_session_tables_grow_when_thirteen_sixteenths_full_on_average():
+    """Session windows as windows above: the session kernel lets one bucket reach 15/16 (a slot
+    a key) and the runtime grows the tables once the buckets holding sessions are past 13/16
+    full on average. Two buckets of 64 slots: 54 keys' sessions in one (past 13/16, under
+    15/16), 10 in the other: no grow (it grew the tables when one bucket passed 3/4); 51 more
+    keys in the second, past 15/16: one grow, to 72 slots a bucket (115 of 144 slots, not past
+    13/16 on average: no second grow); every session emitted once, with its count, when the
+    watermark passes its end."""
     from spark_stretch.engine.buckets import buckets_of
 
     candidates = np.arange(2_000, dtype=np.int64) * 7919
@@ -302,12 +304,12 @@ def test_session_tables_grow_when_three_quarters_full_on_average():
 
     add(np.concatenate([first[:54], second[:10]]), 0)
     assert eng.state.cap == 64 and eng.metrics()["grows"] == 0
-    add(second[10:60], 1)
-    assert eng.state.cap == 80 and eng.metrics()["grows"] == 1
+    add(second[10:61], 1)
+    assert eng.state.cap == 72 and eng.metrics()["grows"] == 1
     eng.esg_in.advance_watermark(30)
     eng.drain()
     out, _ = eng.esg_out.get_batch("driver")
-    keys = np.concatenate([first[:54], second[:60]])
+    keys = np.concatenate([first[:54], second[:61]])
     assert sorted(out["key"].tolist()) == sorted(keys.tolist())
     assert (out["count"] == 1).all()
     eng.close()
