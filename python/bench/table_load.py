@@ -55,8 +55,9 @@ def main() -> None:
     t0 = time.perf_counter()
     per = a.events // a.batches
     for b in range(a.batches):
-        for lo in range(b * per, (b + 1) * per if b < a.batches - 1 else a.events, SLICE):
-            hi = min(lo + SLICE, (b + 1) * per if b < a.batches - 1 else a.events)
+        end = (b + 1) * per if b < a.batches - 1 else a.events  # (the last takes the rest)
+        for lo in range(b * per, end, SLICE):
+            hi = min(lo + SLICE, end)
             eng.esg_in.add({"ts": ts[lo:hi], "k": keys[lo:hi]}, 0)
             eng.esg_in.advance_watermark(int(ts[hi - 1]))
             eng.drain()
