@@ -80,8 +80,7 @@ def _warm_up(runtime, qid: str, spec) -> None:
                 eng.snapshot(delta=True)
         finally:
             rt.close()
-        import deltalake  # noqa: F401  (the engine's own Delta appends)
-        import pandas  # noqa: F401  (deltalake's first write imports it)
+        import deltalake  # noqa: F401  (the engine's own Delta appends; no pandas: allocator)
     except Exception:
         pass
 

@@ -6,19 +6,21 @@ and unmapped, a quarter of the engine's CPU on a Nexmark batch of 1M rows was th
 faulting in and zeroing fresh pages; with glibc's default (a threshold that rises after the
 first large free, an arena per thread), the heap kept 100-120 MB more of a batch's buffers at
 5M live windows. Here: one arena (a batch is built on one thread and freed on another), arrays
-under 4 MB from the heap (a slice of a batch: 262,144 rows of 8 bytes is 2 MB), larger ones
+under 4 MB from the heap (a slice of a batch: 65,536 rows of 8 bytes is 512 KB), larger ones
 mapped (a 1M-row column, the state's tables, which must leave memory when they grow or spill),
 and the heap trimmed after a batch is taken in and after it is stepped: the engine's memory
-as before (+2 B a window at 5M), its CPU 8-12% less on Nexmark's aggregations.
+as before (+2 B a window at 5M), its CPU 8-12% less on Nexmark's aggregations. And pyarrow
+is kept from importing pandas, which the engine does not use (:func:`arrow_without_pandas`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Optional
 
-__all__ = ["tune_malloc", "set_up", "give_back"]
+__all__ = ["tune_malloc", "set_up", "give_back", "arrow_without_pandas"]
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
@@ -63,6 +65,51 @@ def set_up() -> None:
     import pyarrow as pa
 
     pa.set_memory_pool(pa.system_memory_pool())
+    arrow_without_pandas()
+
+
+def arrow_without_pandas() -> bool:
+    """Keep pandas out of the engine process until something in it needs pandas.
+
+    pyarrow imports pandas the first time it asks whether a value is a pandas object (any
+    ``pa.array`` or ``pa.scalar``) and the first time it converts to numpy (``to_numpy``, from
+    C++). The engine never hands it a pandas object, and pandas costs the process about 30 MB
+    (5M live windows: 6-7 B a window, BENCHMARKS.md). Each asked once while pandas cannot be
+    imported, pyarrow takes it that there is none and does not ask again; what needs pandas
+    (``to_pandas``, ``from_pandas``) still imports it when called, and gives what it gives in
+    a process that had pandas all along (checked for every column type Spark has). Before such
+    a call, ``pa.array`` of a pandas object sees a plain sequence: the engine makes none.
+    Returns whether it did (not when pandas is loaded already).
+
+    >>> import subprocess, sys
+    >>> code = ("import sys, numpy as np, pyarrow as pa; "
+    ...         "from spark_stretch.host import allocator; allocator.arrow_without_pandas(); "
+    ...         "a = pa.array(np.arange(3)); print('pandas' in sys.modules, a.to_numpy().sum(), "
+    ...         "type(pa.table({'a': a}).to_pandas()).__name__)")
+    >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    'False 3 DataFrame\\n'
+    """
+    if "pandas" in sys.modules:
+        return False
+    import pyarrow as pa
+
+    sys.meta_path.insert(0, _NoPandas)
+    try:
+        pa.lib._pandas_api.have_pandas  # (the Python side's one try)
+        pa.array([0], pa.int64()).to_numpy()  # (the C++ side's)
+    finally:
+        sys.meta_path.remove(_NoPandas)
+    return True
+
+
+class _NoPandas:
+    """A finder for which pandas cannot be imported (:func:`arrow_without_pandas`)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas":
+            raise ModuleNotFoundError("pandas left out of the engine until needed", name=name)
+        return None
 
 
 def give_back() -> None:
