@@ -141,7 +141,8 @@ SLICE_ROWS = 1 << 16
 """Rows of a batch applied at a time by engines that apply whole batches (:func:`slice_rows`):
 what a slice holds while it is applied (its columns, ESG segment, kernel arrays) is a
 quarter of what 262,144 rows held: 5M keys, 7 B a live window less (117 B against 124 B),
-for 8% more time (BENCHMARKS.md, aggregation state at scale)."""
+for about 8% more time (as measured on 2026-12-05; BENCHMARKS.md, aggregation state at
+scale)."""
 
 
 def slice_rows(s: AggregateSpec, engines: list) -> int:

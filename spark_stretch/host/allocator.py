@@ -77,9 +77,11 @@ def arrow_without_pandas() -> bool:
     (5M live windows: 6-7 B a window, BENCHMARKS.md). Each asked once while pandas cannot be
     imported, pyarrow takes it that there is none and does not ask again; what needs pandas
     (``to_pandas``, ``from_pandas``) still imports it when called, and gives what it gives in
-    a process that had pandas all along (checked for every column type Spark has). Before such
-    a call, ``pa.array`` of a pandas object sees a plain sequence: the engine makes none.
-    Returns whether it did (not when pandas is loaded already).
+    a process that had pandas all along (timestamps, dates, decimals, strings, numbers,
+    booleans, lists, structs, binaries: ``tests/host/test_allocator.py``). Before such a call,
+    ``pa.array`` of a pandas object sees a plain sequence: the engine makes none. Returns
+    whether it did: not when pandas is loaded already, nor if pyarrow's private pandas shim is
+    not where pyarrow 26 has it (then pyarrow imports pandas as it would).
 
     >>> import subprocess, sys
     >>> code = ("import sys, numpy as np, pyarrow as pa; "
@@ -89,17 +91,18 @@ def arrow_without_pandas() -> bool:
     >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     'False 3 DataFrame\\n'
     """
-    if "pandas" in sys.modules:
-        return False
     import pyarrow as pa
 
+    shim = getattr(pa.lib, "_pandas_api", None)
+    if "pandas" in sys.modules or shim is None:
+        return False
     sys.meta_path.insert(0, _NoPandas)
     try:
-        pa.lib._pandas_api.have_pandas  # (the Python side's one try)
+        shim.have_pandas  # (the Python side's one try)
         pa.array([0], pa.int64()).to_numpy()  # (the C++ side's)
     finally:
         sys.meta_path.remove(_NoPandas)
-    return True
+    return "pandas" not in sys.modules
 
 
 class _NoPandas:
