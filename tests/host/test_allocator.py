@@ -52,7 +52,7 @@ def test_pyarrow_without_pandas_converts_as_a_process_with_pandas_does():
 
 
 _AGGREGATE_AND_WRITE = """
-import sys, tempfile
+import sys
 from spark_stretch.host import allocator
 allocator.tune_malloc(); allocator.set_up()  # (as the daemon's main)
 import numpy as np, pyarrow as pa
@@ -62,11 +62,12 @@ from spark_stretch.host.aggregate import AggregateRuntime
 from spark_stretch.protocol.specs import AggregateSpec, Checkpointing
 
 class Kept:
-    out = []
+    def __init__(self):
+        self.out = []
     def offer(self, stream, table):
         if table is not None: self.out.append(table)
 
-d = tempfile.mkdtemp()
+d = sys.argv[1]
 spec = AggregateSpec(ts_column="ts", delay_ms=0, key_kind="scalar", key_column="user",
                      key_type="long", window_us=10_000_000, slide_us=10_000_000,
                      aggs=[("count", None), ("sum", "x"), ("max", "x")],
@@ -86,13 +87,16 @@ out = pa.concat_tables(kept.out)
 write_deltalake(d + "/t", out.slice(0, 0))
 delta.append(d + "/t", out, "app", 0)
 print("pandas" in sys.modules, DeltaTable(d + "/t").to_pyarrow_table().num_rows,
-      sum(out.column(2).to_pylist()))
+      sum(out.column(2).to_pylist()), flush=True)
+import os
+os._exit(0)  # (as the daemon ends: no interpreter teardown, where a library's thread may abort)
 """
 
 
-def test_an_aggregation_and_its_delta_write_leave_pandas_out_of_the_engine():
+def test_an_aggregation_and_its_delta_write_leave_pandas_out_of_the_engine(tmp_path):
     """The engine's process keeps pandas out (``allocator.arrow_without_pandas``: 30 MB)
     through an aggregation's batches, its checkpoints, its close and its Delta write: the rows
     are the windows a sequential count makes."""
     windows = {(sec // 10, sec % 7) for sec in range(1000)}
-    assert _run(_AGGREGATE_AND_WRITE).split() == ["False", str(len(windows)), "1000"]
+    assert _run(_AGGREGATE_AND_WRITE, str(tmp_path)).split() == [
+        "False", str(len(windows)), "1000"]
