@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import spark_stretch
 from spark_stretch.host import daemon
 
@@ -88,6 +90,31 @@ def test_the_launcher_turns_the_engines_log_into_a_clear_error(spark):
     other = hosts.whyNotStarted("h", "python3", 139, "Segmentation fault")
     assert other == ("the stretch host engine on h exited with status 139 before it was "
                      "ready: Segmentation fault")
+
+
+def test_an_engine_that_exits_before_reading_its_secret_is_a_clear_error(spark, tmp_path):
+    """A Python that exits at once (one without the package) can be gone before the launcher
+    writes its secret; the JDK has then closed its stdin. The launcher reports why it exited
+    and leaves no directory, as for any failed start (seen in CI: 'Stream closed', and the
+    engine's directory left behind). ``/bin/false`` exits at once; 40 launches each."""
+    import os
+
+    hosts = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchHosts
+    jvm = spark.sparkContext._jvm
+    for cmd_words in (["/bin/false"], ["/bin/sh", "-c", "echo gone >&2; exit 3"]):
+        words = jvm.java.util.ArrayList()
+        for word in cmd_words:
+            words.add(word)
+        cmd = jvm.scala.jdk.javaapi.CollectionConverters.asScala(words).toSeq()
+        status = 1 if cmd_words == ["/bin/false"] else 3
+        for i in range(40):
+            app = f"app-exits-{status}-{i}"
+            with pytest.raises(Exception) as e:
+                hosts.ensure("127.0.0.1", app, cmd, "a-secret", str(tmp_path), 30.0, 60_000)
+            msg = str(e.value)
+            assert (f"the stretch host engine on 127.0.0.1 exited with status {status} before "
+                    "it was ready") in msg, msg
+            assert not os.path.exists(hosts.engineDir(str(tmp_path), app, "127.0.0.1").getPath())
 
 
 def test_an_engine_under_a_long_temporary_directory_gets_a_socket_that_fits(spark, tmp_path):

@@ -4,6 +4,7 @@ import java.io.{File, IOException, RandomAccessFile}
 import java.nio.charset.StandardCharsets
 import java.nio.file.Files
 import java.security.MessageDigest
+import java.util.concurrent.TimeUnit
 
 import scala.jdk.CollectionConverters._
 
@@ -145,13 +146,19 @@ object StretchHosts {
         throw new IOException(cannotStart(host, cmd.head, s"its Python cannot be run here " +
           s"(${e.getMessage})") + ". " + Remedy, e)
     }
-    proc.getOutputStream.write((secret + "\n").getBytes(StandardCharsets.UTF_8))
-    proc.getOutputStream.close()
     val deadline = System.nanoTime() + timeoutMs * 1000000L
     var ready = false
     // Whatever ends the wait but READY (a failed start, the timeout, or this task interrupted
     // because another host's failure cancelled the launch job) leaves no process or directory.
     try {
+      try {
+        proc.getOutputStream.write((secret + "\n").getBytes(StandardCharsets.UTF_8))
+        proc.getOutputStream.close()
+      } catch {
+        // (a Python that exits at once, one without the package, can be gone before its secret
+        // is written: the JDK has closed its stdin. Its log says why, read below.)
+        case e: IOException => if (!proc.waitFor(2, TimeUnit.SECONDS)) throw e
+      }
       while (System.nanoTime() < deadline) {
         val lines = if (out.exists()) Files.readAllLines(out.toPath).asScala else Nil
         lines.find(_.startsWith("READY ")) match {
