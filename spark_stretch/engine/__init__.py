@@ -19,9 +19,10 @@ interning), :mod:`.sn` and :mod:`.store` (the shared-nothing and join engines), 
 """
 from pathlib import Path as _Path
 
-from .jitcache import purge_stale as _purge_stale
+from .jitcache import cache_runtime as _cache_runtime, purge_stale as _purge_stale
 
 _purge_stale(_Path(__file__).parent)  # before any kernel is defined: numba's cache in step
+_cache_runtime(_Path(__file__).parent)  # numba's runtime loaded, not compiled (jitcache)
 from .errors import EngineError  # noqa: E402
 from .batch import ListColumn, to_arrow
 from .esg import ESG, Control, Segment
