@@ -140,9 +140,9 @@ def output_in_blocks(spec, codec, engines) -> Optional[pa.Table]:
 SLICE_ROWS = 1 << 16
 """Rows of a batch applied at a time by engines that apply whole batches (:func:`slice_rows`):
 what a slice holds while it is applied (its columns, ESG segment, kernel arrays) is a
-quarter of what 262,144 rows held: 5M keys, 7 B a live window less (117 B against 124 B),
-for about 8% more time (as measured on 2026-12-05; BENCHMARKS.md, aggregation state at
-scale)."""
+quarter of what 262,144 rows held: 5M keys, 2-6 B a live window less, in the same time
+(12.0-12.1 s against 11.7-12.9 s, alternately on 2026-12-06; 8% more on 2026-12-05, before
+the Parquet reader read one column at a time; BENCHMARKS.md, aggregation state at scale)."""
 
 
 def slice_rows(s: AggregateSpec, engines: list) -> int:
