@@ -92,6 +92,15 @@ def test_the_launcher_turns_the_engines_log_into_a_clear_error(spark):
                      "ready: Segmentation fault")
 
 
+def _scala_seq(spark, words: list):
+    """``words`` as the Scala ``Seq[String]`` a launcher's command is (``StretchHosts.ensure``)."""
+    jvm = spark.sparkContext._jvm
+    out = jvm.java.util.ArrayList()
+    for word in words:
+        out.add(word)
+    return jvm.scala.jdk.javaapi.CollectionConverters.asScala(out).toSeq()
+
+
 def test_an_engine_that_exits_before_reading_its_secret_is_a_clear_error(spark, tmp_path):
     """A Python that exits at once (one without the package) can be gone before the launcher
     writes its secret; the JDK has then closed its stdin. The launcher reports why it exited
@@ -100,13 +109,8 @@ def test_an_engine_that_exits_before_reading_its_secret_is_a_clear_error(spark, 
     import os
 
     hosts = spark.sparkContext._jvm.org.apache.spark.sql.stretch.StretchHosts
-    jvm = spark.sparkContext._jvm
-    for cmd_words in (["/bin/false"], ["/bin/sh", "-c", "echo gone >&2; exit 3"]):
-        words = jvm.java.util.ArrayList()
-        for word in cmd_words:
-            words.add(word)
-        cmd = jvm.scala.jdk.javaapi.CollectionConverters.asScala(words).toSeq()
-        status = 1 if cmd_words == ["/bin/false"] else 3
+    for words, status in ((["/bin/false"], 1), (["/bin/sh", "-c", "echo gone >&2; exit 3"], 3)):
+        cmd = _scala_seq(spark, words)
         for i in range(40):
             app = f"app-exits-{status}-{i}"
             with pytest.raises(Exception) as e:
@@ -137,12 +141,8 @@ def test_an_engine_under_a_long_temporary_directory_gets_a_socket_that_fits(spar
     assert hosts.engineDir(str(base), "application_1700000000000_0001",
                            "127.0.0.1").getPath() == path  # (every launcher finds the same)
 
-    jvm = spark.sparkContext._jvm
-    words = jvm.java.util.ArrayList()
-    for word in (sys.executable, "-m", "spark_stretch.host.daemon", "--driver-version",
-                 spark_stretch.__version__):
-        words.add(word)
-    cmd = jvm.scala.jdk.javaapi.CollectionConverters.asScala(words).toSeq()
+    cmd = _scala_seq(spark, [sys.executable, "-m", "spark_stretch.host.daemon",
+                             "--driver-version", spark_stretch.__version__])
     line = hosts.ensure("127.0.0.1", "application_1700000000000_0001", cmd, "a-secret",
                         str(base), 30.0, 120_000)
     host, sock, tcp, pid = line.split("|")
