@@ -15,14 +15,18 @@ Modules: :mod:`.runtime` (``Engine``: the step loop and its threads), :mod:`.epo
 (keys to buckets, the buckets' window tables), :mod:`.aggregates` (the built-in aggregates'
 arithmetic), :mod:`.sessions` (session windows), :mod:`.state` (shared state, owner maps,
 interning), :mod:`.sn` and :mod:`.store` (the shared-nothing and join engines), :mod:`.jitcache`
-(numba's on-disk cache kept in step with the sources).
+(numba's on-disk cache kept in step with the sources), :mod:`.jit` (the kernels' ``njit``:
+numba's, or the native library :mod:`.aot` built ahead of time, loaded by :mod:`.native`
+without numba).
 """
 from pathlib import Path as _Path
 
+from . import jit as _jit
 from .jitcache import cache_runtime as _cache_runtime, purge_stale as _purge_stale
 
-_purge_stale(_Path(__file__).parent)  # before any kernel is defined: numba's cache in step
-_cache_runtime(_Path(__file__).parent)  # numba's runtime loaded, not compiled (jitcache)
+if _jit.numba_loaded():  # (with the kernels' library: when numba is needed, jit does these)
+    _purge_stale(_Path(__file__).parent)  # before any kernel is defined: numba's cache in step
+    _cache_runtime(_Path(__file__).parent)  # numba's runtime loaded, not compiled (jitcache)
 from .errors import EngineError  # noqa: E402
 from .batch import ListColumn, to_arrow
 from .esg import ESG, Control, Segment

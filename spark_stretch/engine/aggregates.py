@@ -21,7 +21,7 @@ windows gone are collected by the runtime.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 from .buckets import HOT
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
-from numba import njit
+from .jit import njit
 
 from .errors import EngineError
 from .order import lexsort

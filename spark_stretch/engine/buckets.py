@@ -24,7 +24,7 @@ Examples
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 EMPTY = np.iinfo(np.int64).min  # window start of a free slot
 NO_L = np.iinfo(np.int64).max  # bminl of an empty bucket

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from numba import njit
+from .jit import njit
 
 from ..protocol.placement import XXHASH_SEED
 

@@ -29,18 +29,12 @@ import hashlib
 import os
 from pathlib import Path
 
+from .native import sources_hash as _sources_hash
+
 __all__ = ["purge_stale", "cache_runtime"]
 
 _STAMP = "stretch-jit.stamp"
 _RUNTIME = "stretch-nrt-{}.nbo"  # (.nbo: not a numba cache file, kept through purge_stale)
-
-
-def _sources_hash(pkg: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for f in sorted(pkg.glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 def purge_stale(pkg: Path) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 # (what the kernel bodies use, and the codes and table helpers the engine's other modules read
 # as ``kernels.<name>``)
@@ -388,6 +388,9 @@ def specialize(mk, upd, out, slide, val=None):
     operations on memory shared by all instance threads.)
     Returns ``(agg_kernel, route_kernel)``; not cached on disk (compiled on first call).
     """
+    from .jit import require_numba
+
+    require_numba()  # (numba compiles these: the globals they call must be numba's)
     g = dict(globals())
     g.update(_MK=mk, _UPD=upd, _OUT=out, _SLIDE=slide, _VAL=val or _val_none, _BUILTIN=False)
 

@@ -37,7 +37,7 @@ import threading
 import time
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 from .batch import frozen
 from .buckets import bucket_of

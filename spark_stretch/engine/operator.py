@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 from . import kernels as K
 from .errors import EngineError
@@ -186,6 +186,9 @@ class Operator:
         """Compile the user f_MK / f_U for the actual input types once and check what they return."""
         if self.builtin_ip is not None or self.python or getattr(self, "_checked", False):
             return
+        from .jit import require_numba
+
+        require_numba()  # (a user's numba functions: the kernels they meet are numba's)
         from numba import typeof, types
         i64 = typeof(np.empty(1, np.int64))
         ai, af = typeof(np.empty(1, np.int64)), typeof(np.empty(1, np.float64))

@@ -25,7 +25,7 @@ Examples
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 _SHORT = 32  # runs of ties up to this long are insertion-sorted in the kernel; longer: np.lexsort
 

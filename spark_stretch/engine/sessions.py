@@ -20,7 +20,7 @@ accumulators (the layout of :mod:`spark_stretch.engine.buckets`; the aggregates 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 from .aggregates import (AGG_COUNT, AGG_COUNT_ANY, AGG_FIRST_F, AGG_FIRST_I, AGG_HLL, AGG_LAST_F,
                          AGG_LAST_I, AGG_MAX_F, AGG_MAX_I, AGG_MAX_S, AGG_MAXBY_I, AGG_MAXBY_L,

@@ -16,7 +16,7 @@ import types
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 from . import kernels as K
 from .errors import EngineError

@@ -12,7 +12,7 @@ grow; the caller grows them and calls again from there.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)

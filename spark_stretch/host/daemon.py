@@ -182,6 +182,7 @@ class HostDaemon:
         rt = self.queries.pop(msg.query, None)
         if rt is not None:
             rt.close()
+            _record_signatures()
         return M.Closed(len(self.queries))
 
     def _shutdown(self, msg: M.Shutdown) -> M.Empty:
@@ -221,6 +222,20 @@ class HostDaemon:
             # keeps each query's checkpoint lock till then, so a restart cannot write beside it.
             rt.keep_checkpoint_lock = orphaned
             rt.close()
+        _record_signatures()
+
+
+def _record_signatures() -> None:
+    """Keep the kernel signatures numba compiled here, for the kernels' library
+    (``engine/aot.py``: ``python -m spark_stretch warm`` builds it). Best effort."""
+    if "spark_stretch.engine.jit" not in sys.modules:
+        return  # (the engine never loaded: nothing compiled)
+    try:
+        from ..engine.jit import record_signatures
+
+        record_signatures()
+    except Exception:
+        traceback.print_exc()
 
 
 # What the engine imports (some of it lazily, in a thread): missing ones are named at start.

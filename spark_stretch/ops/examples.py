@@ -15,9 +15,15 @@ Examples
 """
 from __future__ import annotations
 
-from numba import njit
-
 from ..engine.operator import Operator
+
+
+def njit(**opts):
+    """numba's ``njit``, imported when an example operator is made (these are user numba
+    functions: an engine that runs none does not import numba)."""
+    from numba import njit as numba_njit
+
+    return numba_njit(**opts)
 
 
 def passthrough(K=1):
