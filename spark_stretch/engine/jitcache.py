@@ -29,8 +29,6 @@ import hashlib
 import os
 from pathlib import Path
 
-from .native import sources_hash as _sources_hash
-
 __all__ = ["purge_stale", "cache_runtime"]
 
 _STAMP = "stretch-jit.stamp"
@@ -56,7 +54,9 @@ def purge_stale(pkg: Path) -> bool:
         return False
     cache = pkg / "__pycache__"
     stamp = cache / _STAMP
-    digest = _sources_hash(pkg)
+    from .native import sources_hash  # (this module is also loaded alone, by its path)
+
+    digest = sources_hash(pkg)
     try:
         if stamp.read_text() == digest:
             return False
