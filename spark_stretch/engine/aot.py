@@ -200,7 +200,7 @@ def _main(pkg: Path) -> int:
     from .jit import _SEEN, numba_loaded
     from .native import _externals, cache_dir, library_key, library_path
 
-    assert numba_loaded(), "SPARK_STRETCH_AOT=0 must be set for a build"
+    assert numba_loaded(), "SPARK_STRETCH_AOT=0 must be set for a build (build() sets it)"
     seen = json.loads((cache_dir(pkg) / _SEEN).read_text())
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
@@ -271,4 +271,7 @@ def _main(pkg: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(Path(sys.argv[1]) if len(sys.argv) > 1 else _PKG))
+    pkg = Path(sys.argv[1]) if len(sys.argv) > 1 else _PKG
+    if os.environ.get("SPARK_STRETCH_AOT") == "0" and os.environ.get("NUMBA_CACHE_DIR"):
+        sys.exit(_main(pkg))  # (build's own process)
+    print(build(pkg))  # (a user's command: the build in a process of its own)

@@ -37,7 +37,8 @@ from typing import Optional
 
 from . import native
 
-__all__ = ["njit", "Kernel", "require_numba", "numba_loaded", "record_signatures", "library"]
+__all__ = ["njit", "Kernel", "as_numba", "require_numba", "numba_loaded", "record_signatures",
+           "library"]
 
 _PKG = Path(__file__).parent
 _SEEN = "stretch-kernels.seen"
@@ -83,12 +84,36 @@ class Kernel:
     def __repr__(self):
         return f"Kernel({self.name}, {len(self._entries)} signatures)"
 
+    def __reduce__(self):  # (by name, as numba pickles its dispatchers: an operator's default)
+        return _named, (self.py_func.__module__, self.name)
+
+
+_made: dict = {}  # name -> what njit made of it (a Kernel, or numba's dispatcher)
+
+
+def _named(module: str, name: str):
+    """The kernel ``name`` of ``module`` in this process (unpickling)."""
+    import importlib
+
+    importlib.import_module(module)
+    return as_numba(_made[name]) if numba_loaded() else _made[name]
+
+
+def as_numba(f):
+    """``f`` as numba compiles it into other functions: a :class:`Kernel`'s dispatcher
+    (numba imported, :func:`require_numba`), anything else as it is."""
+    if isinstance(f, Kernel):
+        require_numba()
+        return f.dispatcher
+    return f
+
 
 def _numba_njit(f, opts: dict):
     import numba
 
     d = numba.njit(**opts)(f)
     _dispatchers.append((_name(f), d))
+    _made.setdefault(_name(f), d)
     return d
 
 
@@ -131,6 +156,7 @@ def njit(*args, **opts):
                 return _numba_njit(f, opts)
             k = Kernel(f, opts)
             _kernels.append(k)
+            _made[k.name] = k
             return k
     return wrap
 

@@ -190,13 +190,16 @@ class Operator:
 
         require_numba()  # (a user's numba functions: the kernels they meet are numba's)
         from numba import typeof, types
+
+        from .jit import as_numba
         i64 = typeof(np.empty(1, np.int64))
         ai, af = typeof(np.empty(1, np.int64)), typeof(np.empty(1, np.float64))
         oi, of = typeof(np.empty((1, 1), np.int64)), typeof(np.empty((1, 1), np.float64))
         for s in range(self.I):
             ct = typeof(cols[s])
-            for what, f, sig in (("f_MK", self.f_MK[s], (ct, types.int64, i64)),
-                                 ("f_U", self.f_U[s], (ai, af, ct, types.int64, types.int64, oi, of))):
+            for what, f, sig in (("f_MK", as_numba(self.f_MK[s]), (ct, types.int64, i64)),
+                                 ("f_U", as_numba(self.f_U[s]),
+                                  (ai, af, ct, types.int64, types.int64, oi, of))):
                 try:
                     f.compile(sig)
                 except Exception as e:
@@ -217,12 +220,12 @@ class Operator:
 
 def _user_kernels(op: Operator):
     """Bind user functions into the generic kernel (numba, uncached) or run it in Python (``python=True``)."""
-    mk0 = op.f_MK[0]
-    mk1 = op.f_MK[-1]
-    up0 = op.f_U[0]
-    up1 = op.f_U[-1]
-    fo = op.f_O
-    fs = op.f_S
+    from .jit import as_numba
+
+    # (an operator's defaults are the engine's kernels: numba's dispatchers, to be compiled in)
+    mk0, mk1, up0, up1, fo, fs = map((lambda f: f) if op.python else as_numba,
+                                     (op.f_MK[0], op.f_MK[-1], op.f_U[0], op.f_U[-1], op.f_O,
+                                      op.f_S))
 
     def mk(stream, cols0, cols1, row, out, ip):
         if stream == 0:
@@ -258,5 +261,7 @@ def _user_kernels(op: Operator):
 
         g["_fire_bucket"] = clone(K._fire_bucket_py)
         return clone(K._agg_kernel_py), clone(K._route_py)
-    j = njit(nogil=True)
+    from numba import njit as numba_njit  # (as_numba imported numba)
+
+    j = numba_njit(nogil=True)
     return K.specialize(j(mk), j(upd), j(out), j(slide), j(val))

@@ -11,6 +11,13 @@ mapped (a 1M-row column, the state's tables, which must leave memory when they g
 and the heap trimmed after a batch is taken in and after it is stepped: the engine's memory
 as before (+2 B a window at 5M), its CPU 8-12% less on Nexmark's aggregations. And pyarrow
 is kept from importing pandas, which the engine does not use (:func:`arrow_without_pandas`).
+
+``deltalake`` (the engine's Delta appends) brings its own jemalloc, which keeps freed pages for
+ten seconds and in an arena per thread: appending the 4.75M windows a close at 5M keys fires
+took 61-81 MiB more and kept them after. With its pages given back as they are freed
+(:data:`DELTALAKE_MALLOC_CONF`, set by the engine process unless the user set
+``_RJEM_MALLOC_CONF``) it takes 34 MiB and keeps 12, 0.2-0.3 s slower on those rows
+(BENCHMARKS.md, aggregation state at scale).
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["tune_malloc", "set_up", "give_back", "arrow_without_pandas"]
+__all__ = ["tune_malloc", "set_up", "give_back", "arrow_without_pandas", "DELTALAKE_MALLOC_CONF"]
+
+DELTALAKE_MALLOC_CONF = "dirty_decay_ms:0,muzzy_decay_ms:0"
+"""deltalake's jemalloc (its variable is ``_RJEM_MALLOC_CONF``): freed pages go back at once."""
 
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8

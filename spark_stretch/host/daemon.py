@@ -32,6 +32,8 @@ if __name__ == "__main__":
     # chosen from this variable when pyarrow loads (below); pa.set_memory_pool in
     # allocator.set_up sets only the pool that Python calls pass. A user's choice stands.
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    # (read by deltalake's jemalloc when it first allocates: see allocator)
+    os.environ.setdefault("_RJEM_MALLOC_CONF", allocator.DELTALAKE_MALLOC_CONF)
     allocator.tune_malloc()  # (before numpy, pyarrow and their threads allocate)
 
 from ..protocol import messages as M

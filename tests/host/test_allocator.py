@@ -100,3 +100,44 @@ def test_an_aggregation_and_its_delta_write_leave_pandas_out_of_the_engine(tmp_p
     windows = {(sec // 10, sec % 7) for sec in range(1000)}
     assert _run(_AGGREGATE_AND_WRITE, str(tmp_path)).split() == [
         "False", str(len(windows)), "1000"]
+
+
+_DELTA_WRITE_RETAINS = """
+import runpy, sys
+sys.argv = ['daemon', '--help']
+try:
+    runpy.run_module('spark_stretch.host.daemon', run_name='__main__')
+except SystemExit:
+    pass
+import numpy as np, pyarrow as pa
+from deltalake import write_deltalake
+n = 2_000_000
+rng = np.random.default_rng(1)
+t = pa.table({"user": rng.integers(1, 1 << 62, n), "n": rng.integers(1, 5, n),
+              "s": rng.integers(0, 1 << 40, n)})
+write_deltalake(PATH, t.slice(0, 0))
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) << 10
+before = rss()
+write_deltalake(PATH, t, mode="append")
+print(rss() - before)
+"""
+
+
+def test_the_engines_delta_appends_give_their_memory_back(tmp_path):
+    """deltalake's own jemalloc, as the engine's process sets it up
+    (``allocator.DELTALAKE_MALLOC_CONF``), gives an append's pages back: it keeps well under
+    half of what it keeps with jemalloc's defaults (a user's ``_RJEM_MALLOC_CONF``, here empty,
+    stands)."""
+    def kept(name, **env):
+        code = _DELTA_WRITE_RETAINS.replace("PATH", repr(str(tmp_path / name)))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300, env={"SPARK_STRETCH_PROCESS": "host",
+                                                "PATH": "/usr/bin:/bin", **env})
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout.split()[-1])
+
+    default = kept("default", _RJEM_MALLOC_CONF="")
+    tuned = kept("tuned")
+    assert default > 16 << 20, default  # (what the setting is for)
+    assert tuned < default / 2, (tuned, default)
