@@ -1,13 +1,17 @@
 """``python -m spark_stretch warm`` (spark_stretch/api/warm.py): the engine's kernels compiled
 and cached by small queries before a real query needs them."""
 
+import json
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import spark_stretch.engine as engine
 from spark_stretch.api.warm import warm
+from spark_stretch.engine.aot import build
 
 
 def _signatures(cache, name: str) -> int:
@@ -33,6 +37,9 @@ def test_warm_compiles_the_kernels_once_each_into_numbas_cache(spark, tmp_path, 
     # compiled once (one signature: the queries' batches all reach them with the same types)
     cache = tmp_path / "numba"
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    # (numba in the engines, as on a fresh machine; they keep the signatures they compile)
+    monkeypatch.setenv("SPARK_STRETCH_AOT", "0")
+    monkeypatch.setenv("SPARK_STRETCH_AOT_DIR", str(tmp_path / "aot"))
     assert warm(spark, tmp_path) > 0
     for name in ("kernels._agg_kernel_py", "kernels._fire_bucket_py",
                  "sessions._session_kernel_py", "strings.intern_run", "buckets.insert_rows"):
@@ -42,6 +49,15 @@ def test_warm_compiles_the_kernels_once_each_into_numbas_cache(spark, tmp_path, 
     twice = {f.name: n for f in cache.rglob("*.nbi") if (n := _versions(f)) != 1}
     assert not twice, twice
     assert not list(tmp_path.glob("stretch-warm-*")), "the warm-up left its folder"
+    # the kernels the queries ran, built ahead of time from what the engines kept (as
+    # `python -m spark_stretch warm` does after warm())
+    monkeypatch.delenv("SPARK_STRETCH_AOT")
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    manifest = json.loads(build(Path(engine.__file__).parent).with_suffix(".json").read_text())
+    built = {e["kernel"].rsplit(".", 2)[-2] + "." + e["kernel"].rsplit(".", 1)[-1]
+             for e in manifest["entries"]}
+    assert {"kernels._agg_kernel_py", "sessions._session_kernel_py", "strings.intern_run",
+            "buckets.insert_rows"} <= built, built
 
 
 def test_the_command_names_its_one_argument():
