@@ -46,7 +46,6 @@ _lock = threading.RLock()
 _kernels: list = []  # every Kernel made (library mode)
 _numba = False  # numba imported and the kernels switched to its dispatchers
 _library: Optional[native.Library] = native.load(_PKG)
-_dispatchers: list = []  # (name, dispatcher) of numba mode, for record_signatures
 
 
 def library() -> Optional[native.Library]:
@@ -88,7 +87,7 @@ class Kernel:
         return _named, (self.py_func.__module__, self.name)
 
 
-_made: dict = {}  # name -> what njit made of it (a Kernel, or numba's dispatcher)
+_made: dict = {}  # name -> what njit first made of it (a Kernel, or numba's dispatcher)
 
 
 def _named(module: str, name: str):
@@ -112,8 +111,7 @@ def _numba_njit(f, opts: dict):
     import numba
 
     d = numba.njit(**opts)(f)
-    _dispatchers.append((_name(f), d))
-    _made.setdefault(_name(f), d)
+    _made.setdefault(_name(f), d)  # (one a name: an operator's clones are not kept alive)
     return d
 
 
@@ -132,14 +130,13 @@ def require_numba() -> None:
         cache_runtime(_PKG)
         for k in _kernels:
             k.dispatcher = _numba_njit(k.py_func, k.opts)
-        swap = {id(k): k.dispatcher for k in _kernels}
         for mod in list(sys.modules.values()):
             d = getattr(mod, "__dict__", None)
             if not isinstance(d, dict):
                 continue
             for name, v in list(d.items()):
                 if isinstance(v, Kernel):
-                    d[name] = swap[id(v)]
+                    d[name] = v.dispatcher
         _numba = True
 
 
@@ -167,10 +164,11 @@ def record_signatures(pkg: Path = _PKG) -> int:
     cache keeps none)."""
     seen = {}
     with _lock:
-        for name, d in _dispatchers:
-            sigs = [str(s) for s in d.signatures]
+        for name, made in _made.items():
+            d = made.dispatcher if isinstance(made, Kernel) else made
+            sigs = {str(s) for s in d.signatures} if d is not None else ()
             if sigs:
-                seen.setdefault(name, set()).update(sigs)
+                seen[name] = sigs
     path = native.cache_dir(pkg) / _SEEN
     try:
         kept = json.loads(path.read_text())

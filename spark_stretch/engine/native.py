@@ -239,12 +239,7 @@ class Library:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = ctypes.c_int32
             self.entries.setdefault(e["kernel"], []).append(
-                Entry(e["kernel"], fn, _types(e["args"]), e["ret"]))
-
-
-def _types(args):
-    return [tuple(_types(a[1]) if i == 1 and a[0] == "tuple" else x for i, x in enumerate(a))
-            for a in args]
+                Entry(e["kernel"], fn, e["args"], e["ret"]))
 
 
 def load(pkg: Path) -> Optional[Library]:
