@@ -24,9 +24,10 @@ from .test_grouped import (SESSION_OUT, SESSION_STATE, GroupStateTimeout, equal,
 from .test_grouped import run_native as run_native_grouped
 
 # Events per file: low -> high -> low (Q5's shape), a file a trigger. The trigger interval is
-# what a batch may take: 50,000 events take the engine a few times 20 ms on one instance and
-# more than half of it on two, 500 a small fraction.
-LOW, HIGH, TRIGGER = 500, 50_000, "20 milliseconds"
+# what a batch may take: 100,000 events take the engine 28-39 ms on one instance (50,000 took
+# 16-20 ms with the kernels built ahead of time: too near the 90% a scale-out needs), 500 a
+# small fraction.
+LOW, HIGH, TRIGGER = 500, 100_000, "20 milliseconds"
 BEFORE, DURING, AFTER = 3, 4, 4
 
 
@@ -118,8 +119,10 @@ def test_stepped_rate_scales_out_and_back_in_and_equals_native(spark, tmp_path):
     # each switch shows in the row of the batch after it, with its duration
     switched = [(r["batch"], r["switched"]) for r in rows if r["switched"]]
     assert switched[0] == (up, "scale_out") and switched[-1] == (down, "scale_in"), switched
-    high = [r for r in rows if first + 1 <= r["batch"] <= last]
-    assert all(r["utilization_max"] > 0.9 for r in high if r["parallelism"] == 1), high
+    # the high step saturates one instance: its first batch runs on one (the engine aggregates
+    # a batch's rows in its own step) and, at one, its instance is busy past the 90% mark
+    at_one = [r for r in rows if first <= r["batch"] <= last and r["parallelism"] == 1]
+    assert at_one and all(r["utilization_max"] > 0.9 for r in at_one), seen
     assert all(r["input_rows"] == n for r, n in zip(rows, sizes))
     frame = q.metrics_frame()
     assert list(frame["batch"]) == list(range(len(sizes)))
