@@ -3,17 +3,20 @@ executors run spark-stretch from a packed virtualenv shipped with the job (``spa
 not from the driver's environment.
 
 1. builds this checkout's wheel and installs it, with its dependencies and ``venv-pack``, into a
-   fresh virtualenv, then packs it (``venv-pack``: the executors' machines need the same Python
-   at the same path, which every host of this machine has);
+   fresh virtualenv, runs ``python -m spark_stretch warm`` there (the engine's kernels compiled
+   and, with a C compiler, built into a library, inside the environment), then packs it
+   (``venv-pack``: the executors' machines need the same Python at the same path, which every
+   host of this machine has; the library is used where their CPU is the same as here);
 2. starts a standalone cluster with workers on 127.0.0.2 and 127.0.0.3, each with a home
    directory of its own (:class:`spark_stretch.testing.cluster.StandaloneCluster`);
 3. runs a word count with ``stretchAggregate`` into Delta with ``PYSPARK_PYTHON=
    ./environment/bin/python`` and ``spark.archives=env.tar.gz#environment``: Spark unpacks the
    archive in each executor's directory, PySpark's workers and the stretch engine of each host
    run its Python;
-4. reads the table back with Spark and checks it equals native Spark's.
+4. reads the table back with Spark and checks it equals native Spark's, and says what ran each
+   host engine's kernels (``"library"``: the packed library, numba not imported).
 
-Run it (about 5-8 minutes; the virtualenv is about 700 MB, pyspark being most of it)::
+Run it (about 5-10 minutes; the virtualenv is about 700 MB, pyspark being most of it)::
 
     python examples/cluster_packed_venv.py [--work DIR]
 """
@@ -42,6 +45,12 @@ def pack(work: Path) -> Path:
     subprocess.run([base, "-m", "venv", str(env)], check=True)
     subprocess.run([str(env / "bin" / "pip"), "install", "-q", *map(str, wheels.glob("*.whl")),
                     "venv-pack"], check=True)
+    # the kernels compiled and built into the environment, so every application's executors
+    # start from them (an unpacked archive is a new directory each time: nothing else persists)
+    # (cwd: not this checkout, whose spark_stretch folder `python -m` would import first)
+    subprocess.run([str(env / "bin" / "python"), "-m", "spark_stretch", "warm"], check=True,
+                   cwd=str(work), env={**os.environ, "PYSPARK_PYTHON": str(env / "bin" / "python"),
+                        "SPARK_LOCAL_IP": os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")})
     subprocess.run([str(env / "bin" / "venv-pack"), "-q", "-p", str(env), "-o", str(archive)],
                    check=True)
     return archive
@@ -79,12 +88,15 @@ def main() -> int:
                  .option("checkpointLocation", str(work / "ckpt")).trigger(availableNow=True)
                  .start(str(work / "out")))
             q.awaitTermination()
-            hosts = sorted(h["host"] for h in q.metrics()["engine"]["hosts"])
+            engines = q.metrics()["engine"]["hosts"]
+            hosts = sorted(h["host"] for h in engines)
+            kernels = {h["host"]: h["kernels"] for h in engines}
             got = sorted_rows(spark.read.format("delta").load(str(work / "out")))
             want = sorted_rows(run_native(spark, counts, work / "native"))
         finally:
             spark.stop()
-    print(f"engines on {hosts}; {len(got)} rows, equal to native Spark's: {got == want}")
+    print(f"engines on {hosts}; {len(got)} rows, equal to native Spark's: {got == want}; "
+          f"kernels run by {kernels}")
     return 0 if got == want and len(hosts) == 2 else 1
 
 

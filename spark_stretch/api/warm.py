@@ -6,8 +6,9 @@ fresh install therefore compiles them in the first batch of the first query of e
 seconds of that batch, once per machine. :func:`warm` runs a few small queries through
 ``stretch(df)`` on a local Spark session (windowed count, sum and max by a bigint key; a count
 by a string key in update mode; a session window; a distinct count; a restart from a
-checkpoint), so that the kernels those paths use are compiled and cached before a real query
-runs. ``make setup`` runs it; run it on each executor host of a cluster after installing (for
+checkpoint) and one through ``stretchAggregate`` (a count by every word of an array column), so
+that the kernels those paths use are compiled and cached before a real query runs. ``make
+setup`` runs it; run it on each executor host of a cluster after installing (for
 example in the image's build), as the same user and Python as the executors.
 
 Run it::
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 __all__ = ["warm"]
@@ -47,13 +48,15 @@ def _write(src: Path, part: int) -> None:
     pq.write_table(pa.table({
         "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
         "user": pa.array(rng.integers(0, 500, _ROWS), pa.int64()),
-        "word": pa.array([f"w{i}" for i in rng.integers(0, 300, _ROWS)]),
+        # (more distinct words than a string table's first size: its growth is compiled too)
+        "word": pa.array([f"w{i}" for i in rng.integers(0, 4000, _ROWS)]),
         "x": pa.array(rng.integers(-100, 100, _ROWS), pa.int64()),
     }), src / f"part-{part:03d}.parquet")
 
 
 def _queries(df):
-    """The query kinds whose kernels are compiled: (name, aggregated DataFrame, output mode)."""
+    """The query kinds whose kernels are compiled: (name, aggregated DataFrame or a
+    ``stretchAggregate``, output mode)."""
     return [
         ("window count, sum, max by a bigint key",
          df.groupBy(F.window("ts", "10 seconds"), "user")
@@ -64,6 +67,10 @@ def _queries(df):
          "append"),
         ("distinct count", df.groupBy(F.window("ts", "10 seconds"))
          .agg(F.approx_count_distinct("user").alias("d")), "append"),
+        ("count by every word of an array column (stretchAggregate)",
+         df.withColumn("words", F.array("word", F.concat(F.lit("u"), F.col("user").cast("string"))))
+         .stretchAggregate(keys="words", window="10 seconds", parallelism=2, max_parallelism=2),
+         "append"),
     ]
 
 
@@ -100,7 +107,23 @@ def warm(spark: SparkSession, work: str | Path | None = None) -> float:
             if i == 0:  # (the first again, on a new file: restored from its checkpoint)
                 _write(src, 2)
                 _run(spark, name, agg, mode, Path(d), i)
+    _hash_keys()
     return time.perf_counter() - t0
+
+
+def _hash_keys() -> None:
+    """The kernels an engine on several hosts runs besides these queries' (Spark's xxhash64 of
+    each key, for its key group: ``host/share.py``, ``host/grouped_state.py``), run here, in
+    this process, and kept with the engines' signatures for the kernels' library: the queries
+    above run on one host, where no key is hashed."""
+    from ..engine import hashing, jit
+
+    words, longs = pa.array(["a", "bb"]), pa.array([1, 2], pa.int64())
+    hashing.xxhash64(words)
+    hashing.xxhash64(pa.array(["a", "bb"], pa.large_string()))
+    hashing.xxhash64(longs)
+    hashing.spark_xxhash64([words, longs, pa.array([1, 2], pa.int32())])
+    jit.record_signatures()
 
 
 def _run(spark: SparkSession, name: str, agg, mode: str, work: Path, i: int) -> None:
@@ -109,7 +132,9 @@ def _run(spark: SparkSession, name: str, agg, mode: str, work: Path, i: int) -> 
     rows."""
     from .native_spelling import stretch
 
-    w = (stretch(agg, parallelism=2, max_parallelism=2).writeStream.outputMode(mode)
+    if isinstance(agg, DataFrame):  # (a native aggregation: else stretchAggregate's already)
+        agg = stretch(agg, parallelism=2, max_parallelism=2)
+    w = (agg.writeStream.outputMode(mode)
          .option("checkpointLocation", str(work / f"checkpoint-{i}"))
          .trigger(availableNow=True))
     view, out = f"stretch_warm_{i}", work / f"out-{i}"

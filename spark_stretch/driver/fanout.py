@@ -286,7 +286,8 @@ class FanOut:
             if k in merged:
                 merged[k] = sum(int(f.get(k, 0)) for f in got)
         merged["hosts"] = [
-            {"host": e.host, "pid": e.pid, "parallelism": f.get("parallelism"),
+            {"host": e.host, "pid": e.pid, "kernels": f.get("kernels"),
+             "parallelism": f.get("parallelism"),
              "key_groups": None if share is None else share.host_map.count(
                  self._queries[msg.query].slots[i]),
              "input_rows": f.get("input_rows"), "live_windows": f.get("live_windows"),

@@ -9,7 +9,9 @@ batches' jobs: tests assert no Exchange), ``reconfigurations`` (each with its ``
 per ingest path) and, when they happened, ``files_off``, ``direct_writes``,
 ``direct_write_off``, ``flushes``, ``engine_restarts``, ``realigned``, ``instance_retries``
 (the drop-in's shares of a step run again after their instance died); ``engine`` is the host
-engine's own figures, merged in by the query.
+engine's own figures, merged in by the query (with ``kernels``: ``"library"`` when its kernels
+run from the library built ahead of time, ``"numba"`` when numba compiles them; on several
+hosts each host's in ``engine["hosts"]``).
 
 Examples
 --------

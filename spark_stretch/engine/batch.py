@@ -30,23 +30,26 @@ from .errors import EngineError
 from .order import lexsort
 
 
-@njit(nogil=True, cache=True)
 def take_list(offsets, values, idx):
     """Gather rows ``idx`` of an Arrow-like list column (offsets, values) into a new one."""
-    n = idx.shape[0]
-    noff = np.empty(n + 1, np.int64)
-    noff[0] = 0
-    for i in range(n):
-        r = idx[i]
-        noff[i + 1] = noff[i] + offsets[r + 1] - offsets[r]
-    nval = np.empty(noff[n], values.dtype)
-    for i in range(n):
+    lens = offsets[idx + 1] - offsets[idx]
+    noff = np.zeros(idx.shape[0] + 1, np.int64)
+    np.cumsum(lens, out=noff[1:])
+    nval = np.empty(noff[-1], values.dtype)
+    _take_list_into(offsets, values, idx, noff, nval)
+    return noff, nval
+
+
+@njit(nogil=True, cache=True)
+def _take_list_into(offsets, values, idx, noff, nval):
+    """Copy rows ``idx`` of (offsets, values) into ``nval`` at ``noff`` (the kernel fills arrays
+    the caller made: the kernels' library built ahead of time returns no new array)."""
+    for i in range(idx.shape[0]):
         r = idx[i]
         a = offsets[r]
         d = noff[i]
         for p in range(offsets[r + 1] - a):
             nval[d + p] = values[a + p]
-    return noff, nval
 
 
 class ListColumn:

@@ -42,11 +42,12 @@ def _less(keys, a, b):
 
 
 @njit(nogil=True, cache=True)
-def _fix_ties(perm, c0, c1, rest):
-    """Sort each run of ``perm`` with equal ``(c0, c1)`` by ``rest`` then index; returns the long
-    runs (start, end) left to the caller."""
+def _fix_ties(perm, c0, c1, rest, long_runs):
+    """Sort each run of ``perm`` with equal ``(c0, c1)`` by ``rest`` then index; returns how many
+    long runs it left to the caller, one ``(start, end)`` row each of ``long_runs`` (made by the
+    caller: the kernels' library built ahead of time returns no new array)."""
     n = perm.shape[0]
-    long_runs = []
+    m = 0
     i = 0
     while i < n:
         a = perm[i]
@@ -54,7 +55,9 @@ def _fix_ties(perm, c0, c1, rest):
         while j < n and c0[perm[j]] == c0[a] and c1[perm[j]] == c1[a]:
             j += 1
         if j - i > _SHORT:
-            long_runs.append((i, j))
+            long_runs[m, 0] = i
+            long_runs[m, 1] = j
+            m += 1
         elif j - i > 1:
             for u in range(i + 1, j):  # insertion sort: runs are short
                 x = perm[u]
@@ -64,7 +67,7 @@ def _fix_ties(perm, c0, c1, rest):
                     v -= 1
                 perm[v + 1] = x
         i = j
-    return long_runs
+    return m
 
 
 def _varying(cols):
@@ -85,7 +88,9 @@ def lexsort(cols):
     perm = np.argsort(c1)  # ties are put right below
     perm = perm[np.argsort(c0[perm], kind="stable")]
     rest = np.stack(varying[2:]) if len(varying) > 2 else np.empty((0, n), np.int64)
-    for i, j in _fix_ties(perm, c0, c1, rest):
+    runs = np.empty((n // (_SHORT + 1) + 1, 2), np.int64)
+    m = _fix_ties(perm, c0, c1, rest, runs)
+    for i, j in runs[:m].tolist():
         run = np.sort(perm[i:j])  # row index order, then stable by the other columns
         perm[i:j] = run[np.lexsort([c[run] for c in varying[:1:-1]])] if len(varying) > 2 else run
     return perm

@@ -71,14 +71,20 @@ def intern_run(offsets, data, j, n, ids, slots, hashes, offs, store, count):
     return j, count
 
 
-@njit(nogil=True, cache=True)
 def rehash(hashes, count, size):
     """A new ``slots`` table of ``size`` (a power of two) holding ids ``0 .. count-1``."""
     slots = np.full(size, -1, np.int64)
-    mask = np.uint64(size - 1)
+    _rehash_into(hashes, count, slots)
+    return slots
+
+
+@njit(nogil=True, cache=True)
+def _rehash_into(hashes, count, slots):
+    """Put ids ``0 .. count-1`` into the empty table ``slots`` (made by the caller: the kernels'
+    library built ahead of time returns no new array)."""
+    mask = np.uint64(slots.shape[0] - 1)
     for sid in range(count):
         i = hashes[sid] & mask
         while slots[i] >= 0:
             i = (i + np.uint64(1)) & mask
         slots[i] = sid
-    return slots

@@ -177,7 +177,7 @@ class HostDaemon:
                           "writer_pids": sorted(self.receiver.writer_pids),
                           "bytes_in": dict(self.receiver.bytes_in),
                           "refused": self.receiver.refused,
-                          "engine_pid": os.getpid()})
+                          "engine_pid": os.getpid(), "kernels": _kernels()})
 
     def _close(self, msg: M.Close) -> M.Closed:
         self._opening.pop(msg.query, None)
@@ -225,6 +225,15 @@ class HostDaemon:
             rt.keep_checkpoint_lock = orphaned
             rt.close()
         _record_signatures()
+
+
+def _kernels() -> Optional[str]:
+    """What runs the engine's kernels in this process: ``"library"`` (built ahead of time,
+    numba not imported), ``"numba"``, or None (no kernel loaded: the drop-in's queries)."""
+    jit = sys.modules.get("spark_stretch.engine.jit")
+    if jit is None:
+        return None
+    return "numba" if jit.numba_loaded() else "library"
 
 
 def _record_signatures() -> None:

@@ -57,7 +57,14 @@ def test_warm_compiles_the_kernels_once_each_into_numbas_cache(spark, tmp_path, 
     built = {e["kernel"].rsplit(".", 2)[-2] + "." + e["kernel"].rsplit(".", 1)[-1]
              for e in manifest["entries"]}
     assert {"kernels._agg_kernel_py", "sessions._session_kernel_py", "strings.intern_run",
-            "buckets.insert_rows"} <= built, built
+            "buckets.insert_rows", "strings._rehash_into", "batch._take_list_into",
+            "order._fix_ties"} <= built, built
+    # every kernel they ran is in it but two that only other kernels call (numba compiles them
+    # into their callers; they return constants, which the library's entries do not): an
+    # engine on the library runs these queries without numba
+    skipped = {k.split(" ")[0].rsplit(".", 2)[-2] + "." + k.split(" ")[0].rsplit(".", 1)[-1]
+               for k in manifest["skipped"]}
+    assert skipped <= {"kernels._out_builtin", "kernels._slide_builtin"}, manifest["skipped"]
 
 
 def test_the_command_names_its_one_argument():

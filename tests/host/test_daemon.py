@@ -3,8 +3,10 @@ line the executors' launcher (the shim's StretchHosts) reports with the host's n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +161,34 @@ def test_an_engine_under_a_long_temporary_directory_gets_a_socket_that_fits(spar
     while os.path.exists(path) and time.time() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(path)
+
+
+def _maps_llvm(pid: int) -> bool:
+    """Whether process ``pid`` has LLVM (llvmlite's library, which numba compiles with) mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libllvmlite" in f.read()
+
+
+def test_the_engine_says_what_runs_its_kernels(spark, tmp_path):
+    """``q.metrics()["engine"]["kernels"]`` says whether the engine's process runs the kernels'
+    library built ahead of time or numba: as the engine process's own memory map shows (numba's
+    LLVM is mapped where numba compiles, not where the library runs). Where a library for this
+    machine and these sources exists (``make setup`` builds it), a word count over an array
+    column (as the README's examples count words) runs on it."""
+    from spark_stretch.engine import native
+    from spark_stretch.testing import tweet_source, write_tweets
+
+    src = write_tweets(tmp_path / "src", 6000, files=3, rate=20.0, seed=3)
+    agg = tweet_source(spark, src).stretchAggregate(keys="words", window="60 seconds")
+    q = (agg.writeStream.format("delta").option("checkpointLocation", str(tmp_path / "c"))
+         .start(str(tmp_path / "o")))
+    try:
+        q.processAllAvailable()
+        engine = q.metrics()["engine"]
+        assert engine["kernels"] in ("library", "numba")
+        assert _maps_llvm(engine["engine_pid"]) == (engine["kernels"] == "numba"), engine
+    finally:
+        q.stop()
+    pkg = Path(spark_stretch.__file__).parent / "engine"
+    if native.library_path(pkg).exists() and os.environ.get("SPARK_STRETCH_AOT") != "0":
+        assert engine["kernels"] == "library"
