@@ -22,6 +22,11 @@ def _signatures(cache, name: str) -> int:
     return _versions(index[0])
 
 
+def _module_function(kernel: str) -> str:
+    """``module.function`` of a kernel's full name (``spark_stretch.engine.module.function``)."""
+    return ".".join(kernel.rsplit(".", 2)[-2:])
+
+
 def _versions(index) -> int:
     """The compiled versions a numba cache index file lists: a pickled version, then
     (stamp, overloads)."""
@@ -54,16 +59,14 @@ def test_warm_compiles_the_kernels_once_each_into_numbas_cache(spark, tmp_path, 
     monkeypatch.delenv("SPARK_STRETCH_AOT")
     monkeypatch.delenv("NUMBA_CACHE_DIR")
     manifest = json.loads(build(Path(engine.__file__).parent).with_suffix(".json").read_text())
-    built = {e["kernel"].rsplit(".", 2)[-2] + "." + e["kernel"].rsplit(".", 1)[-1]
-             for e in manifest["entries"]}
+    built = {_module_function(e["kernel"]) for e in manifest["entries"]}
     assert {"kernels._agg_kernel_py", "sessions._session_kernel_py", "strings.intern_run",
             "buckets.insert_rows", "strings._rehash_into", "batch._take_list_into",
             "order._fix_ties"} <= built, built
     # every kernel they ran is in it but two that only other kernels call (numba compiles them
     # into their callers; they return constants, which the library's entries do not): an
     # engine on the library runs these queries without numba
-    skipped = {k.split(" ")[0].rsplit(".", 2)[-2] + "." + k.split(" ")[0].rsplit(".", 1)[-1]
-               for k in manifest["skipped"]}
+    skipped = {_module_function(k.split(" ")[0].rstrip(":")) for k in manifest["skipped"]}
     assert skipped <= {"kernels._out_builtin", "kernels._slide_builtin"}, manifest["skipped"]
 
 
